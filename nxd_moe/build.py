@@ -1,0 +1,64 @@
+"""Build an MoE layer from a model config (``configs/*.yaml``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+from nxd_moe.config import MoEModelConfig, RouterSpec, check_int, load_model_config, to_torch_dtype
+from nxd_moe.experts.backends import ExpertsBackend
+from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+from nxd_moe.experts.shared import SharedExperts
+from nxd_moe.moe import MoE
+from nxd_moe.routing import GroupLimitedRouter, RouterBase, RouterSinkhorn, RouterTopK
+
+
+def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: int, device=None) -> RouterBase:
+    common = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, dtype=spec.dtype, device=device)
+    if spec.type == "group_limited":
+        return GroupLimitedRouter(n_group=spec.n_group, topk_group=spec.topk_group, normalize=spec.normalize,
+                                  routed_scaling_factor=spec.routed_scaling_factor, **common)
+    if spec.type == "sinkhorn":
+        return RouterSinkhorn(act_fn=spec.act_fn, **common)
+    return RouterTopK(act_fn=spec.act_fn, apply_act_fn_over_topk=spec.apply_act_fn_over_topk, bias=spec.bias,
+                      **common)
+
+
+def build_moe(
+    config: MoEModelConfig | str | os.PathLike | Mapping[str, Any],
+    *,
+    scale: int = 1,
+    dtype: torch.dtype | str = torch.float32,
+    device=None,
+    seed: int | None = None,
+    backend: str | ExpertsBackend = "torch",
+    validate_inputs: bool = False,
+    **overrides,
+) -> MoE:
+    """An ``MoE`` for ``config`` (a built-in name, a YAML path, a mapping or a :class:`MoEModelConfig`) with
+    random weights.
+
+    ``scale`` divides H and I (keeping E, k and the routing structure) so a real architecture fits a laptop.
+    ``overrides`` replace :class:`~nxd_moe.config.RoutedExpertsMLPOpsConfig` keys (e.g. ``capacity_factor``)
+    or, prefixed ``block_``, :class:`~nxd_moe.config.BlockwiseMatmulConfig` keys (``block_size=`` is accepted
+    as is). Returns the module in eval mode.
+    """
+    model = load_model_config(config).scaled(check_int("scale", scale, minimum=1))
+    dtype = to_torch_dtype(dtype)
+    blockwise_keys = {k: overrides.pop(k) for k in list(overrides) if k == "block_size"}
+    blockwise_keys.update({k[len("block_"):]: overrides.pop(k) for k in list(overrides) if k.startswith("block_")})
+    experts_config = model.routed_experts_config(**overrides)
+    if seed is not None:
+        torch.manual_seed(seed)
+    router = build_router(model.router, model.num_experts, model.top_k, model.hidden_size, device)
+    expert_mlps = ExpertMLPsV2(experts_config, model.blockwise_config(**blockwise_keys), dtype=dtype, device=device,
+                               backend=backend, validate_inputs=validate_inputs)
+    shared = None
+    if model.shared_experts is not None:
+        spec = model.shared_experts
+        shared = SharedExperts(model.hidden_size, model.shared_intermediate_size, spec.num_shared_experts,
+                               experts_config.hidden_act, dtype=dtype, device=device,
+                               fused_gate_up_projection=spec.fused_gate_up_projection, shared_expert_gate=spec.gate)
+    return MoE(router, expert_mlps, shared, validate_inputs=validate_inputs).eval()

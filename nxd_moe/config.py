@@ -1,0 +1,541 @@
+"""Configuration objects and their validation.
+
+Everything a user can get wrong about a configuration is rejected here, at construction, with an
+error that names the argument and the allowed range. The forward passes then only check what depends
+on the inputs (shapes and dtypes).
+
+- :class:`RoutedExpertsMLPOpsConfig` -- what the routed experts compute (NxD's class of that name).
+- :class:`BlockwiseMatmulConfig` -- how the dropless blockwise prefill is laid out (NxD's 15 fields).
+- :class:`RouterConfig` -- router activation and dtype (NxD's class of that name).
+- :class:`MoEModelConfig` -- one real architecture (the YAML files in ``configs/``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from nxd_moe.activations import ACT2FN
+
+DEFAULT_BLOCK_SIZE = 512
+DEFAULT_SELECTIVE_LOADING_THRESHOLD = 1.0
+DEFAULT_PADDING_VALUE = -1
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "double": torch.float64,
+}
+
+
+def to_torch_dtype(value: torch.dtype | str, name: str = "dtype") -> torch.dtype:
+    """Accept a floating ``torch.dtype`` or one of its usual spellings (``"bf16"``, ``"float32"``...)."""
+    if isinstance(value, torch.dtype):
+        if not value.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point dtype, got {value}")
+        return value
+    if isinstance(value, str):
+        key = value.lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise TypeError(f"{name} must be a floating torch.dtype or one of {sorted(_DTYPES)}, got {value!r}")
+
+
+def default_logical_nc_config() -> int:
+    """NxD's default LNC: ``NEURON_LOGICAL_NC_CONFIG`` if set, else 1 (this is never a Trn2 host)."""
+    value = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1")
+    if value not in ("1", "2"):
+        raise ValueError(f"NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got {value!r}")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# small validators: every message names the argument and what is allowed
+
+
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "-inf" if minimum is None else minimum
+        high = "inf" if maximum is None else maximum
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_float(name: str, value: Any, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_limits(owner: str, lower_name: str, lower: Any, upper_name: str, upper: Any) -> None:
+    for name, value in ((lower_name, lower), (upper_name, upper)):
+        if value is not None:
+            check_float(f"{owner}.{name}", value)
+    if lower is not None and upper is not None and lower > upper:
+        raise ValueError(f"{owner}.{lower_name} ({lower}) must be <= {owner}.{upper_name} ({upper})")
+
+
+def _from_kwargs(cls, kwargs: Mapping[str, Any]):
+    known = {f.name for f in fields(cls) if f.init}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"{cls.__name__}.from_kwargs got unknown key(s) {unknown}; allowed keys: {sorted(known)}")
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class GLUType(str, enum.Enum):
+    """``glu``: ``act(s*gate) * (up + b)``; ``swiglu``: ``gate * act(s*gate) * (up + b)``."""
+
+    GLU = "glu"
+    SWIGLU = "swiglu"
+
+
+class BlockShardStrategy(str, enum.Enum):
+    """How LNC2 splits the blocks between its two cores: halves (HI_LO) or alternating (PING_PONG)."""
+
+    HI_LO = "HI_LO"
+    PING_PONG = "PING_PONG"
+
+
+class SkipMode(NamedTuple):
+    """Which DMA transfers a blockwise kernel may skip: padding token rows, repeated expert weights."""
+
+    skip_token: bool
+    skip_weight: bool
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Router activation (``softmax`` | ``sigmoid``) and the dtype routing math runs in."""
+
+    act_fn: str = "softmax"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        if self.act_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"RouterConfig.act_fn must be 'softmax' or 'sigmoid', got {self.act_fn!r}")
+        object.__setattr__(self, "dtype", to_torch_dtype(self.dtype, "RouterConfig.dtype"))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "RouterConfig":
+        """Read NxDI's flat keys ``router_act_fn`` and ``router_dtype``."""
+        unknown = sorted(set(kwargs) - {"router_act_fn", "router_dtype"})
+        if unknown:
+            raise TypeError(f"RouterConfig.from_kwargs got unknown key(s) {unknown}; allowed: router_act_fn, router_dtype")
+        return cls(act_fn=kwargs.get("router_act_fn", "softmax"), dtype=kwargs.get("router_dtype", torch.float32))
+
+
+@dataclass(frozen=True)
+class BlockwiseMatmulConfig:
+    """Layout of the dropless blockwise matmul (NxD's ``BlockwiseMatmulConfig``, same 15 fields and defaults).
+
+    Who reads what: ``block_size``, ``optimized_block_to_token_mapping`` and ``pad_num_blocks_to_even``
+    shape the token->block mapping every backend uses; the skip flags, dynamic-while flags,
+    ``logical_nc_config``, ``block_sharding_strategy``, ``use_block_parallel``, ``num_static_blocks`` and
+    ``always_augment_inputs_for_blockwise_matmul`` choose the kernel variant of the ``nki_sim`` backend;
+    ``use_torch_block_wise`` forces the torch blockwise path whatever the backend;
+    ``parallelize_token_to_block_mapping`` splits the mapping over tensor-parallel ranks;
+    ``blockwise_nki_autograd_cls`` names NxD's NKI autograd function and is kept only so NxD configs load.
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    use_block_parallel: bool = False
+    block_sharding_strategy: BlockShardStrategy = BlockShardStrategy.HI_LO
+    skip_dma_token: bool = False
+    skip_dma_weight: bool = False
+    logical_nc_config: int = field(default_factory=default_logical_nc_config)
+    blockwise_nki_autograd_cls: Any = None
+    use_torch_block_wise: bool = False
+    parallelize_token_to_block_mapping: bool = True
+    optimized_block_to_token_mapping: bool = True
+    always_augment_inputs_for_blockwise_matmul: bool = False
+    use_shard_on_intermediate_dynamic_while: bool = False
+    use_shard_on_block_dynamic_while: bool = False
+    num_static_blocks: int | None = None
+    pad_num_blocks_to_even: bool = False
+
+    def __post_init__(self):
+        owner = "BlockwiseMatmulConfig"
+        check_int(f"{owner}.block_size", self.block_size, minimum=1)
+        for f in fields(self):
+            if f.type in ("bool", bool):
+                check_bool(f"{owner}.{f.name}", getattr(self, f.name))
+        strategy = self.block_sharding_strategy
+        try:
+            strategy = BlockShardStrategy(strategy.upper() if isinstance(strategy, str) else strategy)
+        except ValueError:
+            raise ValueError(
+                f"{owner}.block_sharding_strategy must be one of {[s.value for s in BlockShardStrategy]}, "
+                f"got {self.block_sharding_strategy!r}"
+            ) from None
+        object.__setattr__(self, "block_sharding_strategy", strategy)
+        check_int(f"{owner}.logical_nc_config", self.logical_nc_config, minimum=1, maximum=2)
+        if self.use_shard_on_intermediate_dynamic_while and self.use_shard_on_block_dynamic_while:
+            raise ValueError(
+                f"{owner}: use_shard_on_intermediate_dynamic_while and use_shard_on_block_dynamic_while "
+                "are mutually exclusive; set at most one"
+            )
+        if self.num_static_blocks is not None:
+            check_int(f"{owner}.num_static_blocks", self.num_static_blocks, minimum=0)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "BlockwiseMatmulConfig":
+        """Build from keyword arguments; unlike NxD, an unknown key is an error, not silently dropped."""
+        return _from_kwargs(cls, kwargs)
+
+    @classmethod
+    def default(cls) -> "BlockwiseMatmulConfig":
+        return cls()
+
+    @property
+    def skip_dma(self) -> SkipMode:
+        """Derived, never stored: NxD mutates a shared default instance to add this (a defect we avoid)."""
+        return SkipMode(self.skip_dma_token, self.skip_dma_weight)
+
+    @property
+    def use_dynamic_while(self) -> bool:
+        return self.use_shard_on_intermediate_dynamic_while or self.use_shard_on_block_dynamic_while
+
+
+InitMethod = Callable[[torch.Tensor], Any]
+
+
+@dataclass(frozen=True)
+class RoutedExpertsMLPOpsConfig:
+    """What each routed expert computes and how the top-k outputs are combined (NxD's class of that name).
+
+    The expert MLP is ``down(act_part(gate_up(x) + b_gu)) + b_d`` with, for ``glu_mlp=True``::
+
+        gate, up = clamp(gate), clamp(up)
+        glu:    act(s * gate) * (up + hidden_act_bias)
+        swiglu: gate * act(s * gate) * (up + hidden_act_bias)
+
+    where ``s = hidden_act_scaling_factor``. Unlike NxD, ``hidden_act_bias`` is applied at run time whether
+    or not ``bias=True``, clamps of ``0.0`` are honoured, and nothing mutates this object.
+
+    ``capacity_factor``: ``None`` is dropless. A value ``>= num_experts / top_k`` gives every expert room
+    for every token, so it is treated as dropless too (NxD's rule); otherwise each expert keeps at most
+    ``min(ceil(T * top_k * capacity_factor / E), T)`` tokens.
+
+    ``selective_loading_threshold`` is the deep dive's alpha: decode loads only the chosen experts while
+    ``T * top_k < alpha * E`` and switches to all-experts above it.
+    """
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    hidden_act: str
+    glu_mlp: bool
+    bias: bool = False
+    glu_type: GLUType = GLUType.GLU
+    hidden_act_scaling_factor: float = 1.0
+    hidden_act_bias: float = 0.0
+    hidden_size_actual: int | None = None
+    intermediate_size_actual: int | None = None
+    gate_clamp_upper_limit: float | None = None
+    gate_clamp_lower_limit: float | None = None
+    up_clamp_upper_limit: float | None = None
+    up_clamp_lower_limit: float | None = None
+    normalize_top_k_affinities: bool = False
+    early_expert_affinity_modulation: bool = False
+    input_layer_init_method: InitMethod | None = None
+    output_layer_init_method: InitMethod | None = None
+    capacity_factor: float | None = None
+    selective_loading_threshold: float = DEFAULT_SELECTIVE_LOADING_THRESHOLD
+
+    def __post_init__(self):
+        owner = "RoutedExpertsMLPOpsConfig"
+        check_int(f"{owner}.num_experts", self.num_experts, minimum=1)
+        check_int(f"{owner}.hidden_size", self.hidden_size, minimum=1)
+        check_int(f"{owner}.intermediate_size", self.intermediate_size, minimum=1)
+        check_int(f"{owner}.top_k", self.top_k, minimum=1, maximum=self.num_experts)
+        if self.hidden_act not in ACT2FN:
+            hint = (
+                " (for GPT-OSS-style SwiGLU use glu_type='swiglu', hidden_act='sigmoid', "
+                "hidden_act_scaling_factor=1.702)"
+                if self.hidden_act == "swiglu"
+                else ""
+            )
+            raise ValueError(f"{owner}.hidden_act must be one of {sorted(ACT2FN)}, got {self.hidden_act!r}{hint}")
+        check_bool(f"{owner}.glu_mlp", self.glu_mlp)
+        check_bool(f"{owner}.bias", self.bias)
+        glu_type = GLUType.GLU if self.glu_type is None else self.glu_type
+        try:
+            glu_type = GLUType(glu_type.lower() if isinstance(glu_type, str) else glu_type)
+        except ValueError:
+            raise ValueError(f"{owner}.glu_type must be 'glu' or 'swiglu', got {self.glu_type!r}") from None
+        object.__setattr__(self, "glu_type", glu_type)
+        if glu_type is GLUType.SWIGLU and not self.glu_mlp:
+            raise ValueError(f"{owner}.glu_type='swiglu' needs glu_mlp=True")
+        object.__setattr__(
+            self,
+            "hidden_act_scaling_factor",
+            check_float(f"{owner}.hidden_act_scaling_factor", self.hidden_act_scaling_factor),
+        )
+        object.__setattr__(self, "hidden_act_bias", check_float(f"{owner}.hidden_act_bias", self.hidden_act_bias))
+        if self.hidden_size_actual is not None:
+            check_int(f"{owner}.hidden_size_actual", self.hidden_size_actual, minimum=1, maximum=self.hidden_size)
+        if self.intermediate_size_actual is not None:
+            check_int(
+                f"{owner}.intermediate_size_actual",
+                self.intermediate_size_actual,
+                minimum=1,
+                maximum=self.intermediate_size,
+            )
+        _check_limits(owner, "gate_clamp_lower_limit", self.gate_clamp_lower_limit, "gate_clamp_upper_limit",
+                      self.gate_clamp_upper_limit)
+        _check_limits(owner, "up_clamp_lower_limit", self.up_clamp_lower_limit, "up_clamp_upper_limit",
+                      self.up_clamp_upper_limit)
+        if not self.glu_mlp and any(
+            v is not None
+            for v in (self.gate_clamp_upper_limit, self.gate_clamp_lower_limit,
+                      self.up_clamp_upper_limit, self.up_clamp_lower_limit)
+        ):
+            raise ValueError(f"{owner}: gate/up clamp limits need glu_mlp=True")
+        check_bool(f"{owner}.normalize_top_k_affinities", self.normalize_top_k_affinities)
+        check_bool(f"{owner}.early_expert_affinity_modulation", self.early_expert_affinity_modulation)
+        for name in ("input_layer_init_method", "output_layer_init_method"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{owner}.{name} must be callable or None, got {type(value).__name__}")
+        if self.capacity_factor is not None:
+            cf = check_float(f"{owner}.capacity_factor", self.capacity_factor, positive=True)
+            object.__setattr__(self, "capacity_factor", None if cf >= self.num_experts / self.top_k else cf)
+        object.__setattr__(
+            self,
+            "selective_loading_threshold",
+            check_float(f"{owner}.selective_loading_threshold", self.selective_loading_threshold, positive=True),
+        )
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def replace(self, **changes) -> "RoutedExpertsMLPOpsConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# model configurations (configs/*.yaml)
+
+ROUTER_TYPES = ("topk", "group_limited", "sinkhorn")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """Which router a model uses and its knobs (see :mod:`nxd_moe.routing`)."""
+
+    type: str = "topk"
+    act_fn: str = "softmax"
+    apply_act_fn_over_topk: bool = False
+    bias: bool = False
+    dtype: torch.dtype = torch.float32
+    n_group: int | None = None
+    topk_group: int | None = None
+    normalize: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.type not in ROUTER_TYPES:
+            raise ValueError(f"router.type must be one of {list(ROUTER_TYPES)}, got {self.type!r}")
+        if self.act_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"router.act_fn must be 'softmax' or 'sigmoid', got {self.act_fn!r}")
+        object.__setattr__(self, "dtype", to_torch_dtype(self.dtype, "router.dtype"))
+        if self.type == "group_limited" and (self.n_group is None or self.topk_group is None):
+            raise ValueError("router.type 'group_limited' needs router.n_group and router.topk_group")
+
+
+@dataclass(frozen=True)
+class SharedExpertsSpec:
+    """Shared experts: ``num_shared_experts`` dense GLU MLPs of width ``intermediate_size`` each."""
+
+    num_shared_experts: int = 1
+    intermediate_size: int | None = None
+    gate: bool = False
+    fused_gate_up_projection: bool = False
+
+    def __post_init__(self):
+        check_int("shared_experts.num_shared_experts", self.num_shared_experts, minimum=1)
+        if self.intermediate_size is not None:
+            check_int("shared_experts.intermediate_size", self.intermediate_size, minimum=1)
+
+
+_EXPERT_KEYS = {
+    f.name
+    for f in fields(RoutedExpertsMLPOpsConfig)
+    if f.name not in ("num_experts", "hidden_size", "intermediate_size", "top_k",
+                      "input_layer_init_method", "output_layer_init_method")
+}
+
+
+@dataclass(frozen=True)
+class MoEModelConfig:
+    """One MoE layer of a real architecture, as shipped in ``configs/<name>.yaml``.
+
+    ``experts`` holds the remaining :class:`RoutedExpertsMLPOpsConfig` keys (``hidden_act``, ``glu_mlp``,
+    ...); ``blockwise`` holds :class:`BlockwiseMatmulConfig` keys.
+    """
+
+    name: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    experts: Mapping[str, Any]
+    router: RouterSpec = RouterSpec()
+    shared_experts: SharedExpertsSpec | None = None
+    blockwise: Mapping[str, Any] = field(default_factory=dict)
+    hf_model_type: str | None = None
+    num_moe_layers: int | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        unknown = sorted(set(self.experts) - _EXPERT_KEYS)
+        if unknown:
+            raise ValueError(f"config {self.name!r}: unknown experts key(s) {unknown}; allowed: {sorted(_EXPERT_KEYS)}")
+        if not isinstance(self.router, RouterSpec):
+            object.__setattr__(self, "router", _build(RouterSpec, self.router, "router"))
+        if self.shared_experts is not None and not isinstance(self.shared_experts, SharedExpertsSpec):
+            object.__setattr__(self, "shared_experts", _build(SharedExpertsSpec, self.shared_experts, "shared_experts"))
+        # Build both once so a bad file fails on load, not at first use.
+        self.routed_experts_config()
+        self.blockwise_config()
+
+    def routed_experts_config(self, **overrides) -> RoutedExpertsMLPOpsConfig:
+        kwargs = dict(
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+        )
+        kwargs.update(self.experts)
+        kwargs.update(overrides)
+        return RoutedExpertsMLPOpsConfig(**kwargs)
+
+    def blockwise_config(self, **overrides) -> BlockwiseMatmulConfig:
+        return BlockwiseMatmulConfig.from_kwargs(**{**self.blockwise, **overrides})
+
+    @property
+    def shared_intermediate_size(self) -> int | None:
+        """Per shared expert width (defaults to the routed expert width)."""
+        if self.shared_experts is None:
+            return None
+        return self.shared_experts.intermediate_size or self.intermediate_size
+
+    def scaled(self, scale: int) -> "MoEModelConfig":
+        """The same routing structure (E, k, groups) with H and I divided by ``scale``.
+
+        Sizes are rounded up to a multiple of 8 so the grouped matmul alignment rules still hold.
+        """
+        check_int("scale", scale, minimum=1)
+        if scale == 1:
+            return self
+
+        def shrink(n: int | None) -> int | None:
+            return None if n is None else max(8, -(-n // (scale * 8)) * 8)
+
+        experts = dict(self.experts)
+        for key in ("hidden_size_actual", "intermediate_size_actual"):
+            experts.pop(key, None)
+        shared = self.shared_experts
+        if shared is not None and shared.intermediate_size is not None:
+            shared = dataclasses.replace(shared, intermediate_size=shrink(shared.intermediate_size))
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}/scale{scale}",
+            hidden_size=shrink(self.hidden_size),
+            intermediate_size=shrink(self.intermediate_size),
+            experts=experts,
+            shared_experts=shared,
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MoEModelConfig":
+        return _build(cls, data, "config")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                value = {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v)
+                         for k, v in dataclasses.asdict(value).items()}
+            elif isinstance(value, Mapping):
+                value = {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in value.items()}
+            out[f.name] = value
+        return out
+
+
+def _build(cls, data: Mapping[str, Any], where: str):
+    if not isinstance(data, Mapping):
+        raise TypeError(f"{where} must be a mapping, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    return cls(**data)
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def builtin_config_names() -> list[str]:
+    """Names of the YAML files shipped in ``configs/``."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_model_config(config: str | os.PathLike | Mapping[str, Any] | MoEModelConfig) -> MoEModelConfig:
+    """Load a model config from a YAML path, a built-in name (``"qwen3-30b-a3b"``), or a mapping."""
+    if isinstance(config, MoEModelConfig):
+        return config
+    if isinstance(config, Mapping):
+        return MoEModelConfig.from_dict(config)
+    import yaml
+
+    path = Path(config)
+    if not path.exists():
+        candidate = CONFIG_DIR / f"{path.stem}.yaml"
+        if path.suffix in ("", ".yaml") and candidate.exists():
+            path = candidate
+        else:
+            raise FileNotFoundError(
+                f"config {str(config)!r} is neither a file nor a built-in config; built-in: {builtin_config_names()}"
+            )
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    try:
+        return MoEModelConfig.from_dict(data)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {e}") from None

@@ -1,0 +1,95 @@
+"""The backend seam: one contract for the expert computation, implementations picked by name.
+
+A backend receives what the front end (``ExpertMLPsV2``) prepared -- hidden states, :class:`Routing`, and for
+blockwise the :class:`BlockMapping` -- plus the weights, and returns the ``(T, H)`` output with the top-k
+combine done. Routing, mapping and mode selection are shared, so every backend computes the same function
+and is tested against the same dense reference.
+
+``BACKENDS`` maps a name to the ``module:Class`` that implements it, imported on first use so an optional
+backend's dependencies are only needed by those who ask for it.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+
+import torch
+
+from nxd_moe.config import BlockwiseMatmulConfig
+from nxd_moe.experts.blockwise import blockwise_forward
+from nxd_moe.experts.capacity import capacity_factor_forward
+from nxd_moe.experts.decode import all_experts_forward, selective_loading_forward
+from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
+from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.experts.routing_inputs import Routing
+from nxd_moe.experts.token_mapping import BlockMapping
+
+
+class ExpertsBackend(abc.ABC):
+    """One implementation of the four expert algorithms."""
+
+    name: str
+
+    @abc.abstractmethod
+    def blockwise(self, hidden_states: torch.Tensor, routing: Routing, mapping: BlockMapping,
+                  weights: ExpertWeights, config: BlockwiseMatmulConfig) -> torch.Tensor:
+        """Dropless prefill over the given block mapping."""
+
+    @abc.abstractmethod
+    def capacity_factor(self, hidden_states: torch.Tensor, routing: Routing, capacity: int,
+                        weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(output, dropped assignments as a 0-d tensor)``."""
+
+    @abc.abstractmethod
+    def selective_loading(self, hidden_states: torch.Tensor, routing: Routing,
+                          weights: ExpertWeights) -> torch.Tensor:
+        """Decode reading only the chosen experts."""
+
+    @abc.abstractmethod
+    def all_experts(self, hidden_states: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:
+        """Every token through every expert, unchosen outputs masked out."""
+
+
+class TorchBackend(ExpertsBackend):
+    """Plain PyTorch on any device: the reference backend, and the one XLA traces.
+
+    ``matmul``: ``"auto"`` | ``"gather"`` | ``"grouped_mm"`` (see :mod:`nxd_moe.experts.grouped_matmul`).
+    """
+
+    name = "torch"
+
+    def __init__(self, matmul: str = "auto"):
+        if matmul not in MATMUL_IMPLS:
+            raise ValueError(f"TorchBackend matmul must be one of {list(MATMUL_IMPLS)}, got {matmul!r}")
+        self.matmul = matmul
+
+    def blockwise(self, hidden_states, routing, mapping, weights, config):
+        return blockwise_forward(hidden_states, routing, mapping, weights, self.matmul)
+
+    def capacity_factor(self, hidden_states, routing, capacity, weights):
+        return capacity_factor_forward(hidden_states, routing, capacity, weights)
+
+    def selective_loading(self, hidden_states, routing, weights):
+        return selective_loading_forward(hidden_states, routing, weights, self.matmul)
+
+    def all_experts(self, hidden_states, routing, weights):
+        return all_experts_forward(hidden_states, routing, weights)
+
+    def __repr__(self) -> str:
+        return f"TorchBackend(matmul={self.matmul!r})"
+
+
+BACKENDS: dict[str, str] = {
+    "torch": "nxd_moe.experts.backends:TorchBackend",
+}
+
+
+def get_backend(backend: str | ExpertsBackend) -> ExpertsBackend:
+    """A backend instance from its name (or the instance itself)."""
+    if isinstance(backend, ExpertsBackend):
+        return backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)} or an ExpertsBackend, got {backend!r}")
+    module_name, class_name = BACKENDS[backend].split(":")
+    return getattr(importlib.import_module(module_name), class_name)()

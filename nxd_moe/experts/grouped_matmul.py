@@ -1,0 +1,75 @@
+"""Multiply groups of rows by their expert's weight matrix: the one matmul every sparse algorithm needs.
+
+Two implementations of one contract:
+
+- ``gather``: ``bmm(x, weight[group_expert])``. Pure static indexing + batched matmul: what XLA traces, what
+  ``torch.compile`` captures for any dtype, and the direct analogue of a kernel loading each block's weights.
+  It copies one weight matrix per group, so it is memory-hungry for many groups.
+- ``grouped_mm``: ``torch.nn.functional.grouped_mm`` over the expert-sorted rows. No weight copies, and groups
+  past the last active one are not computed at all (the eager counterpart of the kernels' dynamic-while
+  skipping). Available for fp32/bf16/fp16 on CPU and bf16 on CUDA (sm80+); inside ``torch.compile`` only for
+  bf16, which is all its meta kernel accepts.
+
+``auto`` picks ``grouped_mm`` where it applies and ``gather`` everywhere else. Both return identical
+results up to float rounding; tests run both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MATMUL_IMPLS = ("auto", "gather", "grouped_mm")
+
+
+def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else (torch.float32, torch.bfloat16, torch.float16)
+    elif x.device.type == "cuda":
+        dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(x.device) >= (8, 0) else ()
+    else:
+        return False
+    if x.dtype not in dtypes or weight.dtype != x.dtype:
+        return False
+    # grouped_mm needs 16-byte aligned row strides on both operands.
+    return all((size * x.element_size()) % 16 == 0 for size in (weight.shape[1], weight.shape[2]))
+
+
+def resolve_matmul_impl(impl: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"matmul impl must be one of {list(MATMUL_IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return "grouped_mm" if _grouped_mm_applies(x, weight) else "gather"
+    if impl == "grouped_mm" and not _grouped_mm_applies(x, weight):
+        raise ValueError(
+            f"matmul impl 'grouped_mm' does not apply to dtype {x.dtype} on {x.device.type} with weight shape "
+            f"{tuple(weight.shape)}; use 'gather' or 'auto'"
+        )
+    return impl
+
+
+def grouped_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_expert: torch.Tensor,
+    group_active: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """``x (G, M, K) @ weight[group_expert] (G, K, N) -> (G, M, N)``.
+
+    Contract: ``group_expert (G,)`` is non-decreasing (groups sorted by expert) and the active groups
+    (``group_active (G,)`` bool, all if None) form a prefix. Rows of inactive groups are zero with
+    ``grouped_mm`` and whatever their (padding) input gives with ``gather``; callers never read them.
+    """
+    impl = resolve_matmul_impl(impl, x, weight)
+    if impl == "gather":
+        return torch.bmm(x, weight.index_select(0, group_expert))
+    groups, rows, _ = x.shape
+    num_experts = weight.shape[0]
+    active = torch.ones_like(group_expert) if group_active is None else group_active.to(group_expert.dtype)
+    groups_per_expert = torch.zeros(num_experts, dtype=group_expert.dtype, device=x.device)
+    groups_per_expert = groups_per_expert.index_add(0, group_expert, active)
+    row_end = (torch.cumsum(groups_per_expert, dim=0) * rows).to(torch.int32)
+    out = torch.nn.functional.grouped_mm(x.reshape(groups * rows, -1), weight, offs=row_end)
+    return out.view(groups, rows, -1)

@@ -1,0 +1,75 @@
+"""The expert MLP ``down(act(gate_up(x) + b_gu)) + b_d`` over many experts at once."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.experts.grouped_matmul import grouped_matmul
+
+
+class ExpertWeights(NamedTuple):
+    """All experts' weights, NxD layout.
+
+    ``gate_up_proj (E, H, 2I)`` = ``[gate | up]`` on the last dim (``(E, H, I)`` up-projection for non-GLU
+    experts), ``down_proj (E, I, H)``, optional biases ``(E, 2I)``/``(E, I)`` and ``(E, H)``.
+    """
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    activation: ExpertActivation
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+
+def dense_expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+    """Expert e on its own rows: ``x (E, M, H)`` -- or ``(1, M, H)``, every expert on the same rows --
+    ``-> (E, M, H)``. Batched matmul against the weights as stored: no copies."""
+    h = torch.matmul(x, weights.gate_up_proj)
+    if weights.gate_up_bias is not None:
+        h = h + weights.gate_up_bias.unsqueeze(1)
+    y = torch.matmul(weights.activation(h), weights.down_proj)
+    if weights.down_bias is not None:
+        y = y + weights.down_bias.unsqueeze(1)
+    return y
+
+
+def grouped_expert_mlp(
+    x: torch.Tensor,
+    weights: ExpertWeights,
+    group_expert: torch.Tensor,
+    group_active: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Each group of rows through its own expert: ``x (G, M, H) -> (G, M, H)``.
+
+    Same contract as :func:`~nxd_moe.experts.grouped_matmul.grouped_matmul` (groups sorted by expert,
+    active groups a prefix).
+    """
+    h = grouped_matmul(x, weights.gate_up_proj, group_expert, group_active, impl)
+    if weights.gate_up_bias is not None:
+        h = h + weights.gate_up_bias.index_select(0, group_expert).unsqueeze(1)
+    y = grouped_matmul(weights.activation(h), weights.down_proj, group_expert, group_active, impl)
+    if weights.down_bias is not None:
+        y = y + weights.down_bias.index_select(0, group_expert).unsqueeze(1)
+    return y
+
+
+def combine(expert_rows: torch.Tensor, token_slot: torch.Tensor, pair_weights: torch.Tensor) -> torch.Tensor:
+    """Sum each token's k expert outputs: ``out[t] = sum_j w[t, j] * rows[slot[t, j]]``.
+
+    ``expert_rows (S, H)``; ``token_slot (T, k)`` with ``S`` meaning "no row" (padded token, dropped pair).
+    A gather and a sum rather than a scatter-add: deterministic on every device, and the sum runs in at least
+    fp32 so bf16 models do not lose precision across the k terms.
+    """
+    acc_dtype = torch.promote_types(expert_rows.dtype, torch.float32)
+    rows = torch.cat([expert_rows, expert_rows.new_zeros(1, expert_rows.shape[1])])
+    picked = rows.index_select(0, token_slot.reshape(-1)).view(*token_slot.shape, -1)
+    out = torch.bmm(pair_weights.unsqueeze(1).to(acc_dtype), picked.to(acc_dtype)).squeeze(1)
+    return out.to(expert_rows.dtype)

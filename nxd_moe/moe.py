@@ -1,0 +1,137 @@
+"""The MoE layer: route -> experts -> shared experts -> combine."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nxd_moe.config import check_bool
+from nxd_moe.experts.expert_mlps import ExpertMLPsV2, check_expert_index
+from nxd_moe.experts.shared import SharedExperts
+from nxd_moe.routing.base import RouterBase
+from nxd_moe.validation import check_finite, check_hidden_states
+
+
+class MoE(nn.Module):
+    """NxD's ``MoE`` orchestrator.
+
+    ``forward(hidden_states (B, S, H), padding_mask=None (B, S), residual=None)``
+    returns a tuple ``(output (B, S, H)[, router_logits (T, E)][, expert_index (T, k)][, residual][, stats])``:
+
+    - ``residual``: added to the input first (``h = hidden_states + residual``); ``h`` is returned as the new
+      residual and ``output`` excludes it, so the caller adds it once, as in NxD.
+    - ``rmsnorm``: applied to ``h`` before routing and experts.
+    - ``padding_mask``: tokens with 0 take no block slot and no expert capacity, contribute nothing to other
+      tokens, and get an all-zero output.
+    - ``S == 1`` is decode (selective loading or all-experts); longer sequences, including multi-token
+      speculation windows, follow the prefill rules.
+    - ``return_stats=True`` appends an :class:`~nxd_moe.experts.ExpertsStats`.
+
+    ``validate_inputs=True`` adds NaN/Inf checks on the input and the routing (host syncs); without them a
+    NaN token still cannot corrupt other tokens' outputs.
+    """
+
+    def __init__(
+        self,
+        router: RouterBase,
+        expert_mlps: ExpertMLPsV2,
+        shared_experts: SharedExperts | None = None,
+        rmsnorm: nn.Module | None = None,
+        sequence_parallel_enabled: bool = False,
+        sequence_dimension: int | None = None,
+        return_router_logits: bool = False,
+        return_expert_index: bool = False,
+        validate_inputs: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(router, RouterBase):
+            raise TypeError(f"MoE: router must be a RouterBase, got {type(router).__name__}")
+        if not isinstance(expert_mlps, ExpertMLPsV2):
+            raise TypeError(f"MoE: expert_mlps must be an ExpertMLPsV2, got {type(expert_mlps).__name__}")
+        if shared_experts is not None and not isinstance(shared_experts, SharedExperts):
+            raise TypeError(f"MoE: shared_experts must be a SharedExperts or None, got {type(shared_experts).__name__}")
+        cfg = expert_mlps.routed_experts_mlp_config
+        for attr in ("num_experts", "top_k"):
+            if getattr(router, attr) != getattr(cfg, attr):
+                raise ValueError(f"MoE: inconsistent {attr}: router has {getattr(router, attr)}, "
+                                 f"expert_mlps has {getattr(cfg, attr)}")
+        widths = {cfg.hidden_size, cfg.hidden_size_actual or cfg.hidden_size}
+        if router.hidden_size not in widths:
+            raise ValueError(f"MoE: inconsistent hidden_size: router has {router.hidden_size}, "
+                             f"expert_mlps accepts {sorted(widths)}")
+        if shared_experts is not None and shared_experts.hidden_size != router.hidden_size:
+            raise ValueError(f"MoE: inconsistent hidden_size: shared_experts has {shared_experts.hidden_size}, "
+                             f"router has {router.hidden_size}")
+        sequence_parallel_enabled = check_bool("MoE.sequence_parallel_enabled", sequence_parallel_enabled)
+        if router.sequence_parallel_enabled and not sequence_parallel_enabled:
+            raise ValueError("MoE: a sequence-parallel router needs MoE(sequence_parallel_enabled=True)")
+        self.router = router
+        self.expert_mlps = expert_mlps
+        self.shared_experts = shared_experts
+        self.rmsnorm = rmsnorm
+        self.sequence_parallel_enabled = sequence_parallel_enabled
+        self.sequence_dimension = 0 if sequence_dimension is None and sequence_parallel_enabled else sequence_dimension
+        self.return_router_logits = check_bool("MoE.return_router_logits", return_router_logits)
+        self.return_expert_index = check_bool("MoE.return_expert_index", return_expert_index)
+        self.validate_inputs = check_bool("MoE.validate_inputs", validate_inputs)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.router.hidden_size
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+        *,
+        return_stats: bool = False,
+    ) -> tuple:
+        check_hidden_states(hidden_states, self.hidden_size, "MoE: hidden_states")
+        if hidden_states.dim() != 3:
+            raise ValueError(f"MoE: hidden_states must be (B, S, H), got shape {tuple(hidden_states.shape)}")
+        batch, seq_len, hidden = hidden_states.shape
+        if batch * seq_len == 0:
+            raise ValueError(f"MoE: hidden_states must hold at least one token, got shape {tuple(hidden_states.shape)}")
+        if padding_mask is not None and (not isinstance(padding_mask, torch.Tensor)
+                                         or tuple(padding_mask.shape) != (batch, seq_len)):
+            raise ValueError(f"MoE: padding_mask must be (B, S) = ({batch}, {seq_len}), "
+                             f"got {tuple(getattr(padding_mask, 'shape', ())) or padding_mask!r}")
+        if residual is not None:
+            if not isinstance(residual, torch.Tensor) or residual.shape != hidden_states.shape:
+                raise ValueError(f"MoE: residual must have the shape of hidden_states {tuple(hidden_states.shape)}, "
+                                 f"got {tuple(getattr(residual, 'shape', ())) or residual!r}")
+            hidden_states = hidden_states + residual
+            residual = hidden_states
+        if self.validate_inputs:
+            check_finite(hidden_states, "MoE: hidden_states")
+
+        x = hidden_states if self.rmsnorm is None else self.rmsnorm(hidden_states)
+        flat = x.reshape(batch * seq_len, hidden)
+        router_logits, expert_affinities, expert_index = self.router(flat)
+        if self.validate_inputs:
+            check_finite(expert_affinities, "MoE: router expert_affinities")
+            check_expert_index(expert_index, self.router.num_experts, "MoE: router expert_index")
+        token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
+        routed = self.expert_mlps(
+            flat,
+            expert_affinities,
+            expert_index,
+            seq_len=seq_len,
+            padding_mask=token_is_real,
+            return_stats=return_stats,
+        )
+        routed, stats = routed if return_stats else (routed, None)
+        out = routed if self.shared_experts is None else routed + self.shared_experts(flat, seq_len)
+        if token_is_real is not None:
+            out = torch.where(token_is_real.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        result = [out.view(batch, seq_len, hidden)]
+        if self.return_router_logits:
+            result.append(router_logits)
+        if self.return_expert_index:
+            result.append(expert_index)
+        if residual is not None:
+            result.append(residual)
+        if return_stats:
+            result.append(stats)
+        return tuple(result)

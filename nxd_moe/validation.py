@@ -1,0 +1,56 @@
+"""Input checks shared by the modules.
+
+Shape and dtype checks are free (they read metadata) and always run. Value checks (NaN/Inf, index
+ranges) read tensor data, which is a device-to-host synchronisation, so they run only when a caller asks
+(``validate_inputs=True``) -- or when weights are loaded, which is never on the hot path.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+
+def check_hidden_states(x, hidden_size: int | tuple[int, ...], what: str = "hidden_states") -> None:
+    """A floating tensor of at least one dimension whose last dimension is (one of) ``hidden_size``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
+    sizes = (hidden_size,) if isinstance(hidden_size, int) else hidden_size
+    if x.dim() < 1 or x.shape[-1] not in sizes:
+        allowed = sizes[0] if len(sizes) == 1 else " or ".join(map(str, sizes))
+        raise ValueError(f"{what} must have last dimension {allowed}, got shape {tuple(x.shape)}")
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Raise if ``x`` holds NaN or Inf (reads the data: host sync)."""
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{what} contains {bad} NaN/Inf value(s)")
+
+
+def _own_tensors(module: nn.Module, prefix: str) -> Iterator[str]:
+    """State-dict keys of ``module`` excluding those owned by nested :class:`FiniteWeightsOnLoad` modules."""
+    for name in list(module._parameters) + list(module._buffers):
+        yield prefix + name
+    for child_name, child in module._modules.items():
+        if child is not None and not isinstance(child, FiniteWeightsOnLoad):
+            yield from _own_tensors(child, f"{prefix}{child_name}.")
+
+
+class FiniteWeightsOnLoad:
+    """Mixin for ``nn.Module``: ``load_state_dict`` raises ``ValueError`` naming any weight holding NaN/Inf."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_pre_hook(FiniteWeightsOnLoad._check_loaded)
+
+    @staticmethod
+    def _check_loaded(module, state_dict, prefix, *args, **kwargs):
+        for key in _own_tensors(module, prefix):
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                check_finite(value, f"weight {key!r} being loaded")
