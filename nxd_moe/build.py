@@ -16,7 +16,8 @@ from nxd_moe.routing import GroupLimitedRouter, RouterBase, RouterSinkhorn, Rout
 
 
 def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: int, device=None) -> RouterBase:
-    common = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, dtype=spec.dtype, device=device)
+    common = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, dtype=spec.dtype, device=device,
+                  jitter_eps=spec.jitter_eps)
     if spec.type == "group_limited":
         return GroupLimitedRouter(n_group=spec.n_group, topk_group=spec.topk_group, normalize=spec.normalize,
                                   routed_scaling_factor=spec.routed_scaling_factor, **common)
@@ -59,6 +60,6 @@ def build_moe(
     if model.shared_experts is not None:
         spec = model.shared_experts
         shared = SharedExperts(model.hidden_size, model.shared_intermediate_size, spec.num_shared_experts,
-                               experts_config.hidden_act, dtype=dtype, device=device,
+                               spec.hidden_act or experts_config.hidden_act, dtype=dtype, device=device,
                                fused_gate_up_projection=spec.fused_gate_up_projection, shared_expert_gate=spec.gate)
     return MoE(router, expert_mlps, shared, validate_inputs=validate_inputs).eval()

@@ -366,6 +366,7 @@ class RouterSpec:
     topk_group: int | None = None
     normalize: bool = False
     routed_scaling_factor: float = 1.0
+    jitter_eps: float = 0.0
 
     def __post_init__(self):
         if self.type not in ROUTER_TYPES:
@@ -379,15 +380,19 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class SharedExpertsSpec:
-    """Shared experts: ``num_shared_experts`` dense GLU MLPs of width ``intermediate_size`` each."""
+    """Shared experts: ``num_shared_experts`` dense GLU MLPs of width ``intermediate_size`` each (default: the
+    routed width), with activation ``hidden_act`` (default: the routed experts')."""
 
     num_shared_experts: int = 1
     intermediate_size: int | None = None
     gate: bool = False
     fused_gate_up_projection: bool = False
+    hidden_act: str | None = None
 
     def __post_init__(self):
         check_int("shared_experts.num_shared_experts", self.num_shared_experts, minimum=1)
+        if self.hidden_act is not None and self.hidden_act not in ACT2FN:
+            raise ValueError(f"shared_experts.hidden_act must be one of {sorted(ACT2FN)}, got {self.hidden_act!r}")
         if self.intermediate_size is not None:
             check_int("shared_experts.intermediate_size", self.intermediate_size, minimum=1)
 

@@ -9,10 +9,10 @@ from nxd_moe.config import check_bool
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2, check_expert_index
 from nxd_moe.experts.shared import SharedExperts
 from nxd_moe.routing.base import RouterBase
-from nxd_moe.validation import check_finite, check_hidden_states
+from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
 
-class MoE(nn.Module):
+class MoE(FiniteWeightsOnLoad, nn.Module):
     """NxD's ``MoE`` orchestrator.
 
     ``forward(hidden_states (B, S, H), padding_mask=None (B, S), residual=None)``
@@ -93,14 +93,18 @@ class MoE(nn.Module):
         batch, seq_len, hidden = hidden_states.shape
         if batch * seq_len == 0:
             raise ValueError(f"MoE: hidden_states must hold at least one token, got shape {tuple(hidden_states.shape)}")
-        if padding_mask is not None and (not isinstance(padding_mask, torch.Tensor)
-                                         or tuple(padding_mask.shape) != (batch, seq_len)):
-            raise ValueError(f"MoE: padding_mask must be (B, S) = ({batch}, {seq_len}), "
-                             f"got {tuple(getattr(padding_mask, 'shape', ())) or padding_mask!r}")
+        if padding_mask is not None:
+            check_mask_dtype(padding_mask, "MoE: padding_mask")
+            if tuple(padding_mask.shape) != (batch, seq_len):
+                raise ValueError(f"MoE: padding_mask must be (B, S) = ({batch}, {seq_len}), "
+                                 f"got {tuple(padding_mask.shape)}")
         if residual is not None:
             if not isinstance(residual, torch.Tensor) or residual.shape != hidden_states.shape:
                 raise ValueError(f"MoE: residual must have the shape of hidden_states {tuple(hidden_states.shape)}, "
                                  f"got {tuple(getattr(residual, 'shape', ())) or residual!r}")
+            if residual.dtype != hidden_states.dtype:
+                raise TypeError(f"MoE: residual dtype {residual.dtype} must match hidden_states dtype "
+                                f"{hidden_states.dtype}")
             hidden_states = hidden_states + residual
             residual = hidden_states
         if self.validate_inputs:

@@ -25,6 +25,14 @@ def check_hidden_states(x, hidden_size: int | tuple[int, ...], what: str = "hidd
         raise ValueError(f"{what} must have last dimension {allowed}, got shape {tuple(x.shape)}")
 
 
+def check_mask_dtype(mask, what: str = "padding_mask") -> None:
+    """A tensor of bool, integer or floating 0/1 values (a complex or non-tensor mask is a mistake)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.is_complex():
+        raise TypeError(f"{what} must be a bool, integer or floating 0/1 tensor, got dtype {mask.dtype}")
+
+
 def check_finite(x: torch.Tensor, what: str) -> None:
     """Raise if ``x`` holds NaN or Inf (reads the data: host sync)."""
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):

@@ -37,4 +37,4 @@ def blockwise_forward(
     """
     x = gather_block_inputs(hidden_states, routing, mapping)
     y = grouped_expert_mlp(x, weights, mapping.block_to_expert, mapping.conditions.bool(), matmul_impl)
-    return combine(y.reshape(-1, y.shape[-1]), mapping.token_slot, routing.pair_weights())
+    return combine(y.reshape(-1, y.shape[-1]), mapping.token_slot, routing.pair_weights(), routing.has_padding)

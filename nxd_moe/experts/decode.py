@@ -28,7 +28,7 @@ def selective_loading_forward(
     row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(num_pairs, device=order.device))
     token_slot = torch.where(routing.pair_valid(), row_of_pair.view(num_tokens, top_k),
                              torch.full_like(routing.expert_index, num_pairs))
-    return combine(y.view(num_pairs, hidden), token_slot, routing.pair_weights())
+    return combine(y.view(num_pairs, hidden), token_slot, routing.pair_weights(), routing.has_padding)
 
 
 def all_experts_forward(hidden_states: torch.Tensor, routing: Routing, weights: ExpertWeights) -> torch.Tensor:

@@ -17,7 +17,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.routing_inputs import build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks, token_to_block_mapping
-from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states
+from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
 
 def _default_init(weight: torch.Tensor) -> None:
@@ -274,7 +274,8 @@ class ExpertMLPsV2(nn.Module):
         if seq_len is not None:
             check_int("seq_len", seq_len, minimum=1)
         if padding_mask is not None:
-            if not isinstance(padding_mask, torch.Tensor) or padding_mask.numel() != num_tokens:
+            check_mask_dtype(padding_mask, "ExpertMLPsV2: padding_mask")
+            if padding_mask.numel() != num_tokens:
                 raise ValueError(f"ExpertMLPsV2: padding_mask must hold one entry per token ({num_tokens}), got "
                                  f"{getattr(padding_mask, 'shape', padding_mask)}")
         if self.validate_inputs:

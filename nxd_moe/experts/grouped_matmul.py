@@ -16,6 +16,8 @@ results up to float rounding; tests run both.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 
 MATMUL_IMPLS = ("auto", "gather", "grouped_mm")
@@ -36,40 +38,61 @@ def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return all((size * x.element_size()) % 16 == 0 for size in (weight.shape[1], weight.shape[2]))
 
 
-def resolve_matmul_impl(impl: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+def resolve_matmul_impl(impl: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> str:
+    """The implementation that will multiply ``x`` by each of ``weights`` (one choice for all of them)."""
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {list(MATMUL_IMPLS)}, got {impl!r}")
+    applies = all(_grouped_mm_applies(x, w) for w in weights)
     if impl == "auto":
-        return "grouped_mm" if _grouped_mm_applies(x, weight) else "gather"
-    if impl == "grouped_mm" and not _grouped_mm_applies(x, weight):
+        return "grouped_mm" if applies else "gather"
+    if impl == "grouped_mm" and not applies:
         raise ValueError(
-            f"matmul impl 'grouped_mm' does not apply to dtype {x.dtype} on {x.device.type} with weight shape "
-            f"{tuple(weight.shape)}; use 'gather' or 'auto'"
+            f"matmul impl 'grouped_mm' does not apply to dtype {x.dtype} on {x.device.type} with weight shapes "
+            f"{[tuple(w.shape) for w in weights]}; use 'gather' or 'auto'"
         )
     return impl
 
 
-def grouped_matmul(
+class GroupPlan(NamedTuple):
+    """How groups of rows meet their experts, computed once and shared by every projection of a forward.
+
+    ``group_expert (G,)``: each group's expert; ``row_ends (E,)`` int32: cumulative row count per expert over
+    the active groups (``grouped_mm`` only, else None).
+    """
+
+    impl: str
+    group_expert: torch.Tensor
+    row_ends: torch.Tensor | None
+
+
+def plan_groups(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weights: Sequence[torch.Tensor],
     group_expert: torch.Tensor,
     group_active: torch.Tensor | None = None,
     impl: str = "auto",
-) -> torch.Tensor:
-    """``x (G, M, K) @ weight[group_expert] (G, K, N) -> (G, M, N)``.
+) -> GroupPlan:
+    """Plan ``x (G, M, K)``'s groups against ``weights`` (each ``(E, ., .)``).
 
     Contract: ``group_expert (G,)`` is non-decreasing (groups sorted by expert) and the active groups
-    (``group_active (G,)`` bool, all if None) form a prefix. Rows of inactive groups are zero with
-    ``grouped_mm`` and whatever their (padding) input gives with ``gather``; callers never read them.
+    (``group_active (G,)`` bool, all if None) form a prefix. Rows of inactive groups come out unspecified
+    (``grouped_mm`` leaves them uninitialised, ``gather`` computes them from their padding input): callers
+    must never read them, and the combine step only reads slots of real tokens, which are all active.
     """
-    impl = resolve_matmul_impl(impl, x, weight)
+    impl = resolve_matmul_impl(impl, x, weights)
     if impl == "gather":
-        return torch.bmm(x, weight.index_select(0, group_expert))
-    groups, rows, _ = x.shape
-    num_experts = weight.shape[0]
+        return GroupPlan(impl, group_expert, None)
     active = torch.ones_like(group_expert) if group_active is None else group_active.to(group_expert.dtype)
-    groups_per_expert = torch.zeros(num_experts, dtype=group_expert.dtype, device=x.device)
+    groups_per_expert = torch.zeros(weights[0].shape[0], dtype=group_expert.dtype, device=x.device)
     groups_per_expert = groups_per_expert.index_add(0, group_expert, active)
-    row_end = (torch.cumsum(groups_per_expert, dim=0) * rows).to(torch.int32)
-    out = torch.nn.functional.grouped_mm(x.reshape(groups * rows, -1), weight, offs=row_end)
+    row_ends = (torch.cumsum(groups_per_expert, dim=0) * x.shape[1]).to(torch.int32)
+    return GroupPlan(impl, group_expert, row_ends)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, plan: GroupPlan) -> torch.Tensor:
+    """``x (G, M, K) @ weight[plan.group_expert] (G, K, N) -> (G, M, N)``."""
+    if plan.impl == "gather":
+        return torch.bmm(x, weight.index_select(0, plan.group_expert))
+    groups, rows, _ = x.shape
+    out = torch.nn.functional.grouped_mm(x.reshape(groups * rows, -1), weight, offs=plan.row_ends)
     return out.view(groups, rows, -1)

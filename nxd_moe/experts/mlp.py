@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from nxd_moe.experts.activation import ExpertActivation
-from nxd_moe.experts.grouped_matmul import grouped_matmul
+from nxd_moe.experts.grouped_matmul import grouped_matmul, plan_groups
 
 
 class ExpertWeights(NamedTuple):
@@ -49,27 +49,34 @@ def grouped_expert_mlp(
 ) -> torch.Tensor:
     """Each group of rows through its own expert: ``x (G, M, H) -> (G, M, H)``.
 
-    Same contract as :func:`~nxd_moe.experts.grouped_matmul.grouped_matmul` (groups sorted by expert,
-    active groups a prefix).
+    Same contract as :func:`~nxd_moe.experts.grouped_matmul.plan_groups` (groups sorted by expert, active groups
+    a prefix).
     """
-    h = grouped_matmul(x, weights.gate_up_proj, group_expert, group_active, impl)
+    plan = plan_groups(x, (weights.gate_up_proj, weights.down_proj), group_expert, group_active, impl)
+    h = grouped_matmul(x, weights.gate_up_proj, plan)
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias.index_select(0, group_expert).unsqueeze(1)
-    y = grouped_matmul(weights.activation(h), weights.down_proj, group_expert, group_active, impl)
+    y = grouped_matmul(weights.activation(h), weights.down_proj, plan)
     if weights.down_bias is not None:
         y = y + weights.down_bias.index_select(0, group_expert).unsqueeze(1)
     return y
 
 
-def combine(expert_rows: torch.Tensor, token_slot: torch.Tensor, pair_weights: torch.Tensor) -> torch.Tensor:
+def combine(expert_rows: torch.Tensor, token_slot: torch.Tensor, pair_weights: torch.Tensor,
+            may_miss: bool = True) -> torch.Tensor:
     """Sum each token's k expert outputs: ``out[t] = sum_j w[t, j] * rows[slot[t, j]]``.
 
-    ``expert_rows (S, H)``; ``token_slot (T, k)`` with ``S`` meaning "no row" (padded token, dropped pair).
-    A gather and a sum rather than a scatter-add: deterministic on every device, and the sum runs in at least
-    fp32 so bf16 models do not lose precision across the k terms.
+    ``expert_rows (S, H)``; ``token_slot (T, k)``, where ``S`` means "no row" (padded token, dropped pair).
+    ``may_miss=False`` promises no slot is ``S`` (known from the call's static shape of things, e.g. dropless
+    with no padding mask), which saves appending a zero row to a copy of ``expert_rows``. A missing pair reads
+    that zero row rather than being multiplied by a zero weight, so a NaN elsewhere cannot leak in.
+    A gather and a weighted sum rather than a scatter-add: deterministic on every device, and accumulated in at
+    least fp32 so bf16 models do not lose precision across the k terms.
     """
     acc_dtype = torch.promote_types(expert_rows.dtype, torch.float32)
-    rows = torch.cat([expert_rows, expert_rows.new_zeros(1, expert_rows.shape[1])])
+    rows = expert_rows
+    if may_miss:
+        rows = torch.cat([expert_rows, expert_rows.new_zeros(1, expert_rows.shape[1])])
     picked = rows.index_select(0, token_slot.reshape(-1)).view(*token_slot.shape, -1)
     out = torch.bmm(pair_weights.unsqueeze(1).to(acc_dtype), picked.to(acc_dtype)).squeeze(1)
     return out.to(expert_rows.dtype)

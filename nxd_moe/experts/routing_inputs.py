@@ -14,13 +14,15 @@ class Routing(NamedTuple):
     ``expert_index (T, k)``: the chosen experts. ``expert_mask (T, E)`` bool: True where token t goes to expert e
     (all False for padded tokens, so they take no block slot and no capacity). ``affinities (T, E)``: the
     combine weights, zero off the mask, L1-normalised over the chosen experts if asked. ``prescale``: scale the
-    expert *input* by the affinity instead of its output (Llama 4's early affinity modulation).
+    expert *input* by the affinity instead of its output (Llama 4's early affinity modulation). ``has_padding``:
+    a padding mask was applied, so some pairs may be masked out (static: known without reading the mask).
     """
 
     expert_index: torch.Tensor
     expert_mask: torch.Tensor
     affinities: torch.Tensor
     prescale: bool
+    has_padding: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -63,4 +65,4 @@ def build_routing(
                                                                     device=expert_affinities.device))
     if normalize:
         affinities = F.normalize(affinities, p=1.0, dim=1)
-    return Routing(expert_index, mask, affinities, prescale)
+    return Routing(expert_index, mask, affinities, prescale, padding_mask is not None)

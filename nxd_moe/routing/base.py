@@ -18,9 +18,11 @@ class RouterBase(FiniteWeightsOnLoad, nn.Module, abc.ABC):
     """A linear router ``(E, H)`` plus a selection rule.
 
     ``forward(hidden_states (T, H) or (..., H))`` returns ``(router_logits (T, E), expert_affinities (T, E),
-    expert_index (T, k))``: logits in the routing dtype, affinities in the hidden-state dtype, indices int64.
-    Every row of ``expert_index`` holds ``k`` distinct experts. Routing math runs in the router weight's dtype
-    promoted to at least float32, so a bf16 model still routes in fp32 (the weight itself defaults to fp32).
+    expert_index (T, k))``: logits and affinities in the routing dtype, indices int64. Every row of
+    ``expert_index`` holds ``k`` distinct experts. Routing math runs in the router weight's dtype promoted to at
+    least float32, so a bf16 model still routes in fp32 (the weight itself defaults to fp32). Unlike NxD, the
+    affinities are not cast to the hidden dtype: top-k normalisation and scaling then run in full precision,
+    and the experts' combine accumulates in fp32 anyway.
 
     ``sequence_parallel_enabled``/``sequence_dimension`` mark the router's input as a sequence-parallel shard;
     on one device they change nothing.
@@ -31,15 +33,15 @@ class RouterBase(FiniteWeightsOnLoad, nn.Module, abc.ABC):
         num_experts: int,
         top_k: int,
         hidden_size: int,
-        act_fn: str,
         sequence_parallel_enabled: bool = False,
         sequence_dimension: int | None = None,
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str | None = None,
         bias: bool = False,
         tensor_model_parallel_group=None,
-        jitter_eps: float = 0.0,
+        act_fn: str = "softmax",
         apply_act_fn_over_topk: bool = False,
+        jitter_eps: float = 0.0,
     ):
         super().__init__()
         name = type(self).__name__

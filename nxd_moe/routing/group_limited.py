@@ -38,18 +38,9 @@ class GroupLimitedRouter(RouterBase):
         normalize: bool = False,
         routed_scaling_factor: float = 1.0,
     ):
-        super().__init__(
-            num_experts=num_experts,
-            top_k=top_k,
-            hidden_size=hidden_size,
-            act_fn="sigmoid",
-            sequence_parallel_enabled=sequence_parallel_enabled,
-            sequence_dimension=sequence_dimension,
-            dtype=dtype,
-            device=device,
-            tensor_model_parallel_group=tensor_model_parallel_group,
-            jitter_eps=jitter_eps,
-        )
+        super().__init__(num_experts, top_k, hidden_size, sequence_parallel_enabled, sequence_dimension, dtype, device,
+                         tensor_model_parallel_group=tensor_model_parallel_group, act_fn="sigmoid",
+                         jitter_eps=jitter_eps)
         self.n_group = check_int("GroupLimitedRouter.n_group", n_group, minimum=1, maximum=num_experts)
         if num_experts % n_group:
             raise ValueError(f"GroupLimitedRouter.n_group ({n_group}) must divide num_experts ({num_experts})")
@@ -81,4 +72,4 @@ class GroupLimitedRouter(RouterBase):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.routed_scaling_factor
         affinities = torch.zeros_like(scores).scatter(1, expert_index, weights)
-        return logits, affinities.to(hidden_states.dtype), expert_index.detach()
+        return logits, affinities, expert_index.detach()

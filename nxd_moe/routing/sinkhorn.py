@@ -44,18 +44,8 @@ class RouterSinkhorn(RouterBase):
     ):
         if top_k != 1:
             raise ValueError(f"RouterSinkhorn supports top_k=1 only, got top_k={top_k}")
-        super().__init__(
-            num_experts=num_experts,
-            top_k=top_k,
-            hidden_size=hidden_size,
-            act_fn=act_fn,
-            sequence_parallel_enabled=sequence_parallel_enabled,
-            sequence_dimension=sequence_dimension,
-            dtype=dtype,
-            device=device,
-            tensor_model_parallel_group=tensor_model_parallel_group,
-            jitter_eps=jitter_eps,
-        )
+        super().__init__(num_experts, top_k, hidden_size, sequence_parallel_enabled, sequence_dimension, dtype, device,
+                         tensor_model_parallel_group=tensor_model_parallel_group, act_fn=act_fn, jitter_eps=jitter_eps)
         self.sinkhorn_iterations = check_int(
             "RouterSinkhorn.sinkhorn_iterations",
             DEFAULT_SINKHORN_ITERATIONS if sinkhorn_iterations is None else sinkhorn_iterations,
@@ -73,4 +63,4 @@ class RouterSinkhorn(RouterBase):
             expert_index = balanced.argmax(dim=-1, keepdim=True)
         else:
             expert_index = logits.argmax(dim=-1, keepdim=True)
-        return logits, affinities.to(hidden_states.dtype), expert_index.detach()
+        return logits, affinities, expert_index.detach()

@@ -14,37 +14,9 @@ class RouterTopK(RouterBase):
       Qwen3, DBRX; sigmoid: Llama 4); normalisation over the chosen k, if any, happens in the experts.
     - ``apply_act_fn_over_topk=True``: the activation sees only the k chosen logits (GPT-OSS: softmax over its
       top-4), and the other affinities are 0.
-    """
 
-    def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden_size: int,
-        sequence_parallel_enabled: bool = False,
-        sequence_dimension: int | None = None,
-        dtype: torch.dtype | str = torch.float32,
-        device=None,
-        bias: bool = False,
-        tensor_model_parallel_group=None,
-        act_fn: str = "softmax",
-        apply_act_fn_over_topk: bool = False,
-        jitter_eps: float = 0.0,
-    ):
-        super().__init__(
-            num_experts=num_experts,
-            top_k=top_k,
-            hidden_size=hidden_size,
-            act_fn=act_fn,
-            sequence_parallel_enabled=sequence_parallel_enabled,
-            sequence_dimension=sequence_dimension,
-            dtype=dtype,
-            device=device,
-            bias=bias,
-            tensor_model_parallel_group=tensor_model_parallel_group,
-            jitter_eps=jitter_eps,
-            apply_act_fn_over_topk=apply_act_fn_over_topk,
-        )
+    The constructor is :class:`RouterBase`'s, which has NxD's ``RouterTopK`` signature.
+    """
 
     def forward(self, hidden_states: torch.Tensor):
         logits = self.get_router_logits(hidden_states)
@@ -53,4 +25,4 @@ class RouterTopK(RouterBase):
             affinities = torch.zeros_like(logits).scatter(1, expert_index, self.apply_activation_fn(top_logits))
         else:
             affinities = self.apply_activation_fn(logits)
-        return logits, affinities.to(hidden_states.dtype), expert_index.detach()
+        return logits, affinities, expert_index.detach()
