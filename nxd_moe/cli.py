@@ -142,7 +142,8 @@ def _pct(value) -> str:
 def format_report(report: dict) -> str:
     p, d = report["prefill"], report["decode"]
     lines = [
-        f"nxd-moe run: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}, I={report['intermediate_size']}, "
+        f"nxd-moe run: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}, "
+        f"I={report['intermediate_size']}, "
         f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}, "
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
         f"backend {report['backend']}, {report['threads']} threads)",

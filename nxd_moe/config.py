@@ -152,7 +152,8 @@ class RouterConfig:
         """Read NxDI's flat keys ``router_act_fn`` and ``router_dtype``."""
         unknown = sorted(set(kwargs) - {"router_act_fn", "router_dtype"})
         if unknown:
-            raise TypeError(f"RouterConfig.from_kwargs got unknown key(s) {unknown}; allowed: router_act_fn, router_dtype")
+            raise TypeError(f"RouterConfig.from_kwargs got unknown key(s) {unknown}; "
+                            "allowed: router_act_fn, router_dtype")
         return cls(act_fn=kwargs.get("router_act_fn", "softmax"), dtype=kwargs.get("router_dtype", torch.float32))
 
 

@@ -48,7 +48,8 @@ def _expert(x: torch.Tensor, e: int, cfg: RoutedExpertsMLPOpsConfig, gate_up, do
     return y
 
 
-def reference_pair_weights(expert_affinities: torch.Tensor, expert_index: torch.Tensor, normalize: bool) -> torch.Tensor:
+def reference_pair_weights(expert_affinities: torch.Tensor, expert_index: torch.Tensor,
+                           normalize: bool) -> torch.Tensor:
     """``(T, k)`` float64 weights: the chosen affinities, divided by their sum if ``normalize``."""
     w = expert_affinities.double().gather(1, expert_index.long())
     if normalize:

@@ -208,7 +208,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
         worst = int(flat.max(dim=1).values.argmax())
         raise AssertionError(
             f"{msg} max abs err {err.max().item():.3e} > atol {atol:.1e} (rtol {rtol}); worst row {worst}: "
-            f"got {a.reshape(a.shape[0], -1)[worst][:6].tolist()} expected {e.reshape(e.shape[0], -1)[worst][:6].tolist()}"
+            f"got {a.reshape(a.shape[0], -1)[worst][:6].tolist()} "
+            f"expected {e.reshape(e.shape[0], -1)[worst][:6].tolist()}"
         )
 
 

@@ -15,15 +15,15 @@ from nxd_moe.reference import first_come_first_served, reference_for_experts, re
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 MODES = ("blockwise", "capacity_factor", "selective_loading", "all_experts")
-E, K, H, I, T = 16, 4, 128, 64, 96
+NUM_EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 16, 4, 128, 64, 96
 
 
 def _experts(dtype, matmul, **overrides) -> ExpertMLPsV2:
     cfg = RoutedExpertsMLPOpsConfig(
-        num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, hidden_act="sigmoid", glu_mlp=True,
-        glu_type="swiglu", hidden_act_scaling_factor=1.702, hidden_act_bias=1.0, gate_clamp_upper_limit=7.0,
-        up_clamp_lower_limit=-7.0, up_clamp_upper_limit=7.0, bias=True, normalize_top_k_affinities=True,
-        capacity_factor=1.0, **overrides)
+        num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTER, hidden_act="sigmoid",
+        glu_mlp=True, glu_type="swiglu", hidden_act_scaling_factor=1.702, hidden_act_bias=1.0,
+        gate_clamp_upper_limit=7.0, up_clamp_lower_limit=-7.0, up_clamp_upper_limit=7.0, bias=True,
+        normalize_top_k_affinities=True, capacity_factor=1.0, **overrides)
     return ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=16), dtype=dtype, device="cuda",
                         backend=TorchBackend(matmul))
 
@@ -35,12 +35,12 @@ def _experts(dtype, matmul, **overrides) -> ExpertMLPsV2:
 def test_every_mode_matches_reference_on_cuda(mode, dtype, matmul, tol, prescale):
     torch.manual_seed(0)
     experts = _experts(dtype, matmul, early_expert_affinity_modulation=prescale)
-    router = RouterTopK(E, K, H, device="cuda")
-    x = torch.randn(T, H, device="cuda").to(dtype)
+    router = RouterTopK(NUM_EXPERTS, TOP_K, HIDDEN, device="cuda")
+    x = torch.randn(TOKENS, HIDDEN, device="cuda").to(dtype)
     with torch.no_grad():
         _, affinities, index = router(x)
         out, stats = experts(x, affinities, index, mode=mode, return_stats=True)
-    keep = first_come_first_served(index.cpu(), E, stats.capacity) if mode == "capacity_factor" else None
+    keep = first_come_first_served(index.cpu(), NUM_EXPERTS, stats.capacity) if mode == "capacity_factor" else None
     ref = reference_for_experts(experts, x, affinities, index, keep=keep)
     assert out.is_cuda and out.dtype == dtype
     assert (out.double().cpu() - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
@@ -48,12 +48,12 @@ def test_every_mode_matches_reference_on_cuda(mode, dtype, matmul, tol, prescale
 
 def test_moe_captures_in_a_cuda_graph():
     torch.manual_seed(0)
-    cfg = RoutedExpertsMLPOpsConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, hidden_act="silu",
-                                    glu_mlp=True, normalize_top_k_affinities=True)
-    moe = MoE(RouterTopK(E, K, H, device="cuda"),
+    cfg = RoutedExpertsMLPOpsConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTER,
+                                    hidden_act="silu", glu_mlp=True, normalize_top_k_affinities=True)
+    moe = MoE(RouterTopK(NUM_EXPERTS, TOP_K, HIDDEN, device="cuda"),
               ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=16), dtype=torch.bfloat16, device="cuda"),
-              SharedExperts(H, I, 1, "silu", dtype=torch.bfloat16, device="cuda")).eval()
-    for shape in ((2, 48, H), (8, 1, H)):  # prefill (blockwise) and decode (selective loading)
+              SharedExperts(HIDDEN, INTER, 1, "silu", dtype=torch.bfloat16, device="cuda")).eval()
+    for shape in ((2, 48, HIDDEN), (8, 1, HIDDEN)):  # prefill (blockwise) and decode (selective loading)
         static_x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             stream = torch.cuda.Stream()

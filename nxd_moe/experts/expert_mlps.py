@@ -255,7 +255,8 @@ class ExpertMLPsV2(nn.Module):
         widths = (cfg.hidden_size,) if cfg.hidden_size_actual is None else (cfg.hidden_size, cfg.hidden_size_actual)
         check_hidden_states(hidden_states, widths, "ExpertMLPsV2: hidden_states")
         if hidden_states.dim() != 2 or hidden_states.shape[0] == 0:
-            raise ValueError(f"ExpertMLPsV2: hidden_states must be (T, H) with T >= 1, got {tuple(hidden_states.shape)}")
+            raise ValueError(f"ExpertMLPsV2: hidden_states must be (T, H) with T >= 1, "
+                             f"got {tuple(hidden_states.shape)}")
         if hidden_states.dtype != self.dtype:
             raise TypeError(f"ExpertMLPsV2: hidden_states dtype {hidden_states.dtype} does not match the expert "
                             f"weights' dtype {self.dtype}; cast the input or build the module with that dtype")
