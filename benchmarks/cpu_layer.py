@@ -460,33 +460,38 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def print_table(report: dict[str, Any]) -> None:
-    """Human-readable summary on stderr (stdout is reserved for the JSON)."""
+def phases(report: dict[str, Any]):
+    """``(model, allocator, phase, result)`` for every phase that ran, in report order."""
     for model, res in report["models"].items():
         for alloc in ALLOCATORS:
             for phase in ("prefill", "decode"):
                 ph = res.get(alloc, {}).get(phase)
-                if ph is None:
-                    continue
-                other = ph["noise"].get("other_cpu_cores_during")
-                log(f"\n{model} {phase} {ph['shape']} [{alloc}]  best HF: {ph['best_hf']}, "
-                    f"parity_ok={ph['parity_ok']}, other processes' CPU during timing: "
-                    f"{'n/a' if other is None else f'{other:.2f} cores'}")
-                log(f"  {'contender':24s} {'median':>9s} {'p10':>9s} {'p90':>9s} {'vs best HF':>10s} "
-                    f"{'max|diff|':>9s} {'faults':>7s} {'sys ms':>7s}")
-                for name, r in ph["contenders"].items():
-                    ratio = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else ""
-                    log(f"  {name:24s} {r['median_ms']:7.2f}ms {r['p10_ms']:7.2f}ms {r['p90_ms']:7.2f}ms "
-                        f"{ratio:>10s} {r['max_abs_diff']:9.2e} {r['minor_page_faults_per_call']:7.0f} "
-                        f"{r['kernel_cpu_ms_per_call']:7.2f}")
-                for name, r in ph["contenders"].items():
-                    if "stats" in r:
-                        log(f"  {name}: {describe_stats(r['stats'])}")
-                for name, r in ph["contenders"].items():
-                    if "profile_top_ops" in r:
-                        ops = ", ".join(f"{o['op'].removeprefix('aten::')} {o['self_ms']:.2f}"
-                                        for o in r["profile_top_ops"][:8])
-                        log(f"  profile {name} (self ms/call): {ops}")
+                if ph is not None:
+                    yield model, alloc, phase, ph
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """Human-readable summary on stderr (stdout is reserved for the JSON)."""
+    for model, alloc, phase, ph in phases(report):
+        other = ph["noise"].get("other_cpu_cores_during")
+        log(f"\n{model} {phase} {ph['shape']} [{alloc}]  best HF: {ph['best_hf']}, "
+            f"parity_ok={ph['parity_ok']}, other processes' CPU during timing: "
+            f"{'n/a' if other is None else f'{other:.2f} cores'}")
+        log(f"  {'contender':24s} {'median':>9s} {'p10':>9s} {'p90':>9s} {'vs best HF':>10s} "
+            f"{'max|diff|':>9s} {'faults':>7s} {'sys ms':>7s}")
+        for name, r in ph["contenders"].items():
+            ratio = f"{r['speedup_vs_best_hf']:.2f}x" if "speedup_vs_best_hf" in r else ""
+            log(f"  {name:24s} {r['median_ms']:7.2f}ms {r['p10_ms']:7.2f}ms {r['p90_ms']:7.2f}ms "
+                f"{ratio:>10s} {r['max_abs_diff']:9.2e} {r['minor_page_faults_per_call']:7.0f} "
+                f"{r['kernel_cpu_ms_per_call']:7.2f}")
+        for name, r in ph["contenders"].items():
+            if "stats" in r:
+                log(f"  {name}: {describe_stats(r['stats'])}")
+        for name, r in ph["contenders"].items():
+            if "profile_top_ops" in r:
+                ops = ", ".join(f"{o['op'].removeprefix('aten::')} {o['self_ms']:.2f}"
+                                for o in r["profile_top_ops"][:8])
+                log(f"  profile {name} (self ms/call): {ops}")
     env = report["environment"]
     log(f"\nthreads {env['torch_threads']}, load average start {env['load_average_start']} "
         f"end {env['load_average_end']}, wall {env['wall_s']} s" +
@@ -584,19 +589,14 @@ def parse_scales(value: str | None, models: list[str], quick: bool, p: argparse.
 def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One flat row per (model, allocator, phase, contender): the numbers to quote."""
     rows = []
-    for model, res in report["models"].items():
-        for alloc in ALLOCATORS:
-            for phase in ("prefill", "decode"):
-                ph = res.get(alloc, {}).get(phase)
-                if ph is None:
-                    continue
-                for name, r in ph["contenders"].items():
-                    rows.append({"model": model, "allocator": alloc, "phase": phase, "contender": name,
-                                 "median_ms": round(r["median_ms"], 3), "p10_ms": round(r["p10_ms"], 3),
-                                 "p90_ms": round(r["p90_ms"], 3),
-                                 "speedup_vs_best_hf": (round(r["speedup_vs_best_hf"], 3)
-                                                        if "speedup_vs_best_hf" in r else None),
-                                 "best_hf": ph["best_hf"]})
+    for model, alloc, phase, ph in phases(report):
+        for name, r in ph["contenders"].items():
+            rows.append({"model": model, "allocator": alloc, "phase": phase, "contender": name,
+                         "median_ms": round(r["median_ms"], 3), "p10_ms": round(r["p10_ms"], 3),
+                         "p90_ms": round(r["p90_ms"], 3),
+                         "speedup_vs_best_hf": (round(r["speedup_vs_best_hf"], 3)
+                                                if "speedup_vs_best_hf" in r else None),
+                         "best_hf": ph["best_hf"]})
     return rows
 
 

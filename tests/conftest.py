@@ -326,3 +326,11 @@ def scaling_expected(x: torch.Tensor, pair_weights: torch.Tensor, expert_index: 
     if keep is not None:
         coeff = coeff * keep.double()
     return coeff.sum(dim=1, keepdim=True) * x.double()
+
+
+def zero_router(router: RouterBase) -> RouterBase:
+    """All weights and biases zero: every logit ties, the hardest case for top-k."""
+    with torch.no_grad():
+        for tensor in list(router.parameters()) + list(router.buffers()):
+            tensor.zero_()
+    return router

@@ -24,6 +24,7 @@ from conftest import (
     make_scaling_experts,
     randn,
     scaling_expected,
+    zero_router,
 )
 from nxd_moe import GroupLimitedRouter, MoE, RouterSinkhorn, RouterTopK
 from nxd_moe.experts.token_mapping import num_blocks
@@ -127,28 +128,18 @@ def test_prescale_with_every_token_on_one_expert(mode):
 # through routers with crafted weights
 
 
-def _zero_router(router):
-    with torch.no_grad():
-        router.linear_router.weight.zero_()
-        if router.linear_router.bias is not None:
-            router.linear_router.bias.zero_()
-        if isinstance(router, GroupLimitedRouter):
-            router.e_score_correction_bias.zero_()
-    return router
-
-
 ROUTERS = {
-    "topk_softmax_ties": lambda: _zero_router(RouterTopK(6, 2, 8)),
-    "topk_sigmoid_ties": lambda: _zero_router(RouterTopK(6, 3, 8, act_fn="sigmoid")),
-    "topk_act_over_topk_ties": lambda: _zero_router(RouterTopK(6, 2, 8, apply_act_fn_over_topk=True, bias=True)),
-    "group_limited_ties": lambda: _zero_router(GroupLimitedRouter(6, 2, 8, n_group=3, topk_group=2, normalize=True)),
-    "sinkhorn_ties": lambda: _zero_router(RouterSinkhorn(6, 1, 8)),
-    "k_equals_e_ties": lambda: _zero_router(RouterTopK(6, 6, 8)),
+    "topk_softmax_ties": lambda: zero_router(RouterTopK(6, 2, 8)),
+    "topk_sigmoid_ties": lambda: zero_router(RouterTopK(6, 3, 8, act_fn="sigmoid")),
+    "topk_act_over_topk_ties": lambda: zero_router(RouterTopK(6, 2, 8, apply_act_fn_over_topk=True, bias=True)),
+    "group_limited_ties": lambda: zero_router(GroupLimitedRouter(6, 2, 8, n_group=3, topk_group=2, normalize=True)),
+    "sinkhorn_ties": lambda: zero_router(RouterSinkhorn(6, 1, 8)),
+    "k_equals_e_ties": lambda: zero_router(RouterTopK(6, 6, 8)),
 }
 
 
 def _bias_router(num_experts, top_k, favourite):
-    router = _zero_router(RouterTopK(num_experts, top_k, 8, bias=True))
+    router = zero_router(RouterTopK(num_experts, top_k, 8, bias=True))
     with torch.no_grad():
         router.linear_router.bias[favourite] = 30.0
     return router
@@ -181,7 +172,7 @@ def test_crafted_routers_lose_nothing(router_name, shape, block_size):
 
 @pytest.mark.parametrize("router_kind", ["topk_softmax", "group_limited", "sinkhorn"])
 def test_zero_router_weights_with_random_experts_all_modes(router_kind):
-    router = _zero_router(make_router(router_kind, 8, 2, 16))
+    router = zero_router(make_router(router_kind, 8, 2, 16))
     top_k = router.top_k
     cfg = make_config(num_experts=8, top_k=top_k, capacity_factor=1.0, bias=True)
     experts = make_experts(cfg, block_size=4, seed=9)

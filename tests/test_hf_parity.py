@@ -33,49 +33,47 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
+from hf_helpers import ATOL_FP32, HIDDEN, LAYERS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
 from nxd_moe.config import MoEModelConfig, RouterSpec, SharedExpertsSpec  # noqa: E402
 from nxd_moe.experts.backends import TorchBackend  # noqa: E402
 from nxd_moe.hf import from_hf_config, from_hf_moe_block  # noqa: E402
 
-HIDDEN = 32
-ATOL_FP32 = 1e-5
-_LAYERS = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
 
 # name -> (config factory, transformers block class). Sizes keep E*k small so every mode is reachable; the
 # GPT-OSS limit is low enough that its clamps are active on these activations.
 VARIANTS = {
     "mixtral": (lambda: MixtralConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                      num_experts_per_tok=2, **_LAYERS), MixtralSparseMoeBlock),
+                                      num_experts_per_tok=2, **LAYERS), MixtralSparseMoeBlock),
     "qwen3_moe": (lambda: Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24, num_experts=8,
-                                         num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, **_LAYERS),
+                                         num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, **LAYERS),
                   Qwen3MoeSparseMoeBlock),
     "qwen3_moe_unnormalized": (lambda: Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24, num_experts=8,
                                                       num_experts_per_tok=2, norm_topk_prob=False, head_dim=16,
-                                                      **_LAYERS), Qwen3MoeSparseMoeBlock),
+                                                      **LAYERS), Qwen3MoeSparseMoeBlock),
     "qwen2_moe": (lambda: Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24, num_experts=8,
-                                         num_experts_per_tok=2, shared_expert_intermediate_size=40, **_LAYERS),
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=40, **LAYERS),
                   Qwen2MoeSparseMoeBlock),
     "gpt_oss": (lambda: GptOssConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                     num_experts_per_tok=2, swiglu_limit=1.0, head_dim=16, **_LAYERS), GptOssMLP),
+                                     num_experts_per_tok=2, swiglu_limit=1.0, head_dim=16, **LAYERS), GptOssMLP),
     "deepseek_v3": (lambda: DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=16, intermediate_size=48,
                                              n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                                              n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                                              first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
-                                             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **_LAYERS),
+                                             qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **LAYERS),
                     DeepseekV3MoE),
     "deepseek_v3_unnormalized": (lambda: DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=16,
                                                           n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                                           topk_group=2, n_shared_experts=1, norm_topk_prob=False,
                                                           routed_scaling_factor=1.5, first_k_dense_replace=0,
                                                           q_lora_rank=8, kv_lora_rank=8, qk_rope_head_dim=4,
-                                                          qk_nope_head_dim=4, v_head_dim=4, **_LAYERS),
+                                                          qk_nope_head_dim=4, v_head_dim=4, **LAYERS),
                                  DeepseekV3MoE),
     "llama4_text": (lambda: Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=24, intermediate_size_mlp=48,
-                                             num_local_experts=8, num_experts_per_tok=1, head_dim=16, **_LAYERS),
+                                             num_local_experts=8, num_experts_per_tok=1, head_dim=16, **LAYERS),
                     Llama4TextMoe),
     "llama4_text_top2": (lambda: Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=24, intermediate_size_mlp=48,
                                                   num_local_experts=8, num_experts_per_tok=2, head_dim=16,
-                                                  **_LAYERS), Llama4TextMoe),
+                                                  **LAYERS), Llama4TextMoe),
     "dbrx": (lambda: DbrxConfig(d_model=HIDDEN, n_layers=2, n_heads=2, vocab_size=64,
                                 attn_config=dict(kv_n_heads=1),
                                 ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2,
@@ -102,27 +100,6 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """The tensors here are tiny: one thread is faster than two, and immune to spin-waiting when other
-    processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@torch.no_grad()
-def randomize_hf_(module: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Every parameter and floating buffer ~ N(0, std^2) (several are created with torch.empty or zeros, and
-    zero router weights would make routing trivial); DeepSeek's correction bias gets half the scale so it
-    reorders experts without swamping the sigmoid scores."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor.is_floating_point():
-            scale = std / 2 if name.endswith("e_score_correction_bias") else std
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) * scale)
-    return module
 
 
 def make_block(variant: str, impl: str | None = "eager", seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -147,15 +124,6 @@ def nxd_output(moe, x: torch.Tensor) -> tuple[torch.Tensor, str]:
     return out, stats.mode.value
 
 
-def inputs(batch: int, seq_len: int, seed: int = 1, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(batch, seq_len, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def assert_parity(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL_FP32) -> None:
-    err = (ours.double() - ref.double()).abs().max().item()
-    scale = ref.abs().mean().item()
-    assert 0.05 < scale < 5, f"reference output scale {scale:.3g} is outside the intended O(0.1-1)"
-    assert err <= atol, f"max abs error {err:.3e} > {atol:.1e} (reference mean |y| {scale:.3g})"
 
 
 def _matrix():

@@ -32,41 +32,39 @@ from transformers import (  # noqa: E402
     Qwen3MoeForCausalLM,
 )
 
+from hf_helpers import HIDDEN, LAYERS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
 from nxd_moe import build_moe  # noqa: E402
 from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict  # noqa: E402
 
-HIDDEN = 32
-ATOL_FP32 = 1e-5
-_LAYERS = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
 
 # name -> (model factory, attribute path of the decoder layers, attribute of the MoE block in a layer, MoE layers,
 # whether the Hub layout differs from the in-memory one). Qwen3, DeepSeek and Llama 4 get a dense layer 0 so
 # dense-MLP keys must pass through.
 MODELS = {
     "mixtral": (lambda: MixtralForCausalLM(MixtralConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                                         num_experts_per_tok=2, **_LAYERS)),
+                                                         num_experts_per_tok=2, **LAYERS)),
                 "model.layers", "mlp", (0, 1), True),
     "qwen3_moe": (lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24,
                                                              intermediate_size=40, num_experts=8,
                                                              num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
-                                                             mlp_only_layers=[0], **_LAYERS)),
+                                                             mlp_only_layers=[0], **LAYERS)),
                   "model.layers", "mlp", (1,), True),
     "qwen2_moe": (lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24,
                                                              shared_expert_intermediate_size=40, num_experts=8,
-                                                             num_experts_per_tok=2, **_LAYERS)),
+                                                             num_experts_per_tok=2, **LAYERS)),
                   "model.layers", "mlp", (0, 1), True),
     "deepseek_v3": (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
         hidden_size=HIDDEN, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=16, num_experts_per_tok=4,
         n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
-        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **_LAYERS)), "model.layers", "mlp", (1,), True),
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **LAYERS)), "model.layers", "mlp", (1,), True),
     "gpt_oss": (lambda: GptOssForCausalLM(GptOssConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
                                                        num_experts_per_tok=2, swiglu_limit=1.0, head_dim=16,
-                                                       **_LAYERS)),
+                                                       **LAYERS)),
                 "model.layers", "mlp", (0, 1), False),
     "llama4_text": (lambda: Llama4ForCausalLM(Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=24,
                                                                intermediate_size_mlp=48, num_local_experts=8,
                                                                num_experts_per_tok=1, head_dim=16,
-                                                               interleave_moe_layer_step=2, **_LAYERS)),
+                                                               interleave_moe_layer_step=2, **LAYERS)),
                     "model.layers", "feed_forward", (1,), False),
     "dbrx": (lambda: DbrxForCausalLM(DbrxConfig(d_model=HIDDEN, n_layers=2, n_heads=2, vocab_size=64,
                                                 attn_config=dict(kv_n_heads=1, rope_theta=10000.0),
@@ -75,26 +73,6 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """The tensors here are tiny: one thread is faster than two, and immune to spin-waiting when other
-    processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@torch.no_grad()
-def randomize_hf_(module: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Every parameter and floating buffer ~ N(0, std^2): several MoE tensors start as torch.empty or zeros.
-    DeepSeek's correction bias gets half the scale so it reorders experts without swamping the scores."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor.is_floating_point():
-            scale = std / 2 if name.endswith("e_score_correction_bias") else std
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) * scale)
-    return module
 
 
 class Checkpoint:
@@ -153,9 +131,6 @@ def ckpt(request, tmp_path_factory) -> Checkpoint:
     return checkpoint(request.param, tmp_path_factory)
 
 
-def inputs(batch: int, seq_len: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(batch, seq_len, HIDDEN, generator=torch.Generator().manual_seed(seed))
-
 
 def assert_same_state_dict(actual: dict, expected: dict) -> None:
     assert set(actual) == set(expected), (
@@ -163,11 +138,6 @@ def assert_same_state_dict(actual: dict, expected: dict) -> None:
     for key, value in expected.items():
         assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
 
-
-def assert_parity(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    err = (ours - ref).abs().max().item()
-    assert 0.05 < ref.abs().mean().item() < 5
-    assert err <= ATOL_FP32, f"max abs error {err:.3e}"
 
 
 def nxd_block(nxd: dict, prefix: str) -> dict:

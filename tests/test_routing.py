@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close, make_router, randn, randomize_
+from conftest import assert_close, make_router, randn, randomize_, zero_router
 from nxd_moe import GroupLimitedRouter, RouterConfig, RouterSinkhorn, RouterTopK
 from nxd_moe.routing.sinkhorn import sinkhorn
 
@@ -161,13 +161,7 @@ def test_sinkhorn_balances_marginals():
 
 @pytest.mark.parametrize("kind", ["topk_softmax", "topk_sigmoid", "topk_act_over_topk", "group_limited"])
 def test_all_equal_logits_still_give_k_distinct_experts(kind):
-    router = make_router(kind, 8, 3, 16)
-    with torch.no_grad():
-        router.linear_router.weight.zero_()
-        if router.linear_router.bias is not None:
-            router.linear_router.bias.zero_()
-        if isinstance(router, GroupLimitedRouter):
-            router.e_score_correction_bias.zero_()
+    router = zero_router(make_router(kind, 8, 3, 16))
     _, affinities, index = router(randn(7, 16, seed=11))
     assert all(len(s) == 3 for s in as_sets(index))
     assert bool(((index >= 0) & (index < 8)).all())
