@@ -69,10 +69,12 @@ def _timed_ms(fn, repeats: int) -> tuple[object, float]:
 
 @contextmanager
 def _progress(total: int, enabled: bool):
-    """A progress bar on stderr that appears only if the run takes more than two seconds."""
+    """A progress bar on stderr that appears only if the run takes more than two seconds, and only on a
+    terminal (``disable=None`` is tqdm's "not a TTY")."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, delay=2.0, file=sys.stderr, disable=not enabled, leave=False, unit="step")
+    bar = tqdm(total=total, delay=2.0, file=sys.stderr, disable=None if enabled else True, leave=False,
+               unit="step")
     try:
         yield bar
     finally:
@@ -102,17 +104,17 @@ def run(args: argparse.Namespace) -> dict:
     dtype = to_torch_dtype(args.dtype, "--dtype")
     scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
     with _progress(total=3, enabled=not args.no_progress) as bar:
-        bar.set_description("build")
+        bar.set_description("build", refresh=False)
         moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, **overrides)
         bar.update()
         cfg = moe.expert_mlps.routed_experts_mlp_config
         generator = torch.Generator().manual_seed(args.seed + 1)
-        bar.set_description("prefill")
+        bar.set_description("prefill", refresh=False)
         prefill_x = torch.randn(1, args.tokens, cfg.hidden_size, generator=generator).to(dtype)
         prefill = _step(moe, prefill_x, args.repeats)
         prefill["tokens"] = args.tokens
         bar.update()
-        bar.set_description("decode")
+        bar.set_description("decode", refresh=False)
         decode_x = torch.randn(args.decode_batch, 1, cfg.hidden_size, generator=generator).to(dtype)
         decode = _step(moe, decode_x, args.repeats)
         decode["batch"] = args.decode_batch

@@ -1,0 +1,88 @@
+"""``nxd-moe``: the main job runs every shipped config, reports what the issue asks for, and fails cleanly."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from nxd_moe.cli import auto_scale, main
+from nxd_moe.config import builtin_config_names
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["run", "--json", "--no-progress", "--repeats", "1", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", builtin_config_names())
+def test_run_every_shipped_config(capsys, name):
+    report = run_json(capsys, "--config", str(ROOT / "configs" / f"{name}.yaml"), "--tokens", "64",
+                      "--decode-batch", "2")
+    assert report["config"] == name
+    prefill, decode = report["prefill"], report["decode"]
+    assert prefill["mode"] in ("blockwise", "all_experts", "selective_loading")
+    if prefill["mode"] == "blockwise":
+        assert prefill["num_blocks"] >= prefill["active_blocks"] >= 1
+    assert decode["mode"] in ("selective_loading", "all_experts")
+    for step in (prefill, decode):
+        assert step["ms"] > 0
+        assert step["max_abs_err"] < 1e-5 * max(1.0, step["max_abs_ref"])
+    assert report["dropped_tokens"] == 0  # every shipped config is dropless
+
+
+def test_json_keys_scripts_rely_on(capsys):
+    report = run_json(capsys, "--config", "qwen3-30b-a3b", "--tokens", "128", "--scale", "32")
+    for key in ("config", "dropped_tokens"):
+        assert key in report
+    for key in ("mode", "num_blocks", "max_abs_err", "ms", "padding_overhead_provisioned",
+                "padding_overhead_algorithmic", "dropped_tokens"):
+        assert key in report["prefill"], key
+    for key in ("mode", "max_abs_err", "ms"):
+        assert key in report["decode"], key
+    assert report["scale"] == 32 and report["hidden_size"] == 2048 // 32
+
+
+def test_capacity_factor_reports_dropped_tokens(capsys):
+    report = run_json(capsys, "--config", "mixtral-8x7b", "--tokens", "256", "--capacity-factor", "0.5",
+                      "--scale", "32")
+    assert report["prefill"]["mode"] == "capacity_factor"
+    assert report["prefill"]["capacity"] == 256 * 2 * 0.5 // 8
+    assert report["dropped_tokens"] > 0
+    assert report["prefill"]["max_abs_err"] < 1e-5
+
+
+def test_human_report_names_the_algorithm_and_overheads(capsys):
+    assert main(["run", "--config", "qwen3-30b-a3b", "--tokens", "128", "--scale", "32", "--repeats", "1",
+                 "--no-progress", "--block-size", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "-> blockwise" in text and "num_blocks" in text and "padding overhead" in text
+    assert re.search(r"decode\s+batch 8 -> selective_loading", text)
+
+
+def test_auto_scale_keeps_hidden_small():
+    assert auto_scale(2048) == 16 and auto_scale(7168) == 32 and auto_scale(256) == 16
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--config", "no-such-model"], "neither a file nor a built-in config"),
+    (["run", "--config", "mixtral-8x7b", "--tokens", "0"], "--tokens: must be >= 1"),
+    (["run", "--config", "mixtral-8x7b", "--capacity-factor", "-1"], "--capacity-factor: must be > 0"),
+    (["run", "--config", "mixtral-8x7b", "--dtype", "int8"], "--dtype must be a floating"),
+])
+def test_bad_arguments_exit_2_with_a_message(capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line and not line.startswith(("#", "set ", "cd "))]
+    assert len(commands) == 1 and f"\n{commands[0]}\n" in readme
