@@ -9,6 +9,7 @@ reference. ``--json`` prints the same as one JSON object.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -24,6 +25,12 @@ from nxd_moe.reference import reference_for_moe
 
 MIN_AUTO_SCALE = 16
 AUTO_SCALE_MAX_HIDDEN = 256
+# Subcommands that live with the code they drive: each module has HELP, add_arguments(parser), main(args) -> int.
+SUBCOMMANDS = {
+    "trace": "nxd_moe.trace",
+    "plan": "nxd_moe.nki_kernels.plan",
+}
+
 DEFAULT_TOKENS = 512
 DEFAULT_DECODE_BATCH = 8
 
@@ -197,12 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
 
     sub.add_parser("configs", help="list the built-in model configs")
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            continue
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[args.command]).main(args)
     if args.command == "configs":
         for name in builtin_config_names():
             model = load_model_config(name)
