@@ -8,6 +8,7 @@ from nxd_moe.build import build_moe, build_router
 from nxd_moe.config import (
     BlockShardStrategy,
     BlockwiseMatmulConfig,
+    ExpertParallelConfig,
     GLUType,
     MoEModelConfig,
     RoutedExpertsMLPOpsConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "BlockShardStrategy",
     "BlockwiseMatmulConfig",
     "ExpertMLPsV2",
+    "ExpertParallelConfig",
     "ExpertsBackend",
     "ExpertsMode",
     "ExpertsStats",

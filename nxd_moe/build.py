@@ -7,7 +7,15 @@ from typing import Any, Mapping
 
 import torch
 
-from nxd_moe.config import MoEModelConfig, RouterSpec, check_int, load_model_config, to_torch_dtype
+from nxd_moe.config import (
+    ExpertParallelConfig,
+    MoEModelConfig,
+    RouterSpec,
+    check_bool,
+    check_int,
+    load_model_config,
+    to_torch_dtype,
+)
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.experts.shared import SharedExperts
@@ -15,9 +23,10 @@ from nxd_moe.moe import MoE
 from nxd_moe.routing import GroupLimitedRouter, RouterBase, RouterSinkhorn, RouterTopK
 
 
-def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: int, device=None) -> RouterBase:
+def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: int, device=None,
+                 sequence_parallel_enabled: bool = False) -> RouterBase:
     common = dict(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, dtype=spec.dtype, device=device,
-                  jitter_eps=spec.jitter_eps)
+                  jitter_eps=spec.jitter_eps, sequence_parallel_enabled=sequence_parallel_enabled)
     if spec.type == "group_limited":
         return GroupLimitedRouter(n_group=spec.n_group, topk_group=spec.topk_group, normalize=spec.normalize,
                                   routed_scaling_factor=spec.routed_scaling_factor, **common)
@@ -36,6 +45,9 @@ def build_moe(
     seed: int | None = None,
     backend: str | ExpertsBackend = "torch",
     validate_inputs: bool = False,
+    expert_parallel_config: ExpertParallelConfig | None = None,
+    sequence_parallel: bool = False,
+    model_parallel: bool | None = None,
     **overrides,
 ) -> MoE:
     """An ``MoE`` for ``config`` (a built-in name, a YAML path, a mapping or a :class:`MoEModelConfig`) with
@@ -45,7 +57,16 @@ def build_moe(
     ``overrides`` replace :class:`~nxd_moe.config.RoutedExpertsMLPOpsConfig` keys (e.g. ``capacity_factor``)
     or, prefixed ``block_``, :class:`~nxd_moe.config.BlockwiseMatmulConfig` keys (``block_size=`` is accepted
     as is). Returns the module in eval mode.
+
+    Model parallelism (see :mod:`nxd_moe.parallel_state`): with ``model_parallel=None`` the layer is sharded
+    whenever model parallelism is initialised (``False`` builds the whole layer on every rank).
+    ``expert_parallel_config`` picks the dispatch and the expert placement; ``sequence_parallel`` makes the
+    router, the shared experts (replicated weights) and the layer sequence parallel. Every rank must pass the
+    same ``seed``: replicated weights (router, sequence-parallel shared experts) must be equal on all ranks. A
+    sharded layer's random expert weights are its own; to compare with a single-device layer, build that one
+    with ``model_parallel=False`` and load it with :func:`nxd_moe.parallel.sharding.load_full_state_dict`.
     """
+    sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
     model = load_model_config(config).scaled(check_int("scale", scale, minimum=1))
     dtype = to_torch_dtype(dtype)
     blockwise_keys = {k: overrides.pop(k) for k in list(overrides) if k == "block_size"}
@@ -53,13 +74,16 @@ def build_moe(
     experts_config = model.routed_experts_config(**overrides)
     if seed is not None:
         torch.manual_seed(seed)
-    router = build_router(model.router, model.num_experts, model.top_k, model.hidden_size, device)
+    router = build_router(model.router, model.num_experts, model.top_k, model.hidden_size, device, sequence_parallel)
     expert_mlps = ExpertMLPsV2(experts_config, model.blockwise_config(**blockwise_keys), dtype=dtype, device=device,
-                               backend=backend, validate_inputs=validate_inputs)
+                               backend=backend, validate_inputs=validate_inputs,
+                               expert_parallel_config=expert_parallel_config, model_parallel=model_parallel)
     shared = None
     if model.shared_experts is not None:
         spec = model.shared_experts
         shared = SharedExperts(model.hidden_size, model.shared_intermediate_size, spec.num_shared_experts,
                                spec.hidden_act or experts_config.hidden_act, dtype=dtype, device=device,
-                               fused_gate_up_projection=spec.fused_gate_up_projection, shared_expert_gate=spec.gate)
-    return MoE(router, expert_mlps, shared, validate_inputs=validate_inputs).eval()
+                               fused_gate_up_projection=spec.fused_gate_up_projection, shared_expert_gate=spec.gate,
+                               sequence_parallel_enabled=sequence_parallel, model_parallel=model_parallel)
+    return MoE(router, expert_mlps, shared, sequence_parallel_enabled=sequence_parallel,
+               validate_inputs=validate_inputs).eval()

@@ -4,6 +4,9 @@
 weights (H and I divided by ``--scale``), runs a prefill and a decode step, and reports which algorithm ran,
 the block layout, padding overhead, dropped tokens, time per step and the error against the float64 dense
 reference. ``--json`` prints the same as one JSON object.
+
+``torchrun --nproc-per-node N -m nxd_moe.cli run --config ... --tp A --ep B`` runs the same job model-parallel
+(gloo): each token group (TP group) feeds its own sequence and decode batch, rank 0 reports.
 """
 
 from __future__ import annotations
@@ -11,16 +14,26 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
+from nxd_moe import parallel_state
 from nxd_moe.build import build_moe
-from nxd_moe.config import builtin_config_names, load_model_config, to_torch_dtype
+from nxd_moe.config import (
+    EXPERT_PARALLEL_DISPATCHES,
+    ExpertParallelConfig,
+    builtin_config_names,
+    load_model_config,
+    to_torch_dtype,
+)
 from nxd_moe.experts.backends import BACKENDS
+from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.reference import reference_for_moe
 
 MIN_AUTO_SCALE = 16
@@ -99,15 +112,28 @@ def _step(moe, x: torch.Tensor, repeats: int) -> dict:
     return summary
 
 
-def run(args: argparse.Namespace) -> dict:
-    model = load_model_config(args.config)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def _overrides(args: argparse.Namespace) -> dict:
     overrides = {}
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
     if args.capacity_factor is not None:
         overrides["capacity_factor"] = args.capacity_factor
+    return overrides
+
+
+def _is_parallel(args: argparse.Namespace) -> bool:
+    return (args.tp * args.ep > 1 or args.sp or args.decode_tp is not None or args.decode_ep is not None
+            or int(os.environ.get("WORLD_SIZE", "1")) > 1)
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """The report (on rank 0 of a model-parallel run; None on the other ranks)."""
+    if _is_parallel(args):
+        return run_parallel(args)
+    model = load_model_config(args.config)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = _overrides(args)
     dtype = to_torch_dtype(args.dtype, "--dtype")
     scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
     with _progress(total=3, enabled=not args.no_progress) as bar:
@@ -144,6 +170,112 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeats: int) -> dict:
+    """One step on this rank's part of the block's input ``x (D * batch, S, H)``; error against the float64
+    reference of the same tokens, gathered over the ranks (time: the slowest rank's)."""
+    d, j = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_size()
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        t = t[d * batch:(d + 1) * batch]
+        width = t.shape[1] // tp
+        return t[:, j * width:(j + 1) * width] if sharded else t
+
+    local = mine(x)
+    with torch.inference_mode():
+        (output, stats), ms = _timed_ms(lambda: moe(local, return_stats=True), repeats)
+        # Capacity drops depend on every token of the block; otherwise this rank's tokens are enough.
+        reference = (mine(reference_for_moe(full, x, capacity=stats.capacity)) if stats.capacity is not None
+                     else reference_for_moe(full, local))
+    summary = stats.summary()
+    mine_numbers = {"err": float((output.double() - reference).abs().max()), "ref": float(reference.abs().max()),
+                    "ms": ms, "bytes": summary["bytes_moved"], "load": summary["rank_load"]}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine_numbers)
+    summary.update(
+        ms=max(e["ms"] for e in everyone),
+        max_abs_err=max(e["err"] for e in everyone),
+        max_abs_ref=max(e["ref"] for e in everyone),
+        bytes_moved_per_rank=[e["bytes"] for e in everyone],
+        rank_load_per_rank=[e["load"] for e in everyone],
+    )
+    for key in ("bytes_moved", "rank_load", "bytes_by_step", "local_experts"):
+        summary.pop(key, None)
+    return summary
+
+
+def run_parallel(args: argparse.Namespace) -> dict | None:
+    """The run job on every rank of a ``torchrun`` launch (gloo); the single-device layer with the same seed is
+    built on each rank for the reference and sharded into the parallel one."""
+    if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
+        raise ValueError(f"--tp {args.tp} --ep {args.ep} runs on {args.tp * args.ep} processes: launch with "
+                         f"torchrun --nproc-per-node {args.tp * args.ep} -m nxd_moe.cli run ...")
+    model = load_model_config(args.config)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = to_torch_dtype(args.dtype, "--dtype")
+    scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo")
+    try:
+        parallel_state.initialize_model_parallel(args.tp, args.ep, moe_decode_tensor_model_parallel_size=args.decode_tp,
+                                                 moe_decode_expert_model_parallel_size=args.decode_ep)
+        if args.sp and args.tokens % args.tp:
+            raise ValueError(f"--sp shards the --tokens ({args.tokens}) over --tp ({args.tp}); pick a multiple")
+        common = dict(scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, sequence_parallel=args.sp,
+                      **_overrides(args))
+        full = build_moe(model, model_parallel=False, **common)
+        moe = load_full_state_dict(build_moe(model, expert_parallel_config=ExpertParallelConfig(args.dispatch),
+                                             **common), full.state_dict())
+        cfg = full.expert_mlps.routed_experts_mlp_config
+        groups = parallel_state.get_expert_model_parallel_size()
+        generator = torch.Generator().manual_seed(args.seed + 1)
+        prefill_x = torch.randn(groups, args.tokens, cfg.hidden_size, generator=generator).to(dtype)
+        decode_x = torch.randn(groups * args.decode_batch, 1, cfg.hidden_size, generator=generator).to(dtype)
+        prefill = _parallel_step(full, moe, prefill_x, 1, args.sp, args.repeats)
+        decode = _parallel_step(full, moe, decode_x, args.decode_batch, False, args.repeats)
+        layout = parallel_state.get_parallel_layout()
+        rank = dist.get_rank()
+    finally:
+        parallel_state.destroy_model_parallel()
+        if started:
+            dist.destroy_process_group()
+    if rank:
+        return None
+    prefill["tokens"], decode["batch"] = args.tokens, args.decode_batch
+    return {
+        "config": model.name,
+        "scale": scale,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": args.backend,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_experts": cfg.num_experts,
+        "top_k": cfg.top_k,
+        "shared_experts": full.shared_experts is not None,
+        "router": type(full.router).__name__,
+        "threads": torch.get_num_threads(),
+        "parallel": {
+            "world_size": layout.world_size,
+            "tensor_model_parallel_size": layout.tensor_model_parallel_size,
+            "expert_model_parallel_size": layout.expert_model_parallel_size,
+            "moe_prefill": list(layout.moe_prefill),
+            "moe_decode": list(layout.moe_decode),
+            "sequence_parallel": args.sp,
+            "dispatch": args.dispatch,
+            "token_groups": groups,
+        },
+        "prefill": prefill,
+        "decode": decode,
+        "dropped_tokens": prefill["dropped_tokens"] + decode["dropped_tokens"],
+    }
+
+
+def _kib(values: list[int]) -> str:
+    return f"{max(values) / 1024:.1f} KiB max/rank"
+
+
 def _pct(value) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -174,6 +306,16 @@ def format_report(report: dict) -> str:
         f"decode   batch {d['batch']} -> {d['mode']}: {d['ms']:.2f} ms/step, "
         f"max |err| {d['max_abs_err']:.2e} (max |ref| {d['max_abs_ref']:.2e})"
     )
+    par = report.get("parallel")
+    if par is not None:
+        (ptp, pep), (dtp, dep) = par["moe_prefill"], par["moe_decode"]
+        lines.insert(1, f"parallel world {par['world_size']}: TP {par['tensor_model_parallel_size']} x EP "
+                        f"{par['expert_model_parallel_size']} (MoE prefill TP {ptp} x EP {pep}, decode TP {dtp} x EP "
+                        f"{dep}), sequence parallel {'on' if par['sequence_parallel'] else 'off'}, dispatch "
+                        f"{par['dispatch']}; {par['token_groups']} token group(s), each with its own sequence and "
+                        "decode batch; rank 0 reports, time = slowest rank")
+        lines.append(f"moved    prefill {_kib(p['bytes_moved_per_rank'])} (pairs per rank "
+                     f"{p['rank_load_per_rank']}), decode {_kib(d['bytes_moved_per_rank'])}")
     return "\n".join(lines)
 
 
@@ -200,15 +342,22 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions per step (median)")
     run_p.add_argument("--seed", type=int, default=0)
     run_p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    run_p.add_argument("--tp", type=_positive_int, default=1,
+                       help="tensor-parallel size (model parallel runs: launch with torchrun --nproc-per-node N)")
+    run_p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    run_p.add_argument("--decode-tp", type=_positive_int, default=None,
+                       help="MoE tensor-parallel size in decode (hybrid sharding; default --tp)")
+    run_p.add_argument("--decode-ep", type=_positive_int, default=None,
+                       help="MoE expert-parallel size in decode (hybrid sharding; default --ep)")
+    run_p.add_argument("--sp", action="store_true", help="sequence parallelism in prefill (shards --tokens over --tp)")
+    run_p.add_argument("--dispatch", default="all_gather", choices=EXPERT_PARALLEL_DISPATCHES,
+                       help="expert-parallel token dispatch (default all_gather, NxD's)")
     run_p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     run_p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
 
     sub.add_parser("configs", help="list the built-in model configs")
     for name, module_name in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError:
-            continue
+        module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
     return parser
 
@@ -228,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         report = run(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.exit(2, f"nxd-moe: error: {e}\n")
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if report is not None:
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
 

@@ -7,6 +7,7 @@ on the inputs (shapes and dtypes).
 - :class:`RoutedExpertsMLPOpsConfig` -- what the routed experts compute (NxD's class of that name).
 - :class:`BlockwiseMatmulConfig` -- how the dropless blockwise prefill is laid out (NxD's 15 fields).
 - :class:`RouterConfig` -- router activation and dtype (NxD's class of that name).
+- :class:`ExpertParallelConfig` -- expert-parallel dispatch and expert placement.
 - :class:`MoEModelConfig` -- one real architecture (the YAML files in ``configs/``).
 """
 
@@ -18,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -162,12 +163,14 @@ class BlockwiseMatmulConfig:
     """Layout of the dropless blockwise matmul (NxD's ``BlockwiseMatmulConfig``, same 15 fields and defaults).
 
     Who reads what: ``block_size``, ``optimized_block_to_token_mapping`` and ``pad_num_blocks_to_even``
-    shape the token->block mapping every backend uses; the skip flags, dynamic-while flags,
-    ``logical_nc_config``, ``block_sharding_strategy``, ``use_block_parallel``, ``num_static_blocks`` and
+    shape the token->block mapping every backend uses; the dynamic-while flags and ``num_static_blocks`` select
+    the dynamic-while schedule (a static prefix, then a device-side while loop over active blocks) in the torch
+    backend too; the skip flags, ``logical_nc_config``, ``block_sharding_strategy``, ``use_block_parallel`` and
     ``always_augment_inputs_for_blockwise_matmul`` choose the kernel variant of the ``nki_sim`` backend;
-    ``use_torch_block_wise`` forces the torch blockwise path whatever the backend;
-    ``parallelize_token_to_block_mapping`` splits the mapping over tensor-parallel ranks;
-    ``blockwise_nki_autograd_cls`` names NxD's NKI autograd function and is kept only so NxD configs load.
+    ``use_torch_block_wise`` forces the torch blockwise path whatever the backend. Two fields are kept only so
+    NxD configs load unchanged: ``parallelize_token_to_block_mapping`` (NxD splits the mapping's scatter over
+    TP ranks to save Neuron cycles; here every rank computes its own mapping, with the same result) and
+    ``blockwise_nki_autograd_cls`` (NxD's NKI autograd function).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -346,6 +349,69 @@ class RoutedExpertsMLPOpsConfig:
 
     def replace(self, **changes) -> "RoutedExpertsMLPOpsConfig":
         return dataclasses.replace(self, **changes)
+
+
+EXPERT_PARALLEL_DISPATCHES = ("all_gather", "all_to_all_v")
+
+
+def normalize_distribution(expert_distribution: Sequence[Sequence[int]], what: str = "expert_distribution"
+                           ) -> tuple[tuple[int, ...], ...]:
+    """Tuples of ints; every rank the same number of experts (static weight shapes), no expert twice on a rank."""
+    if isinstance(expert_distribution, (str, bytes)) or not isinstance(expert_distribution, Sequence):
+        raise TypeError(f"{what} must be a sequence of per-rank expert lists, got {type(expert_distribution).__name__}")
+    out = []
+    for p, experts in enumerate(expert_distribution):
+        if isinstance(experts, (str, bytes)) or not isinstance(experts, Sequence) or not experts:
+            raise ValueError(f"{what}[{p}] must be a non-empty list of expert ids, got {experts!r}")
+        ids = tuple(check_int(f"{what}[{p}] entries", e, minimum=0) for e in experts)
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}[{p}] lists an expert twice: {list(ids)}; a rank holds each expert at most once")
+        out.append(ids)
+    if not out:
+        raise ValueError(f"{what} must list at least one rank")
+    lengths = {len(ids) for ids in out}
+    if len(lengths) > 1:
+        raise ValueError(f"{what}: every rank must hold the same number of experts (static weight shapes), got "
+                         f"{[len(ids) for ids in out]}")
+    return tuple(out)
+
+
+
+@dataclass(frozen=True)
+class ExpertParallelConfig:
+    """How routed experts run under expert parallelism (ignored on one device).
+
+    - ``dispatch``: ``"all_gather"`` (NxD's: every rank gathers all tokens, masks to its experts, reduces; static
+      shapes) or ``"all_to_all_v"`` (tokens go only to the ranks that compute one of their experts; a host sync
+      per forward for the counts).
+    - ``expert_distribution``: experts of each expert-parallel rank in prefill (NxD's argument); ``None`` is the
+      contiguous placement. An expert listed on several ranks is replicated and its tokens split between the
+      copies (EPLB, :func:`nxd_moe.parallel.eplb.plan_expert_distribution`). Every rank lists the same number
+      of experts, none twice.
+    - ``decode_expert_distribution``: the same for decode; ``None`` reuses ``expert_distribution`` when the decode
+      expert-parallel size is the prefill one, else the contiguous placement.
+    """
+
+    dispatch: str = "all_gather"
+    expert_distribution: tuple[tuple[int, ...], ...] | None = None
+    decode_expert_distribution: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self):
+        if self.dispatch not in EXPERT_PARALLEL_DISPATCHES:
+            raise ValueError(f"ExpertParallelConfig.dispatch must be one of {list(EXPERT_PARALLEL_DISPATCHES)}, "
+                             f"got {self.dispatch!r}")
+        for name in ("expert_distribution", "decode_expert_distribution"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, normalize_distribution(value, f"ExpertParallelConfig.{name}"))
+
+    def distribution_for(self, prefill: bool, prefill_ep_size: int, decode_ep_size: int):
+        """The distribution a phase uses (see the class docstring)."""
+        if prefill:
+            return self.expert_distribution
+        if self.decode_expert_distribution is not None:
+            return self.decode_expert_distribution
+        return self.expert_distribution if decode_ep_size == prefill_ep_size else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from nxd_moe.config import (
     load_model_config,
 )
 from nxd_moe.moe import MoE
+from nxd_moe.parallel.sharding import load_full_state_dict
 
 __all__ = [
     "LAYOUTS",
@@ -546,7 +547,7 @@ def _family(cfg: MoEModelConfig) -> _Family:
 
 def _expected_nxd(cfg: MoEModelConfig) -> dict[str, torch.Tensor]:
     """Our MoE's state dict for ``cfg`` on the meta device: key names and shapes, no storage."""
-    return build_moe(cfg, device="meta").state_dict()
+    return build_moe(cfg, device="meta", model_parallel=False).state_dict()
 
 
 def _check_keys(given: StateDict, expected: StateDict, where: str, side: str) -> None:
@@ -667,7 +668,8 @@ def nxd_to_hf_state_dict(nxd_state_dict: StateDict, config: Any, *, layout: str 
 
 def load_hf_layer(moe: MoE, hf_state_dict: StateDict, config: Any, layer: int) -> MoE:
     """Load MoE layer ``layer`` of a transformers checkpoint (either layout) into ``moe`` (strict, with the
-    NaN/Inf checks of ``load_state_dict``). Returns ``moe``."""
+    NaN/Inf checks of ``load_state_dict``). A model-parallel ``moe`` takes only this rank's shard. Returns
+    ``moe``."""
     if not isinstance(moe, MoE):
         raise TypeError(f"load_hf_layer: moe must be an nxd_moe MoE, got {type(moe).__name__}")
     if isinstance(layer, bool) or not isinstance(layer, int):
@@ -683,8 +685,7 @@ def load_hf_layer(moe: MoE, hf_state_dict: StateDict, config: Any, layer: int) -
         found = "no MoE weights (a dense layer, or out of range)" if not blocks else f"several blocks {sorted(blocks)}"
         raise ValueError(f"load_hf_layer: layer {layer} has {found}")
     (where, parts), = blocks.items()
-    moe.load_state_dict(_hf_block_to_nxd(parts, cfg, _expected_nxd(cfg), where), strict=True)
-    return moe
+    return load_full_state_dict(moe, _hf_block_to_nxd(parts, cfg, _expected_nxd(cfg), where))
 
 
 def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE:
@@ -694,7 +695,8 @@ def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE
     ``DeepseekV3MoE``, ``Llama4TextMoe`` or ``DbrxFFN``; ``config``: the model's config (or an
     :class:`MoEModelConfig` for it). ``build_kwargs`` go to :func:`~nxd_moe.build.build_moe` (``block_size``,
     ``backend``, ``validate_inputs``, experts overrides...); ``dtype`` and ``device`` default to those of the
-    block's expert weights. Weights are copied with a strict ``load_state_dict``.
+    block's expert weights. Weights are copied with a strict ``load_state_dict``; under model parallelism the
+    layer is sharded and each rank keeps its shard.
 
     ``moe(x)[0]`` matches the block's output (for ``GptOssMLP`` and ``Llama4TextMoe``, the first element of
     the tuple the block returns) up to floating-point rounding; the router runs in float32 as in NxD.
@@ -712,6 +714,4 @@ def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE
     reference = nxd[_DOWN_W]
     build_kwargs.setdefault("dtype", reference.dtype)
     build_kwargs.setdefault("device", reference.device)
-    moe = build_moe(cfg, **build_kwargs)
-    moe.load_state_dict(nxd, strict=True)
-    return moe
+    return load_full_state_dict(build_moe(cfg, **build_kwargs), nxd)

@@ -29,6 +29,13 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
 
     ``validate_inputs=True`` adds NaN/Inf checks on the input and the routing (host syncs); without them a
     NaN token still cannot corrupt other tokens' outputs.
+
+    Under model parallelism (experts or shared experts built while :mod:`nxd_moe.parallel_state` is
+    initialised) each rank passes its own tokens and gets their output: without ``sequence_parallel_enabled``
+    the ranks of a tensor-parallel group pass the same ``(B, S, H)``; with it, each passes its ``(B, S/TP, H)``
+    shard of the sequence (dimension 1) -- except in decode (``S == 1``), which is never sharded. The router
+    runs on the rank's own tokens and only their top-k weights and indices travel (NxD's delayed gather);
+    ``router_logits`` and ``expert_index`` are returned for the rank's own tokens.
     """
 
     def __init__(
@@ -70,7 +77,11 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         self.shared_experts = shared_experts
         self.rmsnorm = rmsnorm
         self.sequence_parallel_enabled = sequence_parallel_enabled
-        self.sequence_dimension = 0 if sequence_dimension is None and sequence_parallel_enabled else sequence_dimension
+        # The sequence dimension of the (B, S, H) input (NxD's default 0 belongs to its (S, B, H) training layout).
+        self.sequence_dimension = 1 if sequence_dimension is None and sequence_parallel_enabled else sequence_dimension
+        if self._distributed and sequence_parallel_enabled and self.sequence_dimension != 1:
+            raise ValueError(f"MoE: sequence parallelism shards dimension 1 (S) of the (B, S, H) input; "
+                             f"sequence_dimension must be 1 or None, got {sequence_dimension}")
         self.return_router_logits = check_bool("MoE.return_router_logits", return_router_logits)
         self.return_expert_index = check_bool("MoE.return_expert_index", return_expert_index)
         self.validate_inputs = check_bool("MoE.validate_inputs", validate_inputs)
@@ -78,6 +89,11 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
     @property
     def hidden_size(self) -> int:
         return self.router.hidden_size
+
+    @property
+    def _distributed(self) -> bool:
+        return self.expert_mlps.parallelism is not None or (
+            self.shared_experts is not None and self.shared_experts.tensor_parallel is not None)
 
     def forward(
         self,
@@ -117,6 +133,8 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             check_finite(expert_affinities, "MoE: router expert_affinities")
             check_expert_index(expert_index, self.router.num_experts, "MoE: router expert_index")
         token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
+        sharded_input = self._distributed and self.sequence_parallel_enabled and seq_len != 1
+        parallelism = self.expert_mlps.parallelism
         routed = self.expert_mlps(
             flat,
             expert_affinities,
@@ -124,9 +142,16 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             seq_len=seq_len,
             padding_mask=token_is_real,
             return_stats=return_stats,
+            token_layout=None if parallelism is None else parallelism.groups.token_layout(batch, seq_len,
+                                                                                          sharded_input),
         )
         routed, stats = routed if return_stats else (routed, None)
-        out = routed if self.shared_experts is None else routed + self.shared_experts(flat, seq_len)
+        if self.shared_experts is None:
+            out = routed
+        elif self.shared_experts.tensor_parallel is None:
+            out = routed + self.shared_experts(flat, seq_len)
+        else:
+            out = routed + self.shared_experts(x, seq_len, sequence_parallel=sharded_input).reshape(flat.shape)
         if token_is_real is not None:
             out = torch.where(token_is_real.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
         result = [out.view(batch, seq_len, hidden)]

@@ -81,8 +81,11 @@ def test_bad_arguments_exit_2_with_a_message(capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_ci_runs_exactly_the_readme_test_command():
+def test_ci_runs_exactly_the_readme_test_commands():
+    """.ci/run runs the README's two test commands verbatim and in order: the main suite, then the XLA suite."""
     readme = (ROOT / "README.md").read_text()
     commands = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
                 if line and not line.startswith(("#", "set ", "cd "))]
-    assert len(commands) == 1 and f"\n{commands[0]}\n" in readme
+    assert len(commands) == 2 and all(f"\n{command}\n" in readme for command in commands)
+    assert readme.index(commands[0]) < readme.index(commands[1])
+    assert commands[0].endswith("&& pytest") and "'.[xla,test]'" in commands[1] and "pytest tests/xla" in commands[1]

@@ -2,10 +2,10 @@
 
 The no-host-sync proof is the compile itself plus a check of the captured graphs: ``fullgraph=True`` turns a
 graph break (``bool(tensor)``, ``.tolist()``, data-dependent branches) into an error, and
-:func:`assert_static_graph` rejects what recent Dynamo captures *without* breaking -- ``nonzero``, boolean masks,
-``unique`` and ``.item()`` (as ``_local_scalar_dense``) all trace into a fullgraph on PyTorch 2.13, so fullgraph
-alone would not catch them. Every backend used here runs that check on the Dynamo graph (and the aten graph for
-``aot_eager``). Negative controls show each kind of host sync is rejected.
+:func:`nxd_moe.trace.assert_static_graph` rejects what recent Dynamo captures *without* breaking -- ``nonzero``,
+boolean masks, ``unique`` and ``.item()`` (as ``_local_scalar_dense``) all trace into a fullgraph on PyTorch 2.13,
+so fullgraph alone would not catch them. Every backend used here runs that check on the Dynamo graph (and the aten
+graph for ``aot_eager``). Negative controls show each kind of host sync is rejected.
 
 Inductor compiles are slow on CPU, so the default run compiles few, shared functions with inductor (numerics in
 fp32 and bf16) and a wider matrix with the cheap ``aot_eager`` backend (same Dynamo capture); the full inductor
@@ -38,66 +38,9 @@ from conftest import (
     router_top_k,
 )
 from nxd_moe import MoE
+from nxd_moe.trace import static_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
-
-SYNC_OPS = {"item", "_local_scalar_dense", "tolist", "numpy", "nonzero", "nonzero_static", "argwhere", "masked_select",
-            "unique", "_unique2", "unique_dim", "unique_consecutive", "bincount", "histc", "_assert_scalar"}
-
-
-class DataDependentGraph(AssertionError):
-    pass
-
-
-def _is_symbolic(value) -> bool:
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    if isinstance(value, torch.Tensor):
-        return any(isinstance(d, torch.SymInt) for d in value.shape)
-    if isinstance(value, (list, tuple)):
-        return any(_is_symbolic(v) for v in value)
-    return False
-
-
-def assert_static_graph(gm: torch.fx.GraphModule) -> None:
-    """No host-sync op and no data-dependent (symbolic) size anywhere in the graph. With ``dynamic=False`` every
-    legitimate size is a Python int, so a symbolic one can only come from tensor values (``nonzero``, ``.item()``).
-
-    ``fullgraph=True`` alone is not enough on recent PyTorch: Dynamo captures ``nonzero``, boolean masks and
-    ``.item()`` (as ``_local_scalar_dense``) into the graph instead of breaking it."""
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        target = node.target
-        name = target if isinstance(target, str) else getattr(getattr(target, "overloadpacket", target), "__name__",
-                                                              str(target))
-        if name in SYNC_OPS:
-            raise DataDependentGraph(f"host-sync op {name} in graph: {node.format_node()}")
-        if _is_symbolic(node.meta.get("val", node.meta.get("example_value"))):
-            raise DataDependentGraph(f"data-dependent size in graph: {node.format_node()}")
-
-
-def _checked_inner(gm, example_inputs):
-    from functorch.compile import make_boxed_func
-
-    assert_static_graph(gm)  # the aten-level graph
-    return make_boxed_func(gm.forward)
-
-
-def static_backend(inner: str):
-    """A Dynamo backend that checks the captured graph (torch level, then aten level) and runs it with
-    ``inner``: ``"aot_eager"`` (cheap) or ``"inductor"``."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    def backend(gm, example_inputs):
-        assert_static_graph(gm)  # the Dynamo-level graph
-        if inner == "inductor":
-            from torch._inductor.compile_fx import compile_fx
-
-            return compile_fx(gm, example_inputs)
-        return aot_autograd(fw_compiler=_checked_inner)(gm, example_inputs)
-
-    return backend
 
 
 def fullgraph(fn, backend="inductor"):

@@ -20,6 +20,7 @@ from nxd_moe.config import BlockwiseMatmulConfig
 from nxd_moe.experts.blockwise import blockwise_forward
 from nxd_moe.experts.capacity import capacity_factor_forward
 from nxd_moe.experts.decode import all_experts_forward, selective_loading_forward
+from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward
 from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.routing_inputs import Routing
@@ -65,6 +66,9 @@ class TorchBackend(ExpertsBackend):
         self.matmul = matmul
 
     def blockwise(self, hidden_states, routing, mapping, weights, config):
+        if config.use_dynamic_while:
+            return dynamic_while_blockwise_forward(hidden_states, routing, mapping, weights, config,
+                                                   self.matmul).output
         return blockwise_forward(hidden_states, routing, mapping, weights, self.matmul)
 
     def capacity_factor(self, hidden_states, routing, capacity, weights):
@@ -82,6 +86,7 @@ class TorchBackend(ExpertsBackend):
 
 BACKENDS: dict[str, str] = {
     "torch": "nxd_moe.experts.backends:TorchBackend",
+    "nki_sim": "nxd_moe.nki_kernels.backend:NkiSimBackend",
 }
 
 

@@ -19,7 +19,7 @@ def gather_block_inputs(hidden_states: torch.Tensor, routing: Routing, mapping: 
     x = padded.index_select(0, rows)
     if routing.prescale:
         slot_expert = mapping.block_to_expert.repeat_interleave(mapping.block_size)
-        affinities = torch.cat([routing.affinities, routing.affinities.new_zeros(1, routing.num_experts)])
+        affinities = torch.cat([routing.affinities, routing.affinities.new_zeros(1, routing.expert_mask.shape[1])])
         x = x * affinities[rows, slot_expert].unsqueeze(1).to(x.dtype)
     return x.view(mapping.num_blocks, mapping.block_size, hidden)
 

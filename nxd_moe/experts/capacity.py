@@ -28,7 +28,7 @@ def capacity_factor_forward(
     onwards is dropped from that expert (its other experts still count). ``dropped`` is the number of
     dropped (token, expert) assignments, a 0-d int64 tensor (reading it is the caller's choice)."""
     num_tokens, hidden = hidden_states.shape
-    num_experts = routing.num_experts
+    num_experts = routing.expert_mask.shape[1]  # not the property: Dynamo 2.9 cannot multiply it by an int
     device = hidden_states.device
     mask = routing.expert_mask
     rank_in_expert = torch.cumsum(mask.to(torch.int64), dim=0) - 1

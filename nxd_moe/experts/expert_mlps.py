@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,14 +10,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nxd_moe.config import BlockwiseMatmulConfig, RoutedExpertsMLPOpsConfig, check_bool, check_int, to_torch_dtype
+from nxd_moe import parallel_state
+from nxd_moe.config import (
+    BlockwiseMatmulConfig,
+    ExpertParallelConfig,
+    RoutedExpertsMLPOpsConfig,
+    check_bool,
+    check_int,
+    to_torch_dtype,
+)
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
-from nxd_moe.experts.routing_inputs import build_routing
+from nxd_moe.experts.routing_inputs import Routing, build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks, token_to_block_mapping
+from nxd_moe.parallel.collectives import CommLedger
+from nxd_moe.parallel.consistency import config_fingerprint
+from nxd_moe.parallel.dispatch import get_dispatch
+from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
+from nxd_moe.parallel.local_routing import local_routing
+from nxd_moe.parallel.sharding import ShardSpec
+from nxd_moe.parallel.token_layout import TokenLayout
 from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
 
@@ -47,11 +63,17 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
 
 
 class ExpertsMLPOp(nn.Module):
-    """Holds the projections under NxD's state-dict names (``mlp_op.gate_up_proj.weight`` ...)."""
+    """Holds the projections under NxD's state-dict names (``mlp_op.gate_up_proj.weight`` ...).
 
-    def __init__(self, config: RoutedExpertsMLPOpsConfig, dtype: torch.dtype, device=None):
+    ``num_experts`` / ``intermediate_size`` override the config's for a shard (local experts, TP slice).
+    """
+
+    def __init__(self, config: RoutedExpertsMLPOpsConfig, dtype: torch.dtype, device=None,
+                 num_experts: int | None = None, intermediate_size: int | None = None):
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        e = config.num_experts if num_experts is None else num_experts
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
+        h = config.hidden_size
         first = ExpertLinear(e, h, 2 * i if config.glu_mlp else i, config.bias, dtype, device,
                              config.input_layer_init_method)
         if config.glu_mlp:
@@ -80,6 +102,10 @@ class ExpertsStats:
     num_blocks: int | None = None
     capacity: int | None = None
     mapping: BlockMapping | None = None
+    dispatch: str | None = None
+    local_experts: tuple[int, ...] | None = None
+    local_tokens_per_expert: torch.Tensor | None = None
+    communication: dict[str, int] | None = None
 
     def summary(self) -> dict:
         """Plain numbers (host sync). Padding overheads use the deep dive's two definitions:
@@ -87,6 +113,10 @@ class ExpertsStats:
         - ``padding_overhead_provisioned``: ``(N*B - A*B) / (A*B)`` -- blocks provisioned for the worst case
           beyond the ``A`` blocks this routing needed;
         - ``padding_overhead_algorithmic``: ``(A*B - T*k) / (T*k)`` -- empty slots inside the needed blocks.
+
+        Under expert parallelism ``tokens_per_expert``, ``assignments`` and ``dropped_tokens`` describe the whole
+        MoE block; the block layout, ``rank_load`` (pairs this rank computed) and the padding overheads are this
+        rank's; ``bytes_moved`` is what this rank received, by step.
         """
         assignments = int(self.tokens_per_expert.sum())
         out = {
@@ -100,6 +130,13 @@ class ExpertsStats:
             "num_blocks": self.num_blocks,
             "capacity": self.capacity,
         }
+        if self.local_experts is not None:
+            assignments = int(self.local_tokens_per_expert.sum())
+            out["dispatch"] = self.dispatch
+            out["local_experts"] = list(self.local_experts)
+            out["rank_load"] = assignments
+            out["bytes_moved"] = sum(self.communication.values())
+            out["bytes_by_step"] = dict(self.communication)
         if self.mapping is not None:
             active = int(self.mapping.conditions.sum())
             needed_slots = active * self.block_size
@@ -125,6 +162,17 @@ class ExpertMLPsV2(nn.Module):
 
     With ``hidden_size_actual`` set, the weights are stored at the padded ``hidden_size`` and inputs may have
     either width; the output has the input's width.
+
+    Model parallelism (``model_parallel=None``: whenever :mod:`nxd_moe.parallel_state` is initialised with an MoE
+    block of more than one rank; ``False``: never): the module holds only this rank's shard -- the experts of its
+    expert-parallel rank (``expert_parallel_config.expert_distribution``), the slice of the intermediate
+    dimension of its tensor-parallel rank -- for prefill in ``mlp_op`` and, when hybrid sharding splits decode
+    differently, for decode in ``mlp_op_tkg`` (NxD's names). ``forward`` then takes this rank's tokens (see
+    :class:`~nxd_moe.parallel.token_layout.TokenLayout`; without ``token_layout`` the ranks of a TP group share
+    ``(T, H)``) and returns their complete routed output: the dispatch, the expert computation on the local
+    shard and the reductions all happen inside. Load a single-device checkpoint with
+    :func:`nxd_moe.parallel.sharding.load_full_state_dict`. Every rank must build the module with the same
+    arguments; they are compared across ranks once, here.
     """
 
     def __init__(
@@ -136,6 +184,8 @@ class ExpertMLPsV2(nn.Module):
         sequence_parallel_enabled: bool = False,
         backend: str | ExpertsBackend = "torch",
         validate_inputs: bool = False,
+        expert_parallel_config: ExpertParallelConfig | None = None,
+        model_parallel: bool | None = None,
     ):
         super().__init__()
         if not isinstance(routed_experts_mlp_config, RoutedExpertsMLPOpsConfig):
@@ -146,13 +196,64 @@ class ExpertMLPsV2(nn.Module):
         if not isinstance(blockwise_matmul_config, BlockwiseMatmulConfig):
             raise TypeError("blockwise_matmul_config must be a BlockwiseMatmulConfig, got "
                             f"{type(blockwise_matmul_config).__name__}")
+        if expert_parallel_config is None:
+            expert_parallel_config = ExpertParallelConfig()
+        if not isinstance(expert_parallel_config, ExpertParallelConfig):
+            raise TypeError("expert_parallel_config must be an ExpertParallelConfig or None, got "
+                            f"{type(expert_parallel_config).__name__}")
         self.routed_experts_mlp_config = routed_experts_mlp_config
         self.blockwise_matmul_config = blockwise_matmul_config
+        self.expert_parallel_config = expert_parallel_config
         self.sequence_parallel_enabled = check_bool("sequence_parallel_enabled", sequence_parallel_enabled)
         self.validate_inputs = check_bool("validate_inputs", validate_inputs)
         self.backend = get_backend(backend)
+        dtype = to_torch_dtype(dtype)
+        self.parallelism = self._parallelism(model_parallel, dtype)
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
-        self.mlp_op = ExpertsMLPOp(routed_experts_mlp_config, to_torch_dtype(dtype), device)
+        if self.parallelism is None:
+            self.mlp_op = ExpertsMLPOp(routed_experts_mlp_config, dtype, device)
+            return
+        prefill, decode = self.parallelism.prefill, self.parallelism.decode
+        self.mlp_op = self._shard_op(prefill, dtype, device)
+        if not decode.holds_same_weights_as(prefill):
+            self.mlp_op_tkg = self._shard_op(decode, dtype, device)
+
+    def _parallelism(self, model_parallel: bool | None, dtype: torch.dtype) -> ExpertsParallelism | None:
+        if model_parallel is not None:
+            check_bool("model_parallel", model_parallel)
+        if model_parallel is False:
+            return None
+        if not parallel_state.model_parallel_is_initialized():
+            if model_parallel:
+                raise RuntimeError("ExpertMLPsV2(model_parallel=True) needs nxd_moe.parallel_state."
+                                   "initialize_model_parallel first")
+            return None
+        if parallel_state.get_moe_model_parallel_size() == 1 and not model_parallel:
+            return None
+        cfg = self.routed_experts_mlp_config
+        parallel_state.check_configuration(
+            config_fingerprint(routed_experts_mlp_config=cfg, blockwise_matmul_config=self.blockwise_matmul_config,
+                               expert_parallel_config=self.expert_parallel_config, dtype=dtype,
+                               backend=type(self.backend)),
+            "ExpertMLPsV2 arguments")
+        layout = parallel_state.get_parallel_layout()
+        shards = {}
+        for prefill in (True, False):
+            distribution = self.expert_parallel_config.distribution_for(prefill, layout.moe_prefill[1],
+                                                                        layout.moe_decode[1])
+            shard = ExpertShard.from_parallel_state(prefill, cfg.num_experts, distribution)
+            if cfg.intermediate_size % shard.tensor_parallel_size:
+                raise ValueError(
+                    f"intermediate_size ({cfg.intermediate_size}) must be divisible by the MoE tensor-parallel size "
+                    f"of {'prefill' if prefill else 'decode'} ({shard.tensor_parallel_size}); pad the checkpoint "
+                    "and set intermediate_size_actual to the true size")
+            shards[prefill] = shard
+        return ExpertsParallelism(MoEGroups.from_parallel_state(), shards[True], shards[False])
+
+    def _shard_op(self, shard: ExpertShard, dtype: torch.dtype, device) -> ExpertsMLPOp:
+        cfg = self.routed_experts_mlp_config
+        return ExpertsMLPOp(cfg, dtype, device, len(shard.local_experts),
+                            cfg.intermediate_size // shard.tensor_parallel_size)
 
     @property
     def num_experts(self) -> int:
@@ -167,9 +268,48 @@ class ExpertMLPsV2(nn.Module):
         return self.mlp_op.down_proj.weight.dtype
 
     def expert_weights(self) -> ExpertWeights:
+        """The experts' weights (on a sharded module: this rank's prefill shard, see :meth:`shard_weights`)."""
+        if self.parallelism is not None:
+            return self.shard_weights(decode=False)
         first = self.mlp_op.first_proj
         return ExpertWeights(first.weight, self.mlp_op.down_proj.weight, first.bias, self.mlp_op.down_proj.bias,
                              self.activation)
+
+    def shard_weights(self, decode: bool) -> ExpertWeights:
+        """This rank's weights for a phase. The down-projection bias is added on TP rank 0 only: the partial
+        outputs are summed over TP ranks, so it is counted once and exactly (NxD divides it by TP instead)."""
+        shard = self.parallelism.shard(decode)
+        op = self.mlp_op_tkg if decode and hasattr(self, "mlp_op_tkg") else self.mlp_op
+        cfg = self.routed_experts_mlp_config
+        width = cfg.intermediate_size // shard.tensor_parallel_size
+        actual = cfg.intermediate_size_actual
+        if actual is not None:
+            actual = min(max(actual - shard.tensor_parallel_rank * width, 0), width)
+        activation = dataclasses.replace(self.activation, intermediate_size=width,
+                                         intermediate_size_actual=None if actual == width else actual)
+        down_bias = op.down_proj.bias if shard.tensor_parallel_rank == 0 else None
+        return ExpertWeights(op.first_proj.weight, op.down_proj.weight, op.first_proj.bias, down_bias, activation)
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """How each local tensor comes from the single-device checkpoint (see :mod:`nxd_moe.parallel.sharding`)."""
+        if self.parallelism is None:
+            return {}
+        glu = self.routed_experts_mlp_config.glu_mlp
+        first = "gate_up_proj" if glu else "up_proj"
+        specs = {}
+        phases = [("mlp_op", self.parallelism.prefill)]
+        if hasattr(self, "mlp_op_tkg"):
+            phases.append(("mlp_op_tkg", self.parallelism.decode))
+        for name, shard in phases:
+            tp = dict(tp_size=shard.tensor_parallel_size, tp_rank=shard.tensor_parallel_rank)
+            experts = shard.local_experts
+            stride = 2 if glu else 1
+            specs[f"{name}.{first}.weight"] = ShardSpec(f"mlp_op.{first}.weight", experts, 2, stride=stride, **tp)
+            specs[f"{name}.down_proj.weight"] = ShardSpec("mlp_op.down_proj.weight", experts, 1, **tp)
+            if self.routed_experts_mlp_config.bias:
+                specs[f"{name}.{first}.bias"] = ShardSpec(f"mlp_op.{first}.bias", experts, 1, stride=stride, **tp)
+                specs[f"{name}.down_proj.bias"] = ShardSpec("mlp_op.down_proj.bias", experts)
+        return specs
 
     def forward(
         self,
@@ -181,6 +321,7 @@ class ExpertMLPsV2(nn.Module):
         *,
         mode: ExpertsMode | str | None = None,
         return_stats: bool = False,
+        token_layout: TokenLayout | None = None,
     ):
         cfg = self.routed_experts_mlp_config
         self._check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
@@ -196,15 +337,41 @@ class ExpertMLPsV2(nn.Module):
             prescale=cfg.early_expert_affinity_modulation,
             padding_mask=None if padding_mask is None else padding_mask.reshape(-1).bool(),
         )
-        mode = self._resolve_mode(mode, num_tokens, seq_len)
-        weights = self.expert_weights()
+        if self.parallelism is not None:
+            out, stats = self._parallel_forward(x, routing, seq_len, mode, token_layout)
+        else:
+            mode = self._resolve_mode(mode, num_tokens, seq_len)
+            capacity = (expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+                        if mode is ExpertsMode.CAPACITY_FACTOR else None)
+            out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights())
+            stats = ExpertsStats(
+                mode=mode,
+                num_tokens=num_tokens,
+                top_k=cfg.top_k,
+                num_experts=cfg.num_experts,
+                tokens_per_expert=routing.expert_mask.sum(dim=0),
+                dropped_tokens=dropped,
+                block_size=block_size,
+                num_blocks=n_blocks,
+                capacity=capacity,
+                mapping=mapping,
+            )
+        if in_width != cfg.hidden_size:
+            out = out[:, :in_width]
+        return (out, stats) if return_stats else out
+
+    def _run(self, x: torch.Tensor, routing: Routing, mode: ExpertsMode, capacity: int | None,
+             weights: ExpertWeights):
+        """The backend call for one mode on ``routing``'s experts: ``(out, dropped, mapping, block_size,
+        num_blocks)``."""
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        mapping = capacity = None
-        block_size = n_blocks = None
+        mapping = block_size = n_blocks = None
         if mode is ExpertsMode.BLOCKWISE:
             bcfg = self.blockwise_matmul_config
             block_size = bcfg.block_size
-            n_blocks = num_blocks(num_tokens, cfg.top_k, cfg.num_experts, block_size, bcfg.pad_num_blocks_to_even)
+            # Shapes, not cfg: on an expert-parallel rank the routing covers its local experts and k' pairs.
+            n_blocks = num_blocks(x.shape[0], routing.expert_index.shape[1], routing.expert_mask.shape[1], block_size,
+                                  bcfg.pad_num_blocks_to_even)
             mapping = token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, n_blocks,
                                              optimized=bcfg.optimized_block_to_token_mapping)
             backend = self.backend
@@ -212,29 +379,74 @@ class ExpertMLPsV2(nn.Module):
                 backend = TorchBackend()
             out = backend.blockwise(x, routing, mapping, weights, bcfg)
         elif mode is ExpertsMode.CAPACITY_FACTOR:
-            capacity = expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
             out, dropped = self.backend.capacity_factor(x, routing, capacity, weights)
         elif mode is ExpertsMode.SELECTIVE_LOADING:
             out = self.backend.selective_loading(x, routing, weights)
         else:
             out = self.backend.all_experts(x, routing, weights)
-        if in_width != cfg.hidden_size:
-            out = out[:, :in_width]
-        if not return_stats:
+        return out, dropped, mapping, block_size, n_blocks
+
+    def _parallel_forward(self, x: torch.Tensor, routing: Routing, seq_len: int | None, mode,
+                          token_layout: TokenLayout | None) -> tuple[torch.Tensor, ExpertsStats]:
+        """Dispatch this rank's tokens, compute the pairs of its local experts on its shard, combine."""
+        cfg = self.routed_experts_mlp_config
+        groups = self.parallelism.groups
+        num_tokens = x.shape[0]
+        if token_layout is None:
+            token_layout = groups.token_layout(1, num_tokens, sequence_parallel=False)
+        if not isinstance(token_layout, TokenLayout) or token_layout.num_local_tokens != num_tokens:
+            raise ValueError(f"ExpertMLPsV2: token_layout must be a TokenLayout of {num_tokens} local tokens, got "
+                             f"{token_layout!r}")
+        if self.validate_inputs:
+            parallel_state.check_configuration(config_fingerprint(token_layout_shape=(
+                token_layout.batch, token_layout.local_seq_len, token_layout.sequence_parallel, seq_len)),
+                "ExpertMLPsV2 input shapes")
+        decode = seq_len == 1
+        shard = self.parallelism.shard(decode)
+        total = token_layout.num_tokens
+        mode = self._resolve_mode(mode, total, seq_len)
+        capacity = (expert_capacity(total, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+                    if mode is ExpertsMode.CAPACITY_FACTOR else None)
+        weights = self.shard_weights(decode)
+        local_experts = shard.local_experts
+        local_slot = shard.placement.local_slot(shard.expert_parallel_rank, x.device)
+        computed: dict = {"local_tokens_per_expert": torch.zeros(len(local_experts), dtype=torch.int64,
+                                                                 device=x.device)}
+
+        def compute(rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor) -> torch.Tensor:
+            local = local_routing(pair_expert, pair_weight, local_slot, len(local_experts),
+                                  cfg.early_expert_affinity_modulation)
+            out, _, mapping, block_size, n_blocks = self._run(rows, local, mode, capacity, weights)
+            computed.update(local_tokens_per_expert=local.expert_mask.sum(dim=0), mapping=mapping,
+                            block_size=block_size, num_blocks=n_blocks)
             return out
+
+        pair_expert = torch.where(routing.pair_valid(), routing.expert_index, torch.full_like(routing.expert_index, -1))
+        pair_weight = routing.affinities.gather(1, routing.expert_index)
+        ledger = CommLedger()
+        dispatch = self.expert_parallel_config.dispatch
+        result = get_dispatch(dispatch)(x, pair_expert, pair_weight, token_layout, groups, shard, capacity, compute,
+                                        ledger)
+        counts = result.pairs_per_expert
+        dropped = (counts - counts.clamp(max=capacity)).sum() if capacity is not None else torch.zeros(
+            (), dtype=torch.int64, device=x.device)
         stats = ExpertsStats(
             mode=mode,
-            num_tokens=num_tokens,
+            num_tokens=total,
             top_k=cfg.top_k,
             num_experts=cfg.num_experts,
-            tokens_per_expert=routing.expert_mask.sum(dim=0),
+            tokens_per_expert=counts,
             dropped_tokens=dropped,
-            block_size=block_size,
-            num_blocks=n_blocks,
+            block_size=computed.get("block_size"),
+            num_blocks=computed.get("num_blocks"),
             capacity=capacity,
-            mapping=mapping,
+            mapping=computed.get("mapping"),
+            dispatch=dispatch,
+            local_experts=local_experts,
+            local_tokens_per_expert=computed["local_tokens_per_expert"],
+            communication=dict(ledger.steps),
         )
-        return out, stats
+        return result.output, stats
 
     def _resolve_mode(self, mode, num_tokens: int, seq_len: int | None) -> ExpertsMode:
         cfg = self.routed_experts_mlp_config

@@ -24,10 +24,6 @@ class Routing(NamedTuple):
     prescale: bool
     has_padding: bool = False
 
-    @property
-    def num_experts(self) -> int:
-        return self.expert_mask.shape[1]
-
     def pair_weights(self) -> torch.Tensor:
         """``(T, k)`` weight of each (token, chosen expert) pair in the final sum; 0 for padded tokens.
 

@@ -86,7 +86,8 @@ def token_to_block_mapping(
     block_start = block_end - blocks_per_expert
     block_ids = torch.arange(num_blocks, device=device)
     # Count the experts whose blocks end at or before b: tail blocks count E-1 and land on the last expert.
-    block_to_expert = torch.searchsorted(block_end[:-1].contiguous(), block_ids, right=True)
+    # A (N, E-1) comparison rather than searchsorted, which torch_xla runs on the host (a CPU fallback).
+    block_to_expert = (block_end[:-1].unsqueeze(0) <= block_ids.unsqueeze(1)).sum(dim=1)
 
     rank_in_expert = torch.cumsum(mask, dim=0) - 1
     slot = block_start * block_size + rank_in_expert  # (T, E), meaningful where mask

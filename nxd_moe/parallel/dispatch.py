@@ -1,0 +1,45 @@
+"""The contract both expert-parallel dispatch strategies implement, and the table that picks one by name.
+
+A dispatch takes this rank's tokens with their routing -- ``hidden (T_r, H)``, ``pair_expert (T_r, k)`` (global
+expert ids, ``-1`` for pairs that do not count: padded tokens) and ``pair_weight (T_r, k)`` -- and returns the
+complete routed output of those tokens: every expert's contribution, every tensor-parallel slice summed. On the
+way it hands the rows this rank must compute to ``compute(rows (N, H), pair_expert (N, k), pair_weight (N, k))``,
+where ``pair_expert`` keeps only the pairs assigned to this rank's experts (``-1`` elsewhere); ``compute`` returns
+this rank's ``(N, H)`` partial output (its experts, its slice of the intermediate dimension).
+
+- ``all_gather`` (NxD's way): every rank gathers all tokens of the block, masks to its local experts, and the
+  partial outputs are reduce-scattered back. Static shapes.
+- ``all_to_all_v``: ranks exchange how many tokens they send each other, then send each token only to the ranks
+  holding one of its experts, and send the results back. Shapes depend on the routing (a host sync per forward).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from nxd_moe.config import EXPERT_PARALLEL_DISPATCHES
+
+Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DispatchResult(NamedTuple):
+    """``output (T_r, H)`` for this rank's tokens; ``pairs_per_expert (E,)`` valid pairs of each expert in the whole
+    block (before any capacity drop)."""
+
+    output: torch.Tensor
+    pairs_per_expert: torch.Tensor
+
+
+def get_dispatch(name: str) -> Callable[..., DispatchResult]:
+    """The dispatch function called ``name`` (one of :data:`~nxd_moe.config.EXPERT_PARALLEL_DISPATCHES`)."""
+    if name == "all_gather":
+        from nxd_moe.parallel.all_gather import all_gather_dispatch
+
+        return all_gather_dispatch
+    if name == "all_to_all_v":
+        from nxd_moe.parallel.all_to_all import all_to_all_dispatch
+
+        return all_to_all_dispatch
+    raise ValueError(f"expert-parallel dispatch must be one of {list(EXPERT_PARALLEL_DISPATCHES)}, got {name!r}")

@@ -1,0 +1,50 @@
+"""Several per-token tensors of different dtypes sent as one byte matrix: one collective instead of one per field.
+
+A token's row is its fields' bytes side by side (hidden state, top-k weights, top-k expert ids, ...). Both
+dispatch strategies ship the same rows, so their byte counts compare like for like.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+
+class FieldSpec(NamedTuple):
+    """One field of a row: its trailing shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def pack(fields: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[FieldSpec, ...]]:
+    """``[(N, *s_i)]`` -> ``(N, row_bytes)`` uint8, and the specs :func:`unpack` needs."""
+    if not fields:
+        raise ValueError("pack needs at least one field")
+    rows = fields[0].shape[0]
+    if any(f.shape[0] != rows for f in fields):
+        raise ValueError(f"pack: every field needs the same number of rows, got {[f.shape[0] for f in fields]}")
+    specs = tuple(FieldSpec(tuple(f.shape[1:]), f.dtype) for f in fields)
+    columns = [f.contiguous().view(rows, -1).view(torch.uint8) if f.numel() else
+               torch.empty((rows, spec.nbytes), dtype=torch.uint8, device=f.device) for f, spec in zip(fields, specs)]
+    return torch.cat(columns, dim=1), specs
+
+
+def unpack(rows: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
+    """The inverse of :func:`pack` (each field copied out, so it is aligned for its dtype)."""
+    out, start = [], 0
+    for spec in specs:
+        chunk = rows.new_empty((rows.shape[0], spec.nbytes)).copy_(rows[:, start:start + spec.nbytes])
+        out.append(chunk.view(spec.dtype).view(rows.shape[0], *spec.shape))
+        start += spec.nbytes
+    if start != rows.shape[1]:
+        raise ValueError(f"unpack: fields take {start} bytes per row, rows have {rows.shape[1]}")
+    return out

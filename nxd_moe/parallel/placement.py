@@ -1,0 +1,128 @@
+"""Where experts live under expert parallelism, and which copy of an expert serves a (token, expert) pair.
+
+``expert_distribution[p]`` lists the experts EP rank ``p`` holds (NxD's name and meaning). Every rank holds the
+same number of experts, no expert twice; every expert at least once. An expert listed on several ranks is
+*replicated* (EPLB's redundant experts): its pairs are split between the copies by the pair's position among
+that expert's pairs in token order -- copy ``r`` of ``R`` takes positions ``[r*n/R, (r+1)*n/R)`` of the ``n``
+pairs -- so each pair is computed exactly once, the split is even, and it needs no data-dependent shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from nxd_moe.config import check_int, normalize_distribution
+from nxd_moe.experts.routing_inputs import expert_mask
+
+
+def contiguous_distribution(num_experts: int, expert_parallel_size: int) -> tuple[tuple[int, ...], ...]:
+    """NxD's default: EP rank ``p`` holds experts ``[p * E / EP, (p + 1) * E / EP)``."""
+    check_int("num_experts", num_experts, minimum=1)
+    check_int("expert_parallel_size", expert_parallel_size, minimum=1)
+    if num_experts % expert_parallel_size:
+        raise ValueError(f"the expert-parallel size ({expert_parallel_size}) must divide num_experts ({num_experts}) "
+                         "for the contiguous placement; pass an expert_distribution to place experts unevenly")
+    per = num_experts // expert_parallel_size
+    return tuple(tuple(range(p * per, (p + 1) * per)) for p in range(expert_parallel_size))
+
+
+class ExpertPlacement:
+    """The experts of each of ``expert_parallel_size`` EP ranks (contiguous unless ``expert_distribution``)."""
+
+    def __init__(self, num_experts: int, expert_parallel_size: int,
+                 expert_distribution: Sequence[Sequence[int]] | None = None):
+        self.num_experts = check_int("num_experts", num_experts, minimum=1)
+        self.expert_parallel_size = check_int("expert_parallel_size", expert_parallel_size, minimum=1)
+        if expert_distribution is None:
+            distribution = contiguous_distribution(num_experts, expert_parallel_size)
+        else:
+            distribution = normalize_distribution(expert_distribution)
+        if len(distribution) != expert_parallel_size:
+            raise ValueError(f"expert_distribution lists {len(distribution)} ranks, the expert-parallel size is "
+                             f"{expert_parallel_size}")
+        held = {e for ids in distribution for e in ids}
+        out_of_range = sorted(e for e in held if e >= num_experts)
+        if out_of_range:
+            raise ValueError(f"expert_distribution names experts {out_of_range} outside [0, {num_experts - 1}]")
+        missing = sorted(set(range(num_experts)) - held)
+        if missing:
+            raise ValueError(f"expert_distribution must place every expert at least once; missing {missing}")
+        self.distribution = distribution
+        self._device_tables: dict[tuple, Any] = {}
+        self.replicas: tuple[tuple[int, ...], ...] = tuple(
+            tuple(p for p, ids in enumerate(distribution) if e in ids) for e in range(num_experts))
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.distribution[0])
+
+    @property
+    def has_redundancy(self) -> bool:
+        return any(len(r) > 1 for r in self.replicas)
+
+    def experts_of(self, ep_rank: int) -> tuple[int, ...]:
+        check_int("ep_rank", ep_rank, minimum=0, maximum=self.expert_parallel_size - 1)
+        return self.distribution[ep_rank]
+
+    def local_slot(self, ep_rank: int, device=None) -> torch.Tensor:
+        """``(E,)`` int64: the local index of each expert on ``ep_rank``, ``-1`` where it is not held."""
+        key = ("slot", ep_rank, str(torch.device(device or "cpu")))
+        if key not in self._device_tables:
+            slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            experts = self.experts_of(ep_rank)
+            slot[list(experts)] = torch.arange(len(experts))
+            self._device_tables[key] = slot.to(device)
+        return self._device_tables[key]
+
+    def replica_table(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(E, R_max)`` EP rank of each copy (``-1`` past an expert's last copy) and ``(E,)`` copies per expert
+        (built once per device: every forward needs them)."""
+        key = ("replicas", str(torch.device(device or "cpu")))
+        if key not in self._device_tables:
+            self._device_tables[key] = self._replica_table(device)
+        return self._device_tables[key]
+
+    def _replica_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(r) for r in self.replicas)
+        table = torch.full((self.num_experts, width), -1, dtype=torch.int64)
+        for e, ranks in enumerate(self.replicas):
+            table[e, : len(ranks)] = torch.tensor(ranks)
+        counts = torch.tensor([len(r) for r in self.replicas], dtype=torch.int64)
+        return table.to(device), counts.to(device)
+
+    def pair_ranks(self, pair_expert: torch.Tensor, position: torch.Tensor, pairs_per_expert: torch.Tensor
+                   ) -> torch.Tensor:
+        """``(T, k)`` EP rank that computes each pair (``-1`` for ``pair_expert == -1``).
+
+        ``position (T, k)``: the pair's index among its expert's pairs (token order); ``pairs_per_expert (E,)``:
+        how many pairs each expert has in all. Copy ``floor(position * R / n)`` of the expert serves the pair.
+        """
+        table, copies = self.replica_table(pair_expert.device)
+        valid = pair_expert >= 0
+        expert = pair_expert.clamp(min=0).long()
+        n = pairs_per_expert.long()[expert].clamp(min=1)
+        replica = (torch.where(valid, position.long(), 0) * copies[expert]) // n
+        rank = table[expert, replica]
+        return torch.where(valid, rank, torch.full_like(rank, -1))
+
+
+def pair_positions(pair_expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(T, k)`` index of each valid pair among its expert's valid pairs in token order, and ``(E,)`` pairs per
+    expert. ``pair_expert == -1`` marks an invalid pair (position 0, counted nowhere)."""
+    mask = expert_mask(pair_expert.long(), num_experts)
+    earlier = torch.cumsum(mask.to(torch.int64), dim=0) - mask.to(torch.int64)
+    position = earlier.gather(1, pair_expert.clamp(min=0).long())
+    return torch.where(pair_expert >= 0, position, torch.zeros_like(position)), mask.sum(dim=0)
+
+
+
+def assign_pairs(placement: ExpertPlacement, pair_expert: torch.Tensor, position: torch.Tensor,
+                 pairs_per_expert: torch.Tensor, capacity: int | None) -> torch.Tensor:
+    """``(T, k)`` EP rank computing each pair, ``-1`` for invalid pairs and, with a ``capacity``, for the pairs
+    beyond it (an expert keeps its first ``capacity`` pairs in token order, as on one device)."""
+    if capacity is not None:
+        pair_expert = torch.where(position < capacity, pair_expert, torch.full_like(pair_expert, -1))
+        pairs_per_expert = pairs_per_expert.clamp(max=capacity)
+    return placement.pair_ranks(pair_expert, position, pairs_per_expert)

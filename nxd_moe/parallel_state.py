@@ -1,0 +1,425 @@
+"""NxD's ``parallel_state`` on ``torch.distributed``: the process groups an MoE layer runs over.
+
+Layout (NxD's, without pipeline or context parallelism): ranks are numbered ``((dp_exp * EP) + ep) * TP + tp``,
+
+- tensor-parallel (TP) groups are blocks of ``TP`` consecutive ranks;
+- expert-parallel (EP) groups take one rank per TP group, stride ``TP`` (a rank keeps its TP coordinate when it
+  moves between the dense and the expert region);
+- expert-data-parallel groups stride ``TP * EP``; the data-parallel group of the dense layers is everything that
+  shares a TP coordinate (``DP = EP * DP_exp``);
+- an *MoE model-parallel* group is one block of ``TP * EP`` consecutive ranks: together they hold one copy of
+  every expert, and the MoE exchanges its tokens inside it.
+
+Hybrid sharding: the MoE may split its ``TP * EP`` ranks differently for prefill and for decode
+(``moe_prefill_*`` / ``moe_decode_*`` sizes, default the global TP and EP). Each phase gets its own MoE TP groups
+(consecutive ranks) and EP groups (stride MoE-TP) inside the MoE model-parallel block, as NxD's
+``moe_process_group`` builds them.
+
+Every rank must call :func:`initialize_model_parallel` with the same arguments. The arguments are compared
+across ranks first (an all-gather with a timeout), so a rank that disagrees makes every rank fail with the
+same message instead of hanging in a later collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from nxd_moe.config import check_float, check_int
+from nxd_moe.parallel.consistency import check_same_on_all_ranks, not_every_rank_arrived
+
+DEFAULT_TIMEOUT_S = 60.0
+
+RankGroups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The rank lists of every group kind (pure data: computed without ``torch.distributed``).
+
+    ``moe_prefill`` / ``moe_decode`` are ``(tensor_parallel_size, expert_parallel_size)`` of the MoE in each
+    phase; their groups live inside the MoE model-parallel blocks.
+    """
+
+    world_size: int
+    tensor_model_parallel_size: int
+    expert_model_parallel_size: int
+    moe_prefill: tuple[int, int]
+    moe_decode: tuple[int, int]
+    tensor_model_parallel_groups: RankGroups
+    data_parallel_groups: RankGroups
+    expert_model_parallel_groups: RankGroups
+    expert_data_parallel_groups: RankGroups
+    moe_model_parallel_groups: RankGroups
+    moe_prefill_tensor_groups: RankGroups
+    moe_prefill_expert_groups: RankGroups
+    moe_decode_tensor_groups: RankGroups
+    moe_decode_expert_groups: RankGroups
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.expert_model_parallel_size)
+
+    @property
+    def moe_model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.expert_model_parallel_size
+
+    def group_of(self, kind: str, rank: int) -> tuple[int, ...]:
+        """The group of kind ``kind`` (a field name ending in ``_groups``) that holds ``rank``."""
+        for group in getattr(self, kind):
+            if rank in group:
+                return group
+        raise ValueError(f"rank {rank} is in no {kind} group (world size {self.world_size})")
+
+
+def _phase_sizes(name: str, tp: int | None, ep: int | None, block: int) -> tuple[int, int]:
+    """``(tp, ep)`` of one MoE phase with ``tp * ep == block``; a missing size is derived from the other."""
+    if tp is not None:
+        check_int(f"moe_{name}_tensor_model_parallel_size", tp, minimum=1)
+    if ep is not None:
+        check_int(f"moe_{name}_expert_model_parallel_size", ep, minimum=1)
+    if tp is None:
+        if block % ep:
+            raise ValueError(f"moe_{name}_expert_model_parallel_size ({ep}) must divide "
+                             f"tensor_model_parallel_size * expert_model_parallel_size ({block})")
+        tp = block // ep
+    if ep is None:
+        if block % tp:
+            raise ValueError(f"moe_{name}_tensor_model_parallel_size ({tp}) must divide "
+                             f"tensor_model_parallel_size * expert_model_parallel_size ({block})")
+        ep = block // tp
+    if tp * ep != block:
+        raise ValueError(f"moe_{name}_tensor_model_parallel_size * moe_{name}_expert_model_parallel_size "
+                         f"({tp} * {ep} = {tp * ep}) must equal tensor_model_parallel_size * "
+                         f"expert_model_parallel_size ({block}): the MoE re-splits the same ranks")
+    return tp, ep
+
+
+def _blocks(ranks: Sequence[int], tp: int) -> list[tuple[int, ...]]:
+    """Consecutive blocks of ``tp`` ranks (TP groups)."""
+    return [tuple(ranks[i:i + tp]) for i in range(0, len(ranks), tp)]
+
+
+def _strided(ranks: Sequence[int], tp: int) -> list[tuple[int, ...]]:
+    """Groups of ranks ``tp`` apart (EP groups: one rank per TP group)."""
+    return [tuple(ranks[i::tp]) for i in range(tp)]
+
+
+def model_parallel_layout(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    *,
+    moe_prefill_tensor_model_parallel_size: int | None = None,
+    moe_prefill_expert_model_parallel_size: int | None = None,
+    moe_decode_tensor_model_parallel_size: int | None = None,
+    moe_decode_expert_model_parallel_size: int | None = None,
+    num_experts: int | None = None,
+) -> ParallelLayout:
+    """NxD's group layout for ``world_size`` ranks; raises ``ValueError`` when the sizes do not divide.
+
+    ``num_experts``, if given, must be divisible by every expert-parallel size (the contiguous placement);
+    leave it out when experts are placed with an ``expert_distribution``.
+    """
+    check_int("world_size", world_size, minimum=1)
+    tp = check_int("tensor_model_parallel_size", tensor_model_parallel_size, minimum=1)
+    ep = check_int("expert_model_parallel_size", expert_model_parallel_size, minimum=1)
+    if world_size % tp:
+        raise ValueError(f"tensor_model_parallel_size ({tp}) must divide the world size ({world_size})")
+    if world_size % (tp * ep):
+        raise ValueError(f"tensor_model_parallel_size * expert_model_parallel_size ({tp} * {ep} = {tp * ep}) "
+                         f"must divide the world size ({world_size})")
+    block = tp * ep
+    phases = {}
+    for name, ptp, pep in (("prefill", moe_prefill_tensor_model_parallel_size, moe_prefill_expert_model_parallel_size),
+                           ("decode", moe_decode_tensor_model_parallel_size, moe_decode_expert_model_parallel_size)):
+        phases[name] = (tp, ep) if ptp is None and pep is None else _phase_sizes(name, ptp, pep, block)
+    if num_experts is not None:
+        check_int("num_experts", num_experts, minimum=1)
+        for what, size in (("expert_model_parallel_size", ep),
+                           ("moe_prefill_expert_model_parallel_size", phases["prefill"][1]),
+                           ("moe_decode_expert_model_parallel_size", phases["decode"][1])):
+            if num_experts % size:
+                raise ValueError(f"{what} ({size}) must divide num_experts ({num_experts}) for the contiguous "
+                                 "expert placement; use an expert_distribution to place experts unevenly")
+    ranks = list(range(world_size))
+    replicas = _blocks(ranks, block)
+    tp_groups = _blocks(ranks, tp)
+    ep_groups = [g for replica in replicas for g in _strided(replica, tp)]
+    expert_dp = [tuple(ranks[i::block]) for i in range(block)]
+    dp_groups = _strided(ranks, tp)
+
+    def phase_groups(name: str) -> tuple[RankGroups, RankGroups]:
+        ptp, _ = phases[name]
+        return (tuple(g for replica in replicas for g in _blocks(replica, ptp)),
+                tuple(g for replica in replicas for g in _strided(replica, ptp)))
+
+    prefill_tp, prefill_ep = phase_groups("prefill")
+    decode_tp, decode_ep = phase_groups("decode")
+    return ParallelLayout(
+        world_size=world_size,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        moe_prefill=phases["prefill"],
+        moe_decode=phases["decode"],
+        tensor_model_parallel_groups=tuple(tp_groups),
+        data_parallel_groups=tuple(dp_groups),
+        expert_model_parallel_groups=tuple(ep_groups),
+        expert_data_parallel_groups=tuple(expert_dp),
+        moe_model_parallel_groups=tuple(replicas),
+        moe_prefill_tensor_groups=prefill_tp,
+        moe_prefill_expert_groups=prefill_ep,
+        moe_decode_tensor_groups=decode_tp,
+        moe_decode_expert_groups=decode_ep,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# process groups
+
+
+@dataclass
+class _State:
+    layout: ParallelLayout
+    rank: int
+    check_group: Any
+    timeout_s: float
+    groups: dict[str, Any] = field(default_factory=dict)  # kind -> this rank's ProcessGroup
+    created: list[Any] = field(default_factory=list)
+
+
+_STATE: _State | None = None
+
+_GROUP_KINDS = ("tensor_model_parallel_groups", "data_parallel_groups", "expert_model_parallel_groups",
+                "expert_data_parallel_groups", "moe_model_parallel_groups", "moe_prefill_tensor_groups",
+                "moe_prefill_expert_groups", "moe_decode_tensor_groups", "moe_decode_expert_groups")
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    *,
+    moe_prefill_tensor_model_parallel_size: int | None = None,
+    moe_prefill_expert_model_parallel_size: int | None = None,
+    moe_decode_tensor_model_parallel_size: int | None = None,
+    moe_decode_expert_model_parallel_size: int | None = None,
+    num_experts: int | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
+    """Create the groups of :func:`model_parallel_layout` on the initialised default process group.
+
+    Before anything else, the arguments are all-gathered over a gloo group with a ``timeout_s`` deadline: if
+    the ranks disagree, every rank raises ``ValueError`` listing each rank's values; if a rank does not arrive
+    in time, the others raise ``RuntimeError``. Bad sizes then raise the same ``ValueError`` on every rank.
+    """
+    global _STATE
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel needs torch.distributed: call "
+                           "torch.distributed.init_process_group first (torchrun sets its environment)")
+    if _STATE is not None:
+        raise RuntimeError("model parallel is already initialized; call destroy_model_parallel first")
+    arguments = dict(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        moe_prefill_tensor_model_parallel_size=moe_prefill_tensor_model_parallel_size,
+        moe_prefill_expert_model_parallel_size=moe_prefill_expert_model_parallel_size,
+        moe_decode_tensor_model_parallel_size=moe_decode_tensor_model_parallel_size,
+        moe_decode_expert_model_parallel_size=moe_decode_expert_model_parallel_size,
+        num_experts=num_experts,
+    )
+    timeout_s = check_float("timeout_s", timeout_s, positive=True)
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        check_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise not_every_rank_arrived("initialize_model_parallel", timeout_s, e) from e
+    try:
+        check_same_on_all_ranks({"world_size": world_size, **arguments}, "initialize_model_parallel arguments",
+                                check_group, timeout_s)
+        layout = model_parallel_layout(world_size, **arguments)
+    except BaseException:
+        dist.destroy_process_group(check_group)
+        raise
+    state = _State(layout=layout, rank=rank, check_group=check_group, timeout_s=timeout_s)
+    state.created.append(check_group)
+    for kind in _GROUP_KINDS:
+        for ranks in getattr(layout, kind):
+            # Every rank creates every group, in the same order (torch.distributed's rule for new_group).
+            group = dist.new_group(list(ranks))
+            state.created.append(group)
+            if rank in ranks:
+                state.groups[kind] = group
+    _STATE = state
+
+
+def model_parallel_is_initialized() -> bool:
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups :func:`initialize_model_parallel` created (the default group stays)."""
+    global _STATE
+    if _STATE is None:
+        return
+    for group in _STATE.created:
+        dist.destroy_process_group(group)
+    _STATE = None
+
+
+def _state() -> _State:
+    if _STATE is None:
+        raise RuntimeError("model parallel is not initialized: call nxd_moe.parallel_state.initialize_model_parallel")
+    return _STATE
+
+
+def get_parallel_layout() -> ParallelLayout:
+    return _state().layout
+
+
+def _group(kind: str):
+    return _state().groups[kind]
+
+
+def _ranks(kind: str) -> tuple[int, ...]:
+    state = _state()
+    return state.layout.group_of(kind, state.rank)
+
+
+def _size(kind: str) -> int:
+    return len(_ranks(kind))
+
+
+def _rank_in(kind: str) -> int:
+    return _ranks(kind).index(_state().rank)
+
+
+def check_configuration(values: dict[str, Any], what: str) -> None:
+    """Raise on every rank if the ranks' ``values`` differ (see :func:`initialize_model_parallel`); modules call
+    this once at construction so that ranks built differently fail there, not in a later collective."""
+    state = _state()
+    check_same_on_all_ranks(values, what, state.check_group, state.timeout_s)
+
+
+def get_world_group():
+    return dist.group.WORLD
+
+
+def get_tensor_model_parallel_group():
+    return _group("tensor_model_parallel_groups")
+
+
+def get_tensor_model_parallel_size() -> int:
+    return _size("tensor_model_parallel_groups")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _rank_in("tensor_model_parallel_groups")
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 of this rank's TP group."""
+    return _ranks("tensor_model_parallel_groups")[0]
+
+
+def get_data_parallel_group():
+    return _group("data_parallel_groups")
+
+
+def get_data_parallel_size() -> int:
+    return _size("data_parallel_groups")
+
+
+def get_data_parallel_rank() -> int:
+    return _rank_in("data_parallel_groups")
+
+
+def get_expert_model_parallel_group():
+    return _group("expert_model_parallel_groups")
+
+
+def get_expert_model_parallel_size() -> int:
+    return _size("expert_model_parallel_groups")
+
+
+def get_expert_model_parallel_rank() -> int:
+    return _rank_in("expert_model_parallel_groups")
+
+
+def get_expert_data_parallel_group():
+    return _group("expert_data_parallel_groups")
+
+
+def get_expert_data_parallel_size() -> int:
+    return _size("expert_data_parallel_groups")
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _rank_in("expert_data_parallel_groups")
+
+
+def get_moe_model_parallel_group():
+    """The ``TP * EP`` ranks that together hold every expert once; MoE tokens are exchanged inside it."""
+    return _group("moe_model_parallel_groups")
+
+
+def get_moe_model_parallel_size() -> int:
+    return _size("moe_model_parallel_groups")
+
+
+def get_moe_model_parallel_rank() -> int:
+    return _rank_in("moe_model_parallel_groups")
+
+
+def _phase(prefill: bool) -> str:
+    if not isinstance(prefill, bool):
+        raise TypeError(f"prefill must be a bool, got {type(prefill).__name__} {prefill!r}")
+    return "prefill" if prefill else "decode"
+
+
+def get_moe_tensor_model_parallel_group(prefill: bool = True):
+    return _group(f"moe_{_phase(prefill)}_tensor_groups")
+
+
+def get_moe_tensor_model_parallel_size(prefill: bool = True) -> int:
+    return _size(f"moe_{_phase(prefill)}_tensor_groups")
+
+
+def get_moe_tensor_model_parallel_rank(prefill: bool = True) -> int:
+    return _rank_in(f"moe_{_phase(prefill)}_tensor_groups")
+
+
+def get_moe_expert_model_parallel_group(prefill: bool = True):
+    return _group(f"moe_{_phase(prefill)}_expert_groups")
+
+
+def get_moe_expert_model_parallel_size(prefill: bool = True) -> int:
+    return _size(f"moe_{_phase(prefill)}_expert_groups")
+
+
+def get_moe_expert_model_parallel_rank(prefill: bool = True) -> int:
+    return _rank_in(f"moe_{_phase(prefill)}_expert_groups")
+
+
+def get_experts_for_expert_parallel_rank(
+    ep_rank: int,
+    num_experts: int,
+    expert_parallel_size: int,
+    expert_distribution: Sequence[Sequence[int]] | None = None,
+) -> tuple[int, ...]:
+    """The experts EP rank ``ep_rank`` holds: ``expert_distribution[ep_rank]`` if given, else the contiguous
+    block ``[ep_rank * E / EP, (ep_rank + 1) * E / EP)``."""
+    check_int("expert_parallel_size", expert_parallel_size, minimum=1)
+    check_int("ep_rank", ep_rank, minimum=0, maximum=expert_parallel_size - 1)
+    check_int("num_experts", num_experts, minimum=1)
+    if expert_distribution is not None:
+        from nxd_moe.parallel.placement import ExpertPlacement
+
+        return ExpertPlacement(num_experts, expert_parallel_size, expert_distribution).experts_of(ep_rank)
+    if num_experts % expert_parallel_size:
+        raise ValueError(f"the expert-parallel size ({expert_parallel_size}) must divide num_experts ({num_experts}) "
+                         "for the contiguous placement; pass an expert_distribution to place experts unevenly")
+    per_rank = num_experts // expert_parallel_size
+    return tuple(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))

@@ -1,0 +1,731 @@
+"""Prove that an MoE forward is one static graph, and export it for ``neuronx-cc``.
+
+``neuronx-cc`` compiles the HLO that ``torch_xla`` traces. Trainium runs one compiled graph per input shape, so
+a layer is deployable only if every routing traces to the *same* graph, with no data-dependent shape, no
+operator that ``torch_xla`` runs on the host (a CPU fallback), and no device-to-host transfer in the middle of
+the layer (each one cuts the graph in two and stalls the device). This module checks exactly that:
+
+- :func:`check_static` runs the forward under XLA for several routings (one sends every token to the same
+  experts) and reports how many distinct graphs were traced and compiled, the host syncs and CPU fallbacks
+  seen while tracing, and the largest difference from eager PyTorch;
+- :func:`export_hlo` writes the HLO module of one forward (text and serialized ``HloModuleProto``, the input
+  of ``neuronx-cc compile --framework XLA``) and ``report.json``;
+- :func:`export_program` (``torch.export``, strict) and :func:`compile_check`
+  (``torch.compile(fullgraph=True)``) check the same property without ``torch_xla``, on any torch;
+- ``nxd-moe trace`` does all of it for a shipped config.
+
+``torch_xla`` is imported only by the functions that need it (``pip install -e '.[xla]'``, which moves the
+environment to torch 2.9). Without ``PJRT_DEVICE`` set, the XLA CPU client is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from nxd_moe.experts.backends import TorchBackend
+from nxd_moe.experts.dynamic_while import blocks_per_iteration, dynamic_while_blockwise_forward, static_block_count
+from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+
+HELP = "trace one MoE layer: torch.export, torch.compile(fullgraph) and XLA checks; write HLO for neuronx-cc"
+XLA_INSTALL_HINT = "pip install -e '.[xla]' (torch 2.9 + torch_xla 2.9; run with PJRT_DEVICE=CPU on a CPU host)"
+
+# Ops that read tensor values on the host or give outputs whose shape depends on them.
+SYNC_OPS = frozenset({"item", "_local_scalar_dense", "tolist", "numpy", "nonzero", "nonzero_static", "argwhere",
+                      "masked_select", "unique", "_unique2", "unique_dim", "unique_consecutive", "bincount", "histc",
+                      "_assert_scalar"})
+
+Inputs = Sequence[Any]
+
+
+class DataDependentGraph(AssertionError):
+    """A captured graph contains a host-sync op or a data-dependent (symbolic) size."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# FX graphs: torch.compile and torch.export
+
+
+def _is_symbolic(value) -> bool:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(d, torch.SymInt) for d in value.shape)
+    if isinstance(value, (list, tuple)):
+        return any(_is_symbolic(v) for v in value)
+    return False
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    return getattr(getattr(target, "overloadpacket", target), "__name__", str(target))
+
+
+def data_dependence(gm: torch.fx.GraphModule) -> list[str]:
+    """Every host-sync op and data-dependent (symbolic) size in ``gm`` and its subgraphs (e.g. a while loop's
+    body). With static example shapes every legitimate size is a Python int, so a symbolic one can only come from
+    tensor values (``nonzero``, ``.item()``)."""
+    problems = []
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op not in ("call_function", "call_method"):
+                continue
+            name = _target_name(node.target)
+            if name in SYNC_OPS:
+                problems.append(f"host-sync op {name}: {node.format_node()}")
+            elif _is_symbolic(node.meta.get("val", node.meta.get("example_value"))):
+                problems.append(f"data-dependent size: {node.format_node()}")
+    return problems
+
+
+def assert_static_graph(gm: torch.fx.GraphModule) -> None:
+    """Raise :class:`DataDependentGraph` naming the first host-sync op or data-dependent size in ``gm``.
+
+    ``fullgraph=True`` alone is not enough on recent PyTorch: Dynamo captures ``nonzero``, boolean masks and
+    ``.item()`` (as ``_local_scalar_dense``) into the graph instead of breaking it."""
+    problems = data_dependence(gm)
+    if problems:
+        raise DataDependentGraph(problems[0])
+
+
+def _checked_inner(gm, example_inputs):
+    from functorch.compile import make_boxed_func
+
+    assert_static_graph(gm)  # the aten-level graph
+    return make_boxed_func(gm.forward)
+
+
+def static_backend(inner: str = "aot_eager"):
+    """A Dynamo backend that checks the captured graph (torch level, then aten level for ``aot_eager``) and runs
+    it with ``inner``: ``"aot_eager"`` (cheap) or ``"inductor"``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    if inner not in ("aot_eager", "inductor"):
+        raise ValueError(f"inner must be 'aot_eager' or 'inductor', got {inner!r}")
+
+    def backend(gm, example_inputs):
+        assert_static_graph(gm)  # the Dynamo-level graph
+        if inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return aot_autograd(fw_compiler=_checked_inner)(gm, example_inputs)
+
+    return backend
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _max_abs_diff(actual, expected) -> float:
+    pairs = list(zip(_tensors(actual), _tensors(expected), strict=True))
+    diffs = [float((a.detach().cpu().double() - e.detach().cpu().double()).abs().max()) if a.numel() else 0.0
+             for a, e in pairs]
+    return max(diffs, default=0.0)
+
+
+@dataclass
+class CompileReport:
+    """``torch.compile(fullgraph=True, dynamic=False)`` with the static-graph check on every captured graph."""
+
+    fullgraph: bool
+    max_abs_diff: float | None
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def compile_check(module: nn.Module, example_inputs: Inputs, kwargs: Mapping[str, Any] | None = None,
+                  backend: str = "aot_eager") -> CompileReport:
+    """Compile ``module`` with ``fullgraph=True``: a graph break, a host-sync op or a data-dependent size fails.
+    Runs under ``no_grad`` and compares the compiled output with eager. Resets Dynamo's caches before and after
+    (``torch._dynamo.reset()``), so that earlier compilations of the same ``forward`` cannot hide a failure."""
+    kwargs = dict(kwargs or {})
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(module, fullgraph=True, dynamic=False, backend=static_backend(backend))
+            out = compiled(*example_inputs, **kwargs)
+            eager = module(*example_inputs, **kwargs)
+    except Exception as e:  # any failure to capture one static graph is the answer
+        return CompileReport(False, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    finally:
+        torch._dynamo.reset()
+    return CompileReport(True, _max_abs_diff(out, eager))
+
+
+@dataclass
+class ExportReport:
+    """``torch.export`` (strict) of one forward. ``data_dependent`` lists host-sync ops and symbolic sizes."""
+
+    program: torch.export.ExportedProgram = field(repr=False)
+    data_dependent: list[str]
+    op_histogram: dict[str, int]
+
+    @property
+    def static(self) -> bool:
+        return not self.data_dependent
+
+    def to_dict(self) -> dict:
+        return {"static": self.static, "data_dependent": self.data_dependent, "op_histogram": self.op_histogram}
+
+
+def export_program(module: nn.Module, example_inputs: Inputs, kwargs: Mapping[str, Any] | None = None,
+                   strict: bool = True) -> ExportReport:
+    """``torch.export.export(module, example_inputs, kwargs, strict=strict)`` with static example shapes,
+    checked for data dependence (also inside higher-order-op subgraphs). Export errors propagate."""
+    with torch.no_grad():
+        program = torch.export.export(module, tuple(example_inputs), dict(kwargs or {}), strict=strict)
+    histogram: Counter[str] = Counter()
+    for sub in program.graph_module.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            histogram.update(_target_name(n.target) for n in sub.graph.nodes if n.op == "call_function")
+    return ExportReport(program, data_dependence(program.graph_module), dict(sorted(histogram.items())))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# XLA
+
+
+def import_torch_xla():
+    """``torch_xla`` (CPU client unless ``PJRT_DEVICE`` says otherwise), or an ImportError saying how to get it."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    try:
+        import torch_xla
+        import torch_xla.debug.metrics  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"torch_xla is needed for the XLA checks: {XLA_INSTALL_HINT} ({e})") from e
+    return torch_xla
+
+
+@dataclass
+class BlockCount:
+    """What one dynamic-while blockwise call computed, read from the device: ``computed`` is the loop's own
+    counter (static prefix + loop iterations), ``active`` the number of blocks holding a real token."""
+
+    num_blocks: int
+    static_blocks: int
+    blocks_per_iteration: int
+    computed: int
+    active: int
+
+    @property
+    def expected(self) -> int:
+        """The schedule: the static prefix, then whole iterations while the next block is active."""
+        beyond = max(self.active - self.static_blocks, 0)
+        iterations = -(-beyond // self.blocks_per_iteration)
+        return min(self.static_blocks + iterations * self.blocks_per_iteration, self.num_blocks)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "skipped": self.num_blocks - self.computed, "expected": self.expected}
+
+
+class _PendingBlockCount(NamedTuple):
+    """A :class:`BlockCount` whose counts are still device tensors (part of the traced graph)."""
+
+    num_blocks: int
+    static_blocks: int
+    blocks_per_iteration: int
+    computed: torch.Tensor
+    active: torch.Tensor
+
+    def read(self) -> BlockCount:
+        return BlockCount(self.num_blocks, self.static_blocks, self.blocks_per_iteration, int(self.computed.cpu()),
+                          int(self.active.cpu()))
+
+
+class _CountingBackend(TorchBackend):
+    """The torch backend, keeping the dynamic-while loop's block counter (a device tensor) of every call."""
+
+    def __init__(self, matmul: str):
+        super().__init__(matmul)
+        self.records: list[_PendingBlockCount] = []
+
+    def blockwise(self, hidden_states, routing, mapping, weights, config):
+        if not config.use_dynamic_while:
+            return super().blockwise(hidden_states, routing, mapping, weights, config)
+        result = dynamic_while_blockwise_forward(hidden_states, routing, mapping, weights, config, self.matmul)
+        static = static_block_count(config, hidden_states.shape[0], routing.expert_index.shape[1],
+                                    mapping.num_blocks)
+        self.records.append(_PendingBlockCount(mapping.num_blocks, static, blocks_per_iteration(config),
+                                               result.computed_blocks, mapping.conditions.sum()))
+        return result.output
+
+
+@contextlib.contextmanager
+def _counting_blocks(module: nn.Module) -> Iterator[list[_CountingBackend]]:
+    """Swap the torch backend of every dynamic-while ``ExpertMLPsV2`` in ``module`` for a counting one."""
+    swapped = []
+    for sub in module.modules():
+        if (isinstance(sub, ExpertMLPsV2) and type(sub.backend) is TorchBackend
+                and sub.blockwise_matmul_config.use_dynamic_while):
+            swapped.append((sub, sub.backend))
+            sub.backend = _CountingBackend(sub.backend.matmul)
+    try:
+        yield [sub.backend for sub, _ in swapped]
+    finally:
+        for sub, backend in swapped:
+            sub.backend = backend
+
+
+@dataclass
+class _Step:
+    """One forward under XLA: what happened while tracing it, and at the sync that ran it."""
+
+    graph_hash: bytes
+    executions_during_trace: int
+    transfers_during_trace: int
+    compilations: int
+    executions_at_sync: int
+    output_fetch_transfers: int
+    outputs: Any
+    blocks: list[BlockCount]
+
+
+def _counter(met, name: str) -> int:
+    return met.counter_value(name) or 0
+
+
+def _fallback_counts(met) -> Counter[str]:
+    """Executions of each operator ``torch_xla`` ran on the CPU so far (its ``aten::`` counters)."""
+    return Counter({name: _counter(met, name) for name in met.counter_names() if name.startswith("aten::")})
+
+
+def _new_fallbacks(met, before: Counter[str]) -> list[str]:
+    return sorted((_fallback_counts(met) - before).keys())
+
+
+def _transfers(met) -> int:
+    data = met.metric_data("TransferFromDeviceTime")
+    return data[0] if data else 0
+
+
+def _to(value, device):
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _xla_step(xla_module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], before_sync=None) -> _Step:
+    torch_xla = import_torch_xla()
+    met = torch_xla.debug.metrics
+    device = torch_xla.device()
+    args, kwargs = _to(tuple(args), device), _to(dict(kwargs), device)
+    torch_xla.sync(wait=True)  # the inputs are on the device before tracing starts
+    executions, transfers = _counter(met, "ExecuteComputation"), _transfers(met)
+    with torch.no_grad(), _counting_blocks(xla_module) as counters:
+        outputs = xla_module(*args, **kwargs)
+    executions_during_trace = _counter(met, "ExecuteComputation") - executions
+    transfers_during_trace = _transfers(met) - transfers
+    records = [r for c in counters for r in c.records]
+    counts = _tensors([(r.computed, r.active) for r in records])
+    graph_hash = torch_xla._XLAC._get_graph_hash(_tensors(outputs) + counts)
+    if before_sync is not None:
+        before_sync(outputs)
+    compilations, executions = _counter(met, "UncachedCompile"), _counter(met, "ExecuteComputation")
+    torch_xla.sync(wait=True)
+    compilations = _counter(met, "UncachedCompile") - compilations
+    executions_at_sync = _counter(met, "ExecuteComputation") - executions
+    transfers = _transfers(met)
+    outputs = _to(outputs, "cpu")
+    blocks = [r.read() for r in records]
+    return _Step(graph_hash, executions_during_trace, transfers_during_trace, compilations, executions_at_sync,
+                 _transfers(met) - transfers, outputs, blocks)
+
+
+def _xla_copy(module: nn.Module) -> nn.Module:
+    torch_xla = import_torch_xla()
+    xla_module = copy.deepcopy(module).to(torch_xla.device())
+    torch_xla.sync(wait=True)
+    return xla_module
+
+
+@dataclass
+class StaticReport:
+    """:func:`check_static`'s findings over ``routings`` forwards.
+
+    - ``graphs``: distinct XLA graphs traced (1 = one static graph for every routing);
+    - ``compilations``: XLA compilations the check caused (1; 0 if this process had compiled the graph before);
+    - ``executions_during_trace`` / ``transfers_during_trace``: graphs run and device-to-host transfers while
+      the forward was being traced -- each one is a host sync inside the layer (must be 0);
+    - ``executions_per_step``: graphs run by each step's sync (1: the whole layer is one graph);
+    - ``output_fetch_transfers``: the expected transfers that fetch the final outputs, reported apart;
+    - ``fallback_ops``: operators ``torch_xla`` ran on the CPU (must be empty);
+    - ``max_abs_diff``: largest ``|XLA - eager|`` over every output and routing;
+    - ``blocks``: per routing, the dynamic-while block counts (empty without dynamic-while experts).
+    """
+
+    routings: int
+    graphs: int
+    compilations: int
+    executions_during_trace: int
+    transfers_during_trace: int
+    executions_per_step: list[int]
+    output_fetch_transfers: int
+    fallback_ops: list[str]
+    max_abs_diff: float
+    atol: float
+    blocks: list[list[BlockCount]]
+
+    @property
+    def static(self) -> bool:
+        return (self.graphs == 1 and self.compilations <= 1 and self.executions_during_trace == 0
+                and self.transfers_during_trace == 0 and all(e == 1 for e in self.executions_per_step)
+                and not self.fallback_ops)
+
+    @property
+    def matches_eager(self) -> bool:
+        return self.max_abs_diff <= self.atol
+
+    @property
+    def blocks_match_schedule(self) -> bool:
+        return all(b.computed == b.expected for step in self.blocks for b in step)
+
+    @property
+    def ok(self) -> bool:
+        return self.static and self.matches_eager and self.blocks_match_schedule
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["blocks"] = [[b.to_dict() for b in step] for step in self.blocks]
+        out.update(static=self.static, matches_eager=self.matches_eager,
+                   blocks_match_schedule=self.blocks_match_schedule, ok=self.ok)
+        return out
+
+
+def check_static(module: nn.Module, make_inputs: Callable[[int], Inputs], n: int = 3,
+                 kwargs: Mapping[str, Any] | None = None, atol: float = 1e-5) -> StaticReport:
+    """Run ``module(*make_inputs(i), **kwargs)`` for ``i`` in ``range(n)`` under XLA and in eager, and report
+    whether every routing traced to the same single graph (see :class:`StaticReport`).
+
+    ``make_inputs(i)`` returns CPU tensors; it should vary the routing with ``i`` and send every token to the
+    same experts for one ``i`` (:func:`moe_inputs` does: ``i = 0`` repeats one token). ``module`` is not
+    modified: a copy runs on the XLA device.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise ValueError(f"n must be an int >= 2 (several routings, to see whether they share a graph), got {n!r}")
+    torch_xla = import_torch_xla()
+    met = torch_xla.debug.metrics
+    kwargs = dict(kwargs or {})
+    xla_module = _xla_copy(module)
+    fallbacks_before = _fallback_counts(met)
+    steps, diffs = [], []
+    for i in range(n):
+        args = tuple(make_inputs(i))
+        with torch.no_grad():
+            eager = module(*args, **kwargs)
+        step = _xla_step(xla_module, args, kwargs)
+        steps.append(step)
+        diffs.append(_max_abs_diff(step.outputs, eager))
+    return StaticReport(
+        routings=n,
+        graphs=len({s.graph_hash for s in steps}),
+        compilations=sum(s.compilations for s in steps),
+        executions_during_trace=sum(s.executions_during_trace for s in steps),
+        transfers_during_trace=sum(s.transfers_during_trace for s in steps),
+        executions_per_step=[s.executions_at_sync for s in steps],
+        output_fetch_transfers=sum(s.output_fetch_transfers for s in steps),
+        fallback_ops=_new_fallbacks(met, fallbacks_before),
+        max_abs_diff=max(diffs),
+        atol=atol,
+        blocks=[s.blocks for s in steps],
+    )
+
+
+_HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (?:\([^()]*\)|\S+) ([a-z][a-z0-9\-]*)\(", re.MULTILINE)
+
+
+def hlo_op_histogram(hlo_text: str) -> dict[str, int]:
+    """Instruction count per HLO opcode, over every computation of the module (loop bodies included)."""
+    return dict(sorted(Counter(_HLO_OP.findall(hlo_text)).items()))
+
+
+def _describe(value) -> list[dict]:
+    return [{"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for t in _tensors(value)]
+
+
+def export_hlo(module: nn.Module, example_inputs: Inputs, out_dir: str | os.PathLike,
+               kwargs: Mapping[str, Any] | None = None, atol: float = 1e-5) -> dict:
+    """Trace one forward under XLA and write to ``out_dir``:
+
+    - ``model.hlo.txt``: the HLO module, readable;
+    - ``model.hlo_module.pb``: the serialized ``HloModuleProto`` (what ``neuronx-cc compile --framework XLA``
+      reads);
+    - ``report.json``: the returned report -- compiled graphs, HLO op histogram (``while`` ops included), input
+      and output shapes, CPU fallbacks, device-to-host transfers during tracing (must be 0) apart from the final
+      output fetch, ``max_abs_diff`` against eager, and dynamic-while block counts.
+    """
+    torch_xla = import_torch_xla()
+    met = torch_xla.debug.metrics
+    kwargs = dict(kwargs or {})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        eager = module(*example_inputs, **kwargs)
+    xla_module = _xla_copy(module)
+    fallbacks_before = _fallback_counts(met)
+    hlo = {}
+
+    def dump(outputs):
+        tensors = _tensors(outputs)
+        hlo["text"] = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
+        hlo["proto"] = torch_xla._XLAC._get_xla_tensors_hlo_proto(tensors)
+
+    step = _xla_step(xla_module, example_inputs, kwargs, before_sync=dump)
+    (out_dir / "model.hlo.txt").write_text(hlo["text"])
+    (out_dir / "model.hlo_module.pb").write_bytes(hlo["proto"])
+    histogram = hlo_op_histogram(hlo["text"])
+    report = {
+        "files": {"hlo_text": "model.hlo.txt", "hlo_proto": "model.hlo_module.pb"},
+        "compiled_graphs": step.executions_at_sync,
+        "compilations": step.compilations,
+        "hlo_instructions": sum(histogram.values()),
+        "op_histogram": histogram,
+        "while_ops": histogram.get("while", 0),
+        "inputs": _describe((tuple(example_inputs), kwargs)),
+        "outputs": _describe(eager),
+        "fallback_ops": _new_fallbacks(met, fallbacks_before),
+        "executions_during_trace": step.executions_during_trace,
+        "transfers_during_trace": step.transfers_during_trace,
+        "output_fetch_transfers": step.output_fetch_transfers,
+        "max_abs_diff": _max_abs_diff(step.outputs, eager),
+        "atol": atol,
+        "blocks": [b.to_dict() for b in step.blocks],
+    }
+    report["static"] = (report["compiled_graphs"] == 1 and not report["fallback_ops"]
+                        and report["executions_during_trace"] == 0 and report["transfers_during_trace"] == 0)
+    report["matches_eager"] = report["max_abs_diff"] <= atol
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------
+# inputs that vary the routing
+
+
+def moe_inputs(moe: nn.Module, tokens: int, mode: str = "prefill", padding: bool = False,
+               seed: int = 0) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """``make_inputs`` for an ``MoE``: ``i -> (hidden_states[, padding_mask])``.
+
+    ``mode="prefill"``: one sequence of ``tokens`` tokens ``(1, T, H)``; ``"decode"``: ``tokens`` sequences of
+    one token ``(T, 1, H)``. ``i = 0`` repeats a single token, so every token goes to the same ``k`` experts (the
+    most skewed routing: one expert receives all ``T`` tokens); other ``i`` draw independent random tokens.
+    ``padding`` masks out the last quarter of the tokens (at least one).
+    """
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    shape = (1, tokens) if mode == "prefill" else (tokens, 1)
+    dtype, hidden = moe.expert_mlps.dtype, moe.hidden_size
+
+    def make(i: int) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed + i)
+        x = torch.randn(*shape, hidden, generator=generator, dtype=torch.float64)
+        if i == 0:
+            x = x[:1, :1].expand_as(x)
+        x = x.to(dtype).contiguous()
+        if not padding:
+            return (x,)
+        mask = torch.ones(tokens, dtype=torch.bool)
+        mask[tokens - max(1, tokens // 4):] = False
+        return x, mask.view(shape)
+
+    return make
+
+
+# ----------------------------------------------------------------------------------------------------------
+# nxd-moe trace
+
+DEFAULT_TOKENS = {"prefill": 512, "decode": 8}
+DYNAMIC_WHILE_FLAGS = {
+    "off": (False, False),
+    "intermediate": (True, False),
+    "block": (False, True),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from nxd_moe.cli import MIN_AUTO_SCALE, _positive_int, _scale
+    from nxd_moe.config import builtin_config_names
+
+    parser.add_argument("--config", required=True,
+                        help=f"YAML path or built-in name ({', '.join(builtin_config_names())})")
+    parser.add_argument("--out", required=True, help="directory for the HLO, the exported program and the reports")
+    parser.add_argument("--mode", choices=("prefill", "decode"), default="prefill",
+                        help="prefill: one sequence of --tokens tokens; decode: --tokens sequences of one token")
+    parser.add_argument("--tokens", type=_positive_int, default=None,
+                        help=f"tokens per forward (default {DEFAULT_TOKENS['prefill']} prefill, "
+                             f"{DEFAULT_TOKENS['decode']} decode)")
+    parser.add_argument("--scale", type=_scale, default="auto",
+                        help=f"divide H and I by this; 'auto' (default) picks a power of two >= {MIN_AUTO_SCALE}")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument("--block-size", type=_positive_int, default=None, help="override the config's block_size")
+    parser.add_argument("--dynamic-while", choices=sorted(DYNAMIC_WHILE_FLAGS), default=None,
+                        help="blockwise padding-block skipping: use_shard_on_intermediate_dynamic_while "
+                             "('intermediate'), use_shard_on_block_dynamic_while ('block'), or 'off' "
+                             "(default: the config's)")
+    parser.add_argument("--padding", action="store_true", help="mask out the last quarter of the tokens")
+    parser.add_argument("--routings", type=_positive_int, default=3,
+                        help="routings check_static runs under XLA (>= 2; default 3, the first sends every token "
+                             "to the same experts)")
+    parser.add_argument("--atol", type=float, default=None,
+                        help="largest |XLA - eager| accepted (default 1e-4; 6e-2 for 16-bit dtypes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-xla", action="store_true", help="only torch.export and torch.compile")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def trace(args: argparse.Namespace) -> dict:
+    """Build the layer a config describes and run every check; write the artifacts to ``args.out``."""
+    from nxd_moe.build import build_moe
+    from nxd_moe.cli import auto_scale
+    from nxd_moe.config import load_model_config, to_torch_dtype
+
+    model = load_model_config(args.config)
+    dtype = to_torch_dtype(args.dtype, "--dtype")
+    scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
+    tokens = args.tokens or DEFAULT_TOKENS[args.mode]
+    if args.routings < 2:
+        raise ValueError(f"--routings must be >= 2, got {args.routings}")
+    overrides: dict[str, Any] = {}
+    if args.block_size is not None:
+        overrides["block_size"] = args.block_size
+    if args.dynamic_while is not None:
+        on_intermediate, on_block = DYNAMIC_WHILE_FLAGS[args.dynamic_while]
+        overrides["block_use_shard_on_intermediate_dynamic_while"] = on_intermediate
+        overrides["block_use_shard_on_block_dynamic_while"] = on_block
+    moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, **overrides)
+    atol = args.atol if args.atol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 6e-2)
+    make_inputs = moe_inputs(moe, tokens, args.mode, args.padding, args.seed)
+    example = make_inputs(1)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        stats = moe(*example, return_stats=True)[-1].summary()
+    bcfg = moe.expert_mlps.blockwise_matmul_config
+    report: dict[str, Any] = {
+        "config": model.name,
+        "scale": scale,
+        "dtype": str(dtype).removeprefix("torch."),
+        "mode": args.mode,
+        "tokens": tokens,
+        "padding": args.padding,
+        "hidden_size": moe.hidden_size,
+        "num_experts": model.num_experts,
+        "top_k": model.top_k,
+        "router": type(moe.router).__name__,
+        "experts_mode": stats["mode"],
+        "num_blocks": stats["num_blocks"],
+        "active_blocks": stats.get("active_blocks"),
+        "dynamic_while": ("intermediate" if bcfg.use_shard_on_intermediate_dynamic_while
+                          else "block" if bcfg.use_shard_on_block_dynamic_while else "off"),
+    }
+    exported = export_program(moe, example)
+    torch.export.save(exported.program, out_dir / "program.pt2")
+    report["export"] = {**exported.to_dict(), "file": "program.pt2",
+                        "ops": sum(exported.op_histogram.values())}
+    report["compile"] = compile_check(moe, example).to_dict()
+    if args.skip_xla:
+        report["xla"] = {"skipped": "--skip-xla"}
+    else:
+        try:
+            import_torch_xla()
+        except ImportError as e:
+            report["xla"] = {"skipped": str(e)}
+        else:
+            # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
+            static = check_static(moe, make_inputs, n=args.routings, atol=atol)
+            hlo = export_hlo(moe, example, out_dir, atol=atol)
+            report["xla"] = {"hlo": hlo, "check_static": static.to_dict()}
+    report["ok"] = _all_ok(report)
+    (out_dir / "trace.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _all_ok(report: dict) -> bool:
+    checks = [report["export"]["static"], report["compile"]["fullgraph"]]
+    if "hlo" in report["xla"]:
+        hlo, static = report["xla"]["hlo"], report["xla"]["check_static"]
+        checks += [hlo["static"], hlo["matches_eager"], static["ok"]]
+    return all(checks)
+
+
+LABEL = 27  # width of the check names in the report
+
+
+def _yes(flag: bool) -> str:
+    return "ok" if flag else "FAILED"
+
+
+def format_report(report: dict, out_dir: str) -> str:
+    blocks = ""
+    if report["num_blocks"] is not None:
+        blocks = f" (num_blocks {report['num_blocks']}, active {report['active_blocks']})"
+    lines = [
+        f"nxd-moe trace: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}, "
+        f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
+        f"{report['mode']} {report['tokens']} tokens{' with padding' if report['padding'] else ''} -> "
+        f"{report['experts_mode']}{blocks}, dynamic while: {report['dynamic_while']}",
+    ]
+    export, compiled = report["export"], report["compile"]
+    lines.append(f"{'torch.export (strict)':<{LABEL}}{_yes(export['static'])}: {export['ops']} ops, "
+                 f"{len(export['data_dependent'])} data-dependent -> {out_dir}/{export['file']}")
+    for problem in export["data_dependent"][:3]:
+        lines.append(f"    {problem}")
+    detail = (f"max |compiled - eager| {compiled['max_abs_diff']:.2e}" if compiled["fullgraph"]
+              else compiled["error"])
+    lines.append(f"{'torch.compile(fullgraph)':<{LABEL}}{_yes(compiled['fullgraph'])}: {detail}")
+    xla = report["xla"]
+    if "skipped" in xla:
+        lines.append(f"{'XLA':<{LABEL}}skipped: {xla['skipped']}")
+    else:
+        hlo, static = xla["hlo"], xla["check_static"]
+        lines.append(
+            f"{'XLA HLO':<{LABEL}}{_yes(hlo['static'] and hlo['matches_eager'])}: "
+            f"{hlo['compiled_graphs']} graph, {hlo['hlo_instructions']} instructions, {hlo['while_ops']} while, "
+            f"CPU fallbacks {hlo['fallback_ops'] or 'none'}, host transfers during trace "
+            f"{hlo['transfers_during_trace']} -> {out_dir}/{hlo['files']['hlo_proto']}")
+        lines.append(
+            f"{'XLA check_static':<{LABEL}}{_yes(static['ok'])}: {static['routings']} routings -> "
+            f"{static['graphs']} graph, {static['compilations']} compilation, "
+            f"{static['executions_during_trace']} mid-layer executions, "
+            f"{static['transfers_during_trace']} mid-layer transfers "
+            f"({static['output_fetch_transfers']} output fetches), fallbacks {static['fallback_ops'] or 'none'}, "
+            f"max |XLA - eager| {static['max_abs_diff']:.2e}")
+        for i, step in enumerate(static["blocks"]):
+            for b in step:
+                lines.append(f"    routing {i}: computed {b['computed']} of {b['num_blocks']} blocks "
+                             f"(active {b['active']}, static prefix {b['static_blocks']}, "
+                             f"{b['blocks_per_iteration']} per iteration; skipped {b['skipped']})")
+        lines.append(f"compile for Trainium2: neuronx-cc compile {out_dir}/{hlo['files']['hlo_proto']} "
+                     f"--framework XLA --target trn2 --output {out_dir}/model.neff")
+    lines.append("all checks passed" if report["ok"] else "SOME CHECKS FAILED")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = trace(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"nxd-moe trace: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_report(report, args.out))
+    return 0 if report["ok"] else 1

@@ -1,0 +1,491 @@
+"""One rank of a test world: ``python parallel_worker.py SUITE OUT_DIR`` (started by ``parallel_harness``).
+
+Every check compares the parallel layer on this rank's tokens with the single-device layer (same weights, loaded
+through :func:`nxd_moe.parallel.sharding.load_full_state_dict`) run on the whole block's tokens. The single-device
+layer is itself checked against the float64 dense reference by the core suite. Comparisons refuse near-zero
+references, so they cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from conftest import FP32_ATOL, MODES, assert_close, make_config, make_router, random_routing, randn, randomize_  # noqa: E402
+from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, SharedExperts, parallel_state  # noqa: E402
+from nxd_moe.config import ExpertParallelConfig  # noqa: E402
+from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads  # noqa: E402
+from nxd_moe.parallel.sharding import load_full_state_dict  # noqa: E402
+
+DISPATCHES = ("all_gather", "all_to_all_v")
+
+# Expert/router variants, so that each layout also exercises different expert features.
+VARIANTS = {
+    "gptoss": dict(activation="swiglu_gptoss", bias=True, intermediate_size_actual=6, router="topk_act_over_topk"),
+    "qwen": dict(activation="glu_silu", normalize_top_k_affinities=True, router="topk_softmax"),
+    "llama4": dict(activation="glu_silu", top_k=1, early_expert_affinity_modulation=True, router="topk_sigmoid"),
+    "deepseek": dict(activation="glu_silu", num_experts=16, top_k=4, router="group_limited"),
+    "mixtral": dict(activation="glu_silu", normalize_top_k_affinities=True, router="topk_softmax", num_experts=16),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building blocks
+
+
+def init(tp: int, ep: int, prefill: tuple[int, int] | None = None, decode: tuple[int, int] | None = None,
+         **kwargs) -> None:
+    sizes = {}
+    for phase, phase_sizes in (("prefill", prefill), ("decode", decode)):
+        if phase_sizes:
+            sizes[f"moe_{phase}_tensor_model_parallel_size"], sizes[f"moe_{phase}_expert_model_parallel_size"] = \
+                phase_sizes
+    parallel_state.initialize_model_parallel(tp, ep, **sizes, **kwargs)
+
+
+def make_moe(model_parallel: bool | None, *, variant: str = "qwen", sp: bool = False, shared: str | None = None,
+             dispatch: str = "all_gather", distribution=None, block_size: int = 4, **overrides) -> MoE:
+    spec = {"num_experts": 8, "top_k": 2, "hidden_size": 16, "intermediate_size": 8, **VARIANTS[variant], **overrides}
+    router_kind = spec.pop("router")
+    cfg = make_config(**spec)
+    router = make_router(router_kind, cfg.num_experts, cfg.top_k, cfg.hidden_size, seed=2)
+    experts = ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=block_size),
+                           expert_parallel_config=ExpertParallelConfig(dispatch, distribution),
+                           model_parallel=model_parallel)
+    shared_experts = None if shared is None else SharedExperts(
+        cfg.hidden_size, 8, 1, "silu", fused_gate_up_projection=True, sequence_parallel_enabled=shared == "sp",
+        shared_expert_gate=True, model_parallel=model_parallel)
+    return MoE(router, experts, shared_experts, sequence_parallel_enabled=sp).eval()
+
+
+def pair(**kwargs) -> tuple[MoE, MoE]:
+    """The single-device layer (random weights) and the parallel one holding this rank's shard of them."""
+    full = randomize_(make_moe(False, **kwargs), seed=1)
+    return full, load_full_state_dict(make_moe(None, **kwargs), full.state_dict())
+
+
+def coordinates() -> tuple[int, int, int, int]:
+    """``(token group index, number of token groups, TP rank, TP size)`` of this rank."""
+    return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_size(),
+            parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_size())
+
+
+def local_view(x: torch.Tensor, batch: int, sharded: bool) -> torch.Tensor:
+    """This rank's part of a block-wide ``(D * B, S, ...)`` tensor."""
+    d, _, j, tp = coordinates()
+    x = x[d * batch:(d + 1) * batch]
+    if sharded:
+        width = x.shape[1] // tp
+        x = x[:, j * width:(j + 1) * width]
+    return x
+
+
+def check_moe(full: MoE, par: MoE, batch: int, seq: int, seed: int, padding: bool = False):
+    """Parallel output on this rank's tokens == single-device output on the block's tokens; returns the stats."""
+    _, groups, _, _ = coordinates()
+    x = randn(groups * batch, seq, full.hidden_size, seed=seed)
+    mask = (randn(groups * batch, seq, seed=seed + 1) > -1.0) if padding else None
+    sharded = par.sequence_parallel_enabled and seq > 1
+    with torch.no_grad():
+        expected = local_view(full(x, padding_mask=mask)[0], batch, sharded)
+        out, stats = par(local_view(x, batch, sharded), padding_mask=None if mask is None else
+                         local_view(mask, batch, sharded), return_stats=True)
+    assert expected.abs().mean() > 0.02, "reference output is near zero: the comparison would be vacuous"
+    assert_close(out, expected, FP32_ATOL, msg=f"B={batch} S={seq}")
+    return stats
+
+
+def gather_objects(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# layouts: every layout x sequence parallel x dispatch, prefill and both decode modes
+
+
+def layout(tp: int, ep: int, sp: bool, dispatch: str, variant: str, shared: str | None, prefill=None, decode=None,
+           decode_batches: tuple[int, int] = (1, 4)) -> Callable[[], None]:
+    def run():
+        init(tp, ep, prefill, decode)
+        full, par = pair(variant=variant, sp=sp, shared=shared, dispatch=dispatch)
+        stats = check_moe(full, par, 2, 8, seed=10, padding=True)
+        assert stats.mode.value == "blockwise" and stats.dispatch == dispatch, stats.summary()
+        small, large = decode_batches
+        assert check_moe(full, par, small, 1, seed=11).mode.value == "selective_loading"
+        assert check_moe(full, par, large, 1, seed=12).mode.value == "all_experts"
+        if prefill or decode:  # hybrid sharding: the two phases hold different shards
+            assert hasattr(par.expert_mlps, "mlp_op_tkg")
+    return run
+
+
+def forced_modes(tp: int, ep: int) -> Callable[[], None]:
+    """ExpertMLPsV2 alone, every mode forced, both dispatches, with and without sequence parallelism."""
+    def run():
+        init(tp, ep)
+        cfg = make_config(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, bias=True, capacity_factor=1.0)
+        full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=3)
+        d, groups, j, tp_size = coordinates()
+        per_group = 12
+        hidden = randn(groups * per_group, 16, seed=20)
+        affinities, index = random_routing(groups * per_group, 8, 2, seed=21, skew=0.3)
+        real = randn(groups * per_group, seed=22) > -1.0
+        for dispatch in DISPATCHES:
+            par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
+                                                    expert_parallel_config=ExpertParallelConfig(dispatch)),
+                                       full.state_dict())
+            for mode in MODES:
+                expected, ref_stats = full(hidden, affinities, index, padding_mask=real, mode=mode, return_stats=True)
+                for sp in (False, True):
+                    rows = slice(d * per_group, (d + 1) * per_group)
+                    if sp:
+                        width = per_group // tp_size
+                        rows = slice(d * per_group + j * width, d * per_group + (j + 1) * width)
+                    token_layout = par.parallelism.groups.token_layout(1, rows.stop - rows.start, sp)
+                    out, stats = par(hidden[rows], affinities[rows], index[rows], padding_mask=real[rows], mode=mode,
+                                     return_stats=True, token_layout=token_layout)
+                    assert_close(out, expected[rows], FP32_ATOL, msg=f"{dispatch} {mode} sp={sp}")
+                    assert int(stats.dropped_tokens) == int(ref_stats.dropped_tokens)
+                    assert torch.equal(stats.tokens_per_expert, ref_stats.tokens_per_expert)
+                if mode == "capacity_factor":
+                    assert int(ref_stats.dropped_tokens) > 0, "capacity case must drop something"
+    return run
+
+
+def capacity(tp: int, ep: int, sp: bool, dispatch: str) -> Callable[[], None]:
+    """Capacity-factor drops under parallelism are exactly one device's (first come first served in token order,
+    with B > 1 so that sequence shards interleave in that order)."""
+    def run():
+        init(tp, ep)
+        full, par = pair(variant="qwen", sp=sp, dispatch=dispatch, capacity_factor=1.0)
+        stats = check_moe(full, par, 2, 8, seed=30)
+        assert stats.mode.value == "capacity_factor" and int(stats.dropped_tokens) > 0
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# EPLB, bytes, negative control
+
+
+def zipf_routing(num_tokens: int, num_experts: int, top_k: int, seed: int, exponent: float = 1.2):
+    """Top-k of noisy logits whose prior is Zipf: expert e is chosen with weight (e + 1) ** -exponent."""
+    logits = randn(num_tokens, num_experts, seed=seed, dtype=torch.float64) * 0.5
+    logits = logits - exponent * torch.log(torch.arange(1, num_experts + 1, dtype=torch.float64))
+    return torch.softmax(logits, dim=-1).float(), logits.topk(top_k, dim=-1).indices
+
+
+def eplb(dispatch: str) -> Callable[[], None]:
+    def run():
+        init(1, 4)
+        cfg = make_config(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
+        full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=4)
+        d, groups, _, _ = coordinates()
+        per_group = 32
+        hidden = randn(groups * per_group, 16, seed=40)
+        affinities, index = zipf_routing(groups * per_group, 8, 2, seed=41)
+        rows = slice(d * per_group, (d + 1) * per_group)
+        expected = full(hidden, affinities, index)[rows]
+
+        def measure(distribution):
+            placed = ExpertParallelConfig(dispatch, distribution)
+            par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
+                                                    expert_parallel_config=placed), full.state_dict())
+            out, stats = par(hidden[rows], affinities[rows], index[rows], return_stats=True)
+            assert_close(out, expected, FP32_ATOL, msg=f"distribution {distribution}")
+            return gather_objects(stats.summary()["rank_load"]), stats.tokens_per_expert
+
+        contiguous, counts = measure(None)
+        plan = plan_expert_distribution(counts, 4, slots_per_rank=3)
+        assert sum(len(experts) for experts in plan) == 12 and len({e for x in plan for e in x}) == 8
+        planned, _ = measure(plan)
+        total = int(counts.sum())
+        assert sum(contiguous) == sum(planned) == total == groups * per_group * 2, "a pair was lost or duplicated"
+        assert max(planned) < max(contiguous), (planned, contiguous)
+        predicted = rank_loads(counts, plan)
+        # The dispatch splits an expert's pairs between its copies to within one pair per copy.
+        assert all(abs(m - p) <= len(experts) for m, p, experts in zip(planned, predicted, plan)), (planned, predicted)
+    return run
+
+
+def bytes_moved() -> None:
+    """Both dispatches agree with one device; the bytes each reports equal a count made from the routing alone;
+    all-to-all-v moves fewer (E = 16 > k = 2)."""
+    init(1, 4)
+    num_experts, top_k, hidden_size, per_rank = 16, 2, 64, 12
+    cfg = make_config(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, intermediate_size=8)
+    full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=5)
+    me, ranks = dist.get_rank(), dist.get_world_size()
+    hidden = randn(ranks * per_rank, hidden_size, seed=50)
+    affinities, index = random_routing(ranks * per_rank, num_experts, top_k, seed=51)
+    rows = slice(me * per_rank, (me + 1) * per_rank)
+    expected = full(hidden, affinities, index)[rows]
+    reported = {}
+    for dispatch in DISPATCHES:
+        par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
+                                                expert_parallel_config=ExpertParallelConfig(dispatch)),
+                                   full.state_dict())
+        out, stats = par(hidden[rows], affinities[rows], index[rows], return_stats=True)
+        assert_close(out, expected, FP32_ATOL, msg=dispatch)
+        reported[dispatch] = stats.communication
+    owner = index // (num_experts // ranks)  # contiguous placement
+    hits = torch.stack([(owner == r).any(dim=1) for r in range(ranks)], dim=1)  # (T, ranks)
+    source = torch.arange(ranks * per_rank) // per_rank
+    h_bytes, routing_bytes = hidden_size * 4, top_k * 4 + top_k * 4  # fp32 rows; int32 ids + fp32 weights
+    others = ranks - 1
+    assert reported["all_gather"] == {"dispatch": others * per_rank * (h_bytes + routing_bytes),
+                                      "combine": others * per_rank * h_bytes}, reported["all_gather"]
+    received = int((hits[:, me] & (source != me)).sum())
+    sent_away = int(hits[rows].sum()) - int(hits[rows, me].sum())
+    assert reported["all_to_all_v"] == {"expert_counts": others * num_experts * 8, "send_counts": others * 8,
+                                        "dispatch": received * (h_bytes + routing_bytes + 8),
+                                        "combine": sent_away * h_bytes}, reported["all_to_all_v"]
+    totals = gather_objects({k: sum(v.values()) for k, v in reported.items()})
+    assert sum(t["all_to_all_v"] for t in totals) < sum(t["all_gather"] for t in totals), totals
+
+
+def negative_control(dispatch: str) -> Callable[[], None]:
+    """Zeroing EP rank 1's experts changes exactly the tokens that route to them: every rank's experts take part,
+    and a wrong placement would be caught."""
+    def run():
+        init(1, 4)
+        full, par = pair(variant="qwen", dispatch=dispatch)
+        if parallel_state.get_moe_expert_model_parallel_rank() == 1:
+            with torch.no_grad():
+                for p in par.expert_mlps.parameters():
+                    p.zero_()
+        _, groups, _, _ = coordinates()
+        x = randn(groups * 3, 4, 16, seed=60)
+        with torch.no_grad():
+            expected = local_view(full(x)[0], 3, False).reshape(-1, 16)
+            _, _, index = full.router(local_view(x, 3, False).reshape(-1, 16))
+            out = par(local_view(x, 3, False))[0].reshape(-1, 16)
+        touched = ((index >= 2) & (index < 4)).any(dim=1)  # experts 2, 3 live on EP rank 1
+        diff = (out - expected).abs().max(dim=1).values
+        assert bool((diff[~touched] <= FP32_ATOL).all()), diff[~touched]
+        assert bool((diff[touched] > 1e-4).all()), diff[touched]
+        assert 0 < int(touched.sum()) < touched.numel()
+    return run
+
+
+def idle_ranks() -> None:
+    """Every token picks experts 0 and 1 (EP rank 0's): the other ranks compute nothing, receive nothing in the
+    all-to-all-v, and every rank still gets its tokens' outputs."""
+    init(1, 4)
+    cfg = make_config(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
+    full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=6)
+    me, ranks, per_rank = dist.get_rank(), dist.get_world_size(), 5
+    hidden = randn(ranks * per_rank, 16, seed=80)
+    affinities = torch.softmax(randn(ranks * per_rank, 8, seed=81), dim=-1)
+    index = torch.tensor([[0, 1], [1, 0]]).repeat(ranks * per_rank // 2 + 1, 1)[: ranks * per_rank]
+    rows = slice(me * per_rank, (me + 1) * per_rank)
+    expected = full(hidden, affinities, index)[rows]
+    for dispatch in DISPATCHES:
+        par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
+                                                expert_parallel_config=ExpertParallelConfig(dispatch)),
+                                   full.state_dict())
+        out, stats = par(hidden[rows], affinities[rows], index[rows], return_stats=True)
+        assert_close(out, expected, FP32_ATOL, msg=dispatch)
+        assert stats.summary()["rank_load"] == (2 * ranks * per_rank if me == 0 else 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# bad configurations: every rank fails, with the same clear message
+
+
+def expect_error(kind: type, *fragments: str, call: Callable[[], object]) -> None:
+    try:
+        call()
+    except kind as e:
+        text = str(e)
+        missing = [f for f in fragments if f not in text]
+        assert not missing, f"message lacks {missing}: {text}"
+        return
+    raise AssertionError(f"expected {kind.__name__}")
+
+
+def disagreeing_sizes() -> None:
+    rank = dist.get_rank()
+    expect_error(ValueError, "tensor_model_parallel_size", "rank 0=1", "rank 1=2",
+                 call=lambda: init(1 + (rank == 1), 1))
+    assert not parallel_state.model_parallel_is_initialized()
+
+
+def not_dividing_world() -> None:
+    expect_error(ValueError, "tensor_model_parallel_size (3) must divide the world size", call=lambda: init(3, 1))
+
+
+def experts_not_dividing() -> None:
+    init(1, dist.get_world_size())
+    expect_error(ValueError, "must divide num_experts (3)",
+                 call=lambda: ExpertMLPsV2(make_config(num_experts=3, top_k=1)))
+
+
+def modules_disagree() -> None:
+    init(1, dist.get_world_size())
+    expect_error(ValueError, "ExpertMLPsV2 arguments differ", "top_k",
+                 call=lambda: ExpertMLPsV2(make_config(num_experts=4, top_k=1 + (dist.get_rank() == 0))))
+
+
+def intermediate_not_dividing() -> None:
+    init(dist.get_world_size(), 1)
+    expect_error(ValueError, "intermediate_size (7) must be divisible",
+                 call=lambda: ExpertMLPsV2(make_config(num_experts=4, intermediate_size=7)))
+
+
+def distribution_missing_expert() -> None:
+    init(1, 2)
+    expect_error(ValueError, "must place every expert", "missing [3]",
+                 call=lambda: ExpertMLPsV2(make_config(num_experts=4),
+                                           expert_parallel_config=ExpertParallelConfig(
+                                               expert_distribution=((0, 1), (1, 2)))))
+
+
+def shapes_disagree() -> None:
+    """With ``validate_inputs`` ranks that pass different token counts fail together instead of exchanging
+    mismatched buffers."""
+    init(1, dist.get_world_size())
+    experts = ExpertMLPsV2(make_config(num_experts=4), validate_inputs=True)
+    tokens = 4 + 2 * dist.get_rank()
+    affinities, index = random_routing(tokens, 4, 2, seed=90)
+    expect_error(ValueError, "ExpertMLPsV2 input shapes differ", "token_layout_shape",
+                 call=lambda: experts(randn(tokens, 16, seed=91), affinities, index))
+
+
+def rank_never_arrives() -> None:
+    """The last scenario of a suite: rank 1 skips initialisation; the others must fail within the timeout."""
+    if dist.get_rank() == 1:
+        return
+    expect_error(RuntimeError, "not every rank arrived within 3 s", call=lambda: init(1, 1, timeout_s=3))
+
+
+def hf_checkpoint() -> None:
+    """A transformers DeepSeek-V3 checkpoint loads into the parallel layer (each rank its shard) and the layer
+    computes what the transformers block computes."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from hf_helpers import LAYERS, randomize_hf_
+    from nxd_moe.hf import from_hf_config, load_hf_layer
+    from nxd_moe.build import build_moe
+
+    init(dist.get_world_size(), 1)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(
+        hidden_size=32, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=16, num_experts_per_tok=4,
+        n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **LAYERS))
+    randomize_hf_(model, seed=7)
+    config = model.config
+    block = model.model.layers[1].mlp.eval()
+    moe = load_hf_layer(build_moe(from_hf_config(config), block_size=4), model.state_dict(), config, 1)
+    assert moe.expert_mlps.parallelism is not None and moe.shared_experts.tensor_parallel is not None
+    x = randn(1, 6, 32, seed=70)
+    with torch.no_grad():
+        expected = block(x)
+        out = moe(x)[0]
+    assert expected.abs().mean() > 0.02
+    assert_close(out, expected, FP32_ATOL)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# suites
+
+
+def _layouts(entries) -> dict[str, Callable[[], None]]:
+    out = {}
+    for name, tp, ep, variant, shared, extra in entries:
+        for sp in (True, False):
+            for dispatch in DISPATCHES:
+                out[f"{name}/{'sp' if sp else 'nosp'}/{dispatch}"] = layout(tp, ep, sp, dispatch, variant,
+                                                                             shared(sp), **extra)
+    return out
+
+
+SUITES: dict[str, dict[str, Callable[[], None]]] = {
+    "world2": {
+        **_layouts([
+            ("tp2", 2, 1, "gptoss", lambda sp: "sp" if sp else "tp", {}),
+            ("ep2", 1, 2, "qwen", lambda sp: "tp" if sp else "sp", {}),
+        ]),
+        "llama4/tp2/nosp/all_to_all_v": layout(2, 1, False, "all_to_all_v", "llama4", "sp", decode_batches=(1, 8)),
+        "deepseek/ep2/sp/all_gather": layout(1, 2, True, "all_gather", "deepseek", "sp", decode_batches=(1, 2)),
+        "modes/tp2": forced_modes(2, 1),
+        "capacity/tp2/sp/all_gather": capacity(2, 1, True, "all_gather"),
+        "modes/ep2": forced_modes(1, 2),
+        "hf_checkpoint/tp2": hf_checkpoint,
+        "errors/disagreeing_sizes": disagreeing_sizes,
+        "errors/not_dividing_world": not_dividing_world,
+        "errors/experts_not_dividing": experts_not_dividing,
+        "errors/modules_disagree": modules_disagree,
+        "errors/intermediate_not_dividing": intermediate_not_dividing,
+        "errors/distribution_missing_expert": distribution_missing_expert,
+        "errors/shapes_disagree": shapes_disagree,
+        "errors/rank_never_arrives": rank_never_arrives,
+    },
+    "world4": {
+        **_layouts([
+            ("tp2ep2", 2, 2, "gptoss", lambda sp: "tp" if sp else "sp", {}),
+            ("hybrid_prefill_ep4_decode_tp4", 2, 2, "qwen", lambda sp: "sp",
+             dict(prefill=(1, 4), decode=(4, 1))),
+        ]),
+        "tp4/sp/all_to_all_v": layout(4, 1, True, "all_to_all_v", "gptoss", "tp"),
+        "tp4/nosp/all_gather": layout(4, 1, False, "all_gather", "qwen", "sp"),
+        "ep4/sp/all_gather": layout(1, 4, True, "all_gather", "mixtral", None),
+        "ep4/nosp/all_to_all_v": layout(1, 4, False, "all_to_all_v", "mixtral", "tp"),
+        "modes/tp2ep2": forced_modes(2, 2),
+        "capacity/ep4/sp/all_gather": capacity(1, 4, True, "all_gather"),
+        "capacity/tp2ep2/sp/all_to_all_v": capacity(2, 2, True, "all_to_all_v"),
+        "capacity/tp2ep2/sp/all_gather": capacity(2, 2, True, "all_gather"),
+        "eplb/all_gather": eplb("all_gather"),
+        "eplb/all_to_all_v": eplb("all_to_all_v"),
+        "bytes_moved": bytes_moved,
+        "idle_ranks": idle_ranks,
+        "negative_control/all_gather": negative_control("all_gather"),
+        "negative_control/all_to_all_v": negative_control("all_to_all_v"),
+        "errors/disagreeing_sizes4": lambda: expect_error(ValueError, "expert_model_parallel_size", "rank 3=1",
+                                                          call=lambda: init(1, 1 if dist.get_rank() == 3 else 4)),
+    },
+}
+
+
+def main() -> None:
+    suite, out_dir = sys.argv[1], Path(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    results: dict[str, str] = {}
+    path = out_dir / f"rank{rank}.json"
+    stopped = None
+    for name, scenario in SUITES[suite].items():
+        if stopped:
+            results[name] = f"skipped: {stopped} failed earlier"
+            continue
+        try:
+            scenario()
+            results[name] = "ok"
+        except Exception:
+            results[name] = "FAIL " + traceback.format_exc()
+        finally:
+            parallel_state.destroy_model_parallel()
+        path.write_text(json.dumps(results))
+        # Stop at the first failure on any rank: the ranks may no longer be in step.
+        if not all(s == "ok" for s in gather_objects(results[name])):
+            stopped = name
+    path.write_text(json.dumps(results))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""``torchrun --nproc-per-node N -m nxd_moe.cli run --config ... --tp A --ep B``: the README's command works."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nxd_moe.cli import main
+from parallel_harness import free_port
+
+
+def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(free_port()), "-m", "nxd_moe.cli", "run", "--no-progress", "--repeats", "1", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+
+
+def test_torchrun_tp_ep_sp_all_to_all_v():
+    done = torchrun(2, "--config", "deepseek-v3", "--scale", "64", "--tokens", "32", "--decode-batch", "2",
+                    "--tp", "1", "--ep", "2", "--sp", "--dispatch", "all_to_all_v", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)  # rank 0 alone prints
+    assert report["parallel"] == {"world_size": 2, "tensor_model_parallel_size": 1, "expert_model_parallel_size": 2,
+                                  "moe_prefill": [1, 2], "moe_decode": [1, 2], "sequence_parallel": True,
+                                  "dispatch": "all_to_all_v", "token_groups": 2}
+    assert report["shared_experts"] and report["router"] == "GroupLimitedRouter"
+    for step in (report["prefill"], report["decode"]):
+        assert step["max_abs_err"] < 1e-5 * max(1.0, step["max_abs_ref"])
+        assert len(step["bytes_moved_per_rank"]) == 2 and min(step["bytes_moved_per_rank"]) > 0
+    assert sum(report["prefill"]["rank_load_per_rank"]) == report["prefill"]["assignments"] == 2 * 32 * 8
+
+
+def test_model_parallel_without_torchrun_says_how_to_launch(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--config", "mixtral-8x7b", "--tp", "2", "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_on_cpu(tmp_path):
+    """``benchmarks/parallel.py --quick`` stays runnable (gloo, worlds 1 and 2, tiny shapes)."""
+    out = tmp_path / "parallel.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "parallel.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--device", "cpu", "--worlds", "1,2", "--out",
+                           str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (prefill, decode) = report["dispatch"]
+    for entry in (prefill, decode):
+        assert entry["max_abs_diff_between_dispatches"] <= 1e-5 * entry["max_abs_output"]
+        assert all(entry[name]["bytes_received_max_rank"] > 0 for name in ("all_gather", "all_to_all_v"))
+    assert {e["ep"] for e in report["ep_scaling"]} == {1, 2}
+    assert all(e["all_gather"]["speedup_vs_ep1"] > 0 for e in report["ep_scaling"] if e["ep"] == 2)
