@@ -28,6 +28,7 @@ from nxd_moe.build import build_moe
 from nxd_moe.config import (
     EXPERT_PARALLEL_DISPATCHES,
     ExpertParallelConfig,
+    MoEModelConfig,
     builtin_config_names,
     load_model_config,
     to_torch_dtype,
@@ -126,16 +127,45 @@ def _is_parallel(args: argparse.Namespace) -> bool:
             or int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
+def _setup(args: argparse.Namespace) -> tuple[MoEModelConfig, torch.dtype, int]:
+    """The run's model config, dtype and scale (``--scale auto`` resolved); applies ``--threads``."""
+    model = load_model_config(args.config)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = to_torch_dtype(args.dtype, "--dtype")
+    return model, dtype, auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
+
+
+def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: torch.dtype, moe, prefill: dict,
+            decode: dict, parallel: dict | None = None) -> dict:
+    """The run's report: the layer ``moe`` (the single-device one of a parallel run), its two steps and, for a
+    parallel run, the layout."""
+    cfg = moe.expert_mlps.routed_experts_mlp_config
+    report = {
+        "config": model.name,
+        "scale": scale,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": args.backend,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_experts": cfg.num_experts,
+        "top_k": cfg.top_k,
+        "shared_experts": moe.shared_experts is not None,
+        "router": type(moe.router).__name__,
+        "threads": torch.get_num_threads(),
+    }
+    if parallel is not None:
+        report["parallel"] = parallel
+    report.update(prefill=prefill, decode=decode, dropped_tokens=prefill["dropped_tokens"] + decode["dropped_tokens"])
+    return report
+
+
 def run(args: argparse.Namespace) -> dict | None:
     """The report (on rank 0 of a model-parallel run; None on the other ranks)."""
     if _is_parallel(args):
         return run_parallel(args)
-    model = load_model_config(args.config)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    model, dtype, scale = _setup(args)
     overrides = _overrides(args)
-    dtype = to_torch_dtype(args.dtype, "--dtype")
-    scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
     with _progress(total=3, enabled=not args.no_progress) as bar:
         bar.set_description("build", refresh=False)
         moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, **overrides)
@@ -152,22 +182,7 @@ def run(args: argparse.Namespace) -> dict | None:
         decode = _step(moe, decode_x, args.repeats)
         decode["batch"] = args.decode_batch
         bar.update()
-    return {
-        "config": model.name,
-        "scale": scale,
-        "dtype": str(dtype).removeprefix("torch."),
-        "backend": args.backend,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_experts": cfg.num_experts,
-        "top_k": cfg.top_k,
-        "shared_experts": moe.shared_experts is not None,
-        "router": type(moe.router).__name__,
-        "threads": torch.get_num_threads(),
-        "prefill": prefill,
-        "decode": decode,
-        "dropped_tokens": prefill["dropped_tokens"] + decode["dropped_tokens"],
-    }
+    return _report(args, model, scale, dtype, moe, prefill, decode)
 
 
 def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeats: int) -> dict:
@@ -210,11 +225,7 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
     if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
         raise ValueError(f"--tp {args.tp} --ep {args.ep} runs on {args.tp * args.ep} processes: launch with "
                          f"torchrun --nproc-per-node {args.tp * args.ep} -m nxd_moe.cli run ...")
-    model = load_model_config(args.config)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = to_torch_dtype(args.dtype, "--dtype")
-    scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
+    model, dtype, scale = _setup(args)
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("gloo")
@@ -244,32 +255,16 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
     if rank:
         return None
     prefill["tokens"], decode["batch"] = args.tokens, args.decode_batch
-    return {
-        "config": model.name,
-        "scale": scale,
-        "dtype": str(dtype).removeprefix("torch."),
-        "backend": args.backend,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_experts": cfg.num_experts,
-        "top_k": cfg.top_k,
-        "shared_experts": full.shared_experts is not None,
-        "router": type(full.router).__name__,
-        "threads": torch.get_num_threads(),
-        "parallel": {
-            "world_size": layout.world_size,
-            "tensor_model_parallel_size": layout.tensor_model_parallel_size,
-            "expert_model_parallel_size": layout.expert_model_parallel_size,
-            "moe_prefill": list(layout.moe_prefill),
-            "moe_decode": list(layout.moe_decode),
-            "sequence_parallel": args.sp,
-            "dispatch": args.dispatch,
-            "token_groups": groups,
-        },
-        "prefill": prefill,
-        "decode": decode,
-        "dropped_tokens": prefill["dropped_tokens"] + decode["dropped_tokens"],
-    }
+    return _report(args, model, scale, dtype, full, prefill, decode, parallel={
+        "world_size": layout.world_size,
+        "tensor_model_parallel_size": layout.tensor_model_parallel_size,
+        "expert_model_parallel_size": layout.expert_model_parallel_size,
+        "moe_prefill": list(layout.moe_prefill),
+        "moe_decode": list(layout.moe_decode),
+        "sequence_parallel": args.sp,
+        "dispatch": args.dispatch,
+        "token_groups": groups,
+    })
 
 
 def _kib(values: list[int]) -> str:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -279,7 +279,7 @@ def get_parallel_layout() -> ParallelLayout:
     return _state().layout
 
 
-def _group(kind: str):
+def _group(kind: str) -> dist.ProcessGroup:
     return _state().groups[kind]
 
 
@@ -307,16 +307,40 @@ def get_world_group():
     return dist.group.WORLD
 
 
-def get_tensor_model_parallel_group():
-    return _group("tensor_model_parallel_groups")
+def _phase(prefill: bool) -> str:
+    if not isinstance(prefill, bool):
+        raise TypeError(f"prefill must be a bool, got {type(prefill).__name__} {prefill!r}")
+    return "prefill" if prefill else "decode"
 
 
-def get_tensor_model_parallel_size() -> int:
-    return _size("tensor_model_parallel_groups")
+def _getter(read: Callable[[str], Any], kind: str) -> Callable[..., Any]:
+    """``read(kind)`` as a function; a ``kind`` with a ``{phase}`` field makes it take ``prefill: bool = True``."""
+    if "{phase}" not in kind:
+        def getter():
+            return read(kind)
+    else:
+        def getter(prefill: bool = True):
+            return read(kind.format(phase=_phase(prefill)))
+    getter.__annotations__["return"] = read.__annotations__["return"]
+    return getter
 
 
-def get_tensor_model_parallel_rank() -> int:
-    return _rank_in("tensor_model_parallel_groups")
+def _getters(name: str, what: str, kind: str) -> tuple[Callable[..., Any], Callable[..., int], Callable[..., int]]:
+    """NxD's ``get_{name}_group``, ``get_{name}_size`` and ``get_{name}_rank`` of the groups ``kind`` (a
+    :class:`ParallelLayout` field, see :func:`_getter` for ``{phase}``); ``what`` names the group in docstrings."""
+    made = []
+    for suffix, read, doc in (("group", _group, f"This rank's {what}."),
+                              ("size", _size, f"The number of ranks in this rank's {what}."),
+                              ("rank", _rank_in, f"This rank's index in its {what}.")):
+        getter = _getter(read, kind)
+        getter.__name__ = getter.__qualname__ = f"get_{name}_{suffix}"
+        getter.__doc__ = doc
+        made.append(getter)
+    return tuple(made)
+
+
+get_tensor_model_parallel_group, get_tensor_model_parallel_size, get_tensor_model_parallel_rank = _getters(
+    "tensor_model_parallel", "tensor-parallel group (``TP`` consecutive ranks)", "tensor_model_parallel_groups")
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -324,83 +348,24 @@ def get_tensor_model_parallel_src_rank() -> int:
     return _ranks("tensor_model_parallel_groups")[0]
 
 
-def get_data_parallel_group():
-    return _group("data_parallel_groups")
-
-
-def get_data_parallel_size() -> int:
-    return _size("data_parallel_groups")
-
-
-def get_data_parallel_rank() -> int:
-    return _rank_in("data_parallel_groups")
-
-
-def get_expert_model_parallel_group():
-    return _group("expert_model_parallel_groups")
-
-
-def get_expert_model_parallel_size() -> int:
-    return _size("expert_model_parallel_groups")
-
-
-def get_expert_model_parallel_rank() -> int:
-    return _rank_in("expert_model_parallel_groups")
-
-
-def get_expert_data_parallel_group():
-    return _group("expert_data_parallel_groups")
-
-
-def get_expert_data_parallel_size() -> int:
-    return _size("expert_data_parallel_groups")
-
-
-def get_expert_data_parallel_rank() -> int:
-    return _rank_in("expert_data_parallel_groups")
-
-
-def get_moe_model_parallel_group():
-    """The ``TP * EP`` ranks that together hold every expert once; MoE tokens are exchanged inside it."""
-    return _group("moe_model_parallel_groups")
-
-
-def get_moe_model_parallel_size() -> int:
-    return _size("moe_model_parallel_groups")
-
-
-def get_moe_model_parallel_rank() -> int:
-    return _rank_in("moe_model_parallel_groups")
-
-
-def _phase(prefill: bool) -> str:
-    if not isinstance(prefill, bool):
-        raise TypeError(f"prefill must be a bool, got {type(prefill).__name__} {prefill!r}")
-    return "prefill" if prefill else "decode"
-
-
-def get_moe_tensor_model_parallel_group(prefill: bool = True):
-    return _group(f"moe_{_phase(prefill)}_tensor_groups")
-
-
-def get_moe_tensor_model_parallel_size(prefill: bool = True) -> int:
-    return _size(f"moe_{_phase(prefill)}_tensor_groups")
-
-
-def get_moe_tensor_model_parallel_rank(prefill: bool = True) -> int:
-    return _rank_in(f"moe_{_phase(prefill)}_tensor_groups")
-
-
-def get_moe_expert_model_parallel_group(prefill: bool = True):
-    return _group(f"moe_{_phase(prefill)}_expert_groups")
-
-
-def get_moe_expert_model_parallel_size(prefill: bool = True) -> int:
-    return _size(f"moe_{_phase(prefill)}_expert_groups")
-
-
-def get_moe_expert_model_parallel_rank(prefill: bool = True) -> int:
-    return _rank_in(f"moe_{_phase(prefill)}_expert_groups")
+get_data_parallel_group, get_data_parallel_size, get_data_parallel_rank = _getters(
+    "data_parallel", "data-parallel group of the dense layers (the ranks that share its TP coordinate)",
+    "data_parallel_groups")
+get_expert_model_parallel_group, get_expert_model_parallel_size, get_expert_model_parallel_rank = _getters(
+    "expert_model_parallel", "expert-parallel group (one rank per TP group, stride ``TP``)",
+    "expert_model_parallel_groups")
+get_expert_data_parallel_group, get_expert_data_parallel_size, get_expert_data_parallel_rank = _getters(
+    "expert_data_parallel", "expert-data-parallel group (stride ``TP * EP``)", "expert_data_parallel_groups")
+get_moe_model_parallel_group, get_moe_model_parallel_size, get_moe_model_parallel_rank = _getters(
+    "moe_model_parallel", "MoE model-parallel group (the ``TP * EP`` ranks that together hold every expert once; "
+    "MoE tokens are exchanged inside it)", "moe_model_parallel_groups")
+# Hybrid sharding: the MoE TP / EP groups differ between the phases.
+get_moe_tensor_model_parallel_group, get_moe_tensor_model_parallel_size, get_moe_tensor_model_parallel_rank = \
+    _getters("moe_tensor_model_parallel", "MoE tensor-parallel group of the phase (``prefill=True``: prefill's, "
+             "else decode's)", "moe_{phase}_tensor_groups")
+get_moe_expert_model_parallel_group, get_moe_expert_model_parallel_size, get_moe_expert_model_parallel_rank = \
+    _getters("moe_expert_model_parallel", "MoE expert-parallel group of the phase (``prefill=True``: prefill's, "
+             "else decode's)", "moe_{phase}_expert_groups")
 
 
 def get_experts_for_expert_parallel_rank(

@@ -289,6 +289,31 @@ def no_host_sync():
         yield
 
 
+# ----------------------------------------------------------------------------------------------------------
+# negative controls of the static-graph checks (torch.export, torch.compile, torch_xla): deliberately
+# data-dependent expert steps, ``forward(x (T, 16), expert_index (T, k))``
+
+
+class NonzeroExperts(torch.nn.Module):
+    """Only the tokens routed to expert 0, found with ``nonzero``."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(randn(16, 16, seed=3))
+
+    def forward(self, x, expert_index):
+        rows = torch.nonzero(expert_index[:, 0] == 0).squeeze(1)
+        return torch.zeros_like(x).index_add(0, rows, x.index_select(0, rows) @ self.weight)
+
+
+class ItemExperts(NonzeroExperts):
+    """Reads a count on the host and slices with it."""
+
+    def forward(self, x, expert_index):
+        count = int((expert_index[:, 0] == 0).sum().item())
+        return x[:count] @ self.weight
+
+
 
 # ----------------------------------------------------------------------------------------------------------
 # "scaling" experts: expert e computes exactly scale[e] * x, so every token's output names the experts it went

@@ -8,14 +8,27 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from operator import itemgetter
+from typing import Any, Callable
 
 import pytest
 import torch
 
-from conftest import FP32_ATOL, assert_close, make_config, make_experts, make_router, make_shared, randn, random_routing
+from conftest import (
+    FP32_ATOL,
+    ItemExperts,
+    NonzeroExperts,
+    assert_close,
+    make_config,
+    make_experts,
+    make_router,
+    make_shared,
+    randn,
+    random_routing,
+)
 from nxd_moe import MoE
 from nxd_moe.cli import main as cli_main
-from nxd_moe.trace import compile_check, export_program, moe_inputs
+from nxd_moe.trace import ExportReport, compile_check, export_program, moe_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
 
@@ -52,18 +65,30 @@ def forced_experts(name: str) -> tuple[Forced, tuple]:
     return Forced(experts, mode).eval(), (randn(12, 16, seed=3), affinities, expert_index, mask)
 
 
+def assert_program_matches(report: ExportReport, module: torch.nn.Module, inputs: tuple,
+                           output: Callable[[Any], torch.Tensor] = lambda out: out) -> None:
+    """The exported program computes what ``module`` computes on ``inputs`` (``output`` picks the tensor to
+    compare from what they return)."""
+    with torch.no_grad():
+        assert_close(output(report.program.module()(*inputs)), output(module(*inputs)), FP32_ATOL)
+
+
+def exported_static(module: torch.nn.Module, inputs: tuple,
+                    output: Callable[[Any], torch.Tensor] = lambda out: out) -> ExportReport:
+    """``module``'s strict export on ``inputs``: static (no data-dependent op), and matching eager there."""
+    report = export_program(module, inputs)
+    assert report.static, report.data_dependent
+    assert_program_matches(report, module, inputs, output)
+    return report
+
+
 @pytest.mark.parametrize("name", list(EXPERT_MODES))
 def test_every_expert_mode_exports_static(name):
     module, inputs = forced_experts(name)
-    report = export_program(module, inputs)
-    assert report.static, report.data_dependent
-    with torch.no_grad():
-        assert_close(report.program.module()(*inputs), module(*inputs), FP32_ATOL)
+    report = exported_static(module, inputs)
     # a different routing through the same program: it is not specialised to the example's values
     affinities, expert_index = random_routing(12, 4, 2, seed=4, skew=3.0)
-    other = (inputs[0], affinities, expert_index, inputs[3])
-    with torch.no_grad():
-        assert_close(report.program.module()(*other), module(*other), FP32_ATOL)
+    assert_program_matches(report, module, (inputs[0], affinities, expert_index, inputs[3]))
     has_loop = "while_loop" in report.op_histogram
     assert has_loop == ("dynamic_while" in name)
 
@@ -91,10 +116,7 @@ def moe_case(name: str):
 @pytest.mark.parametrize("name", list(MOE_CASES))
 def test_moe_exports_static_with_shared_experts_and_padding(name):
     moe, inputs = moe_case(name)
-    report = export_program(moe, inputs)
-    assert report.static, report.data_dependent
-    with torch.no_grad():
-        assert_close(report.program.module()(*inputs)[0], moe(*inputs)[0], FP32_ATOL)
+    report = exported_static(moe, inputs, output=itemgetter(0))  # MoE returns (output, ...)
     assert report.to_dict()["static"] is True
 
 
@@ -108,24 +130,6 @@ def test_compile_check_passes_on_the_layer(name):
 
 # ----------------------------------------------------------------------------------------------------------
 # negative controls: data-dependent implementations are reported
-
-
-class NonzeroExperts(torch.nn.Module):
-    """A deliberately data-dependent expert step: only the tokens routed to expert 0, found with ``nonzero``."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(16, 16))
-
-    def forward(self, x, expert_index):
-        rows = torch.nonzero(expert_index[:, 0] == 0).squeeze(1)
-        return torch.zeros_like(x).index_add(0, rows, x.index_select(0, rows) @ self.weight)
-
-
-class ItemExperts(NonzeroExperts):
-    def forward(self, x, expert_index):
-        count = int((expert_index[:, 0] == 0).sum().item())
-        return x[:count] @ self.weight
 
 
 @pytest.mark.parametrize("module_cls", [NonzeroExperts, ItemExperts])

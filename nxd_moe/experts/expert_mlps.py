@@ -28,7 +28,7 @@ from nxd_moe.experts.routing_inputs import Routing, build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks, token_to_block_mapping
 from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.consistency import config_fingerprint
-from nxd_moe.parallel.dispatch import get_dispatch
+from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch
 from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
 from nxd_moe.parallel.local_routing import local_routing
 from nxd_moe.parallel.sharding import ShardSpec
@@ -425,8 +425,8 @@ class ExpertMLPsV2(nn.Module):
         pair_weight = routing.affinities.gather(1, routing.expert_index)
         ledger = CommLedger()
         dispatch = self.expert_parallel_config.dispatch
-        result = get_dispatch(dispatch)(x, pair_expert, pair_weight, token_layout, groups, shard, capacity, compute,
-                                        ledger)
+        result = get_dispatch(dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout, groups, shard,
+                                                       capacity, compute, ledger))
         counts = result.pairs_per_expert
         dropped = (counts - counts.clamp(max=capacity)).sum() if capacity is not None else torch.zeros(
             (), dtype=torch.int64, device=x.device)

@@ -16,27 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
-from nxd_moe.parallel.dispatch import Compute, DispatchResult
-from nxd_moe.parallel.layout import ExpertShard, MoEGroups
+from nxd_moe.parallel.collectives import all_gather, all_reduce, reduce_scatter
+from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
 from nxd_moe.parallel.payload import pack, unpack
 from nxd_moe.parallel.placement import assign_pairs, pair_positions
-from nxd_moe.parallel.token_layout import TokenLayout
 
 
-def all_gather_dispatch(
-    hidden: torch.Tensor,
-    pair_expert: torch.Tensor,
-    pair_weight: torch.Tensor,
-    layout: TokenLayout,
-    groups: MoEGroups,
-    shard: ExpertShard,
-    capacity: int | None,
-    compute: Compute,
-    ledger: CommLedger,
-) -> DispatchResult:
-    """See :mod:`nxd_moe.parallel.dispatch` for the contract. ``capacity``: per-expert capacity of the block's
-    tokens (capacity-factor mode) or None."""
+def all_gather_dispatch(inputs: DispatchInputs) -> DispatchResult:
+    """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
+    hidden, pair_expert, pair_weight, layout, groups, shard, capacity, compute, ledger = inputs
     sp = layout.sequence_parallel
     gather_group = groups.block_group if sp else groups.token_dp_group
     payload, specs = pack([hidden, pair_expert.to(torch.int32), pair_weight])

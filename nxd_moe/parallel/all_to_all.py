@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from nxd_moe.experts.routing_inputs import expert_mask
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all_v, exchange_counts
-from nxd_moe.parallel.dispatch import Compute, DispatchResult
-from nxd_moe.parallel.layout import ExpertShard, MoEGroups
+from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
+from nxd_moe.parallel.layout import MoEGroups
 from nxd_moe.parallel.payload import pack, unpack
 from nxd_moe.parallel.placement import assign_pairs
 from nxd_moe.parallel.token_layout import TokenLayout
@@ -49,18 +49,9 @@ def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGrou
     return torch.where(experts >= 0, position, 0), counts.sum(dim=(0, 1))
 
 
-def all_to_all_dispatch(
-    hidden: torch.Tensor,
-    pair_expert: torch.Tensor,
-    pair_weight: torch.Tensor,
-    layout: TokenLayout,
-    groups: MoEGroups,
-    shard: ExpertShard,
-    capacity: int | None,
-    compute: Compute,
-    ledger: CommLedger,
-) -> DispatchResult:
+def all_to_all_dispatch(inputs: DispatchInputs) -> DispatchResult:
     """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
+    hidden, pair_expert, pair_weight, layout, groups, shard, capacity, compute, ledger = inputs
     num_experts = shard.placement.num_experts
     block, me = groups.block_group, groups.block_rank
     start, stop, _ = layout.chunk()

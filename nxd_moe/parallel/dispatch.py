@@ -1,11 +1,12 @@
 """The contract both expert-parallel dispatch strategies implement, and the table that picks one by name.
 
-A dispatch takes this rank's tokens with their routing -- ``hidden (T_r, H)``, ``pair_expert (T_r, k)`` (global
-expert ids, ``-1`` for pairs that do not count: padded tokens) and ``pair_weight (T_r, k)`` -- and returns the
-complete routed output of those tokens: every expert's contribution, every tensor-parallel slice summed. On the
-way it hands the rows this rank must compute to ``compute(rows (N, H), pair_expert (N, k), pair_weight (N, k))``,
-where ``pair_expert`` keeps only the pairs assigned to this rank's experts (``-1`` elsewhere); ``compute`` returns
-this rank's ``(N, H)`` partial output (its experts, its slice of the intermediate dimension).
+A dispatch takes this rank's tokens with their routing (a :class:`DispatchInputs`) -- ``hidden (T_r, H)``,
+``pair_expert (T_r, k)`` (global expert ids, ``-1`` for pairs that do not count: padded tokens) and
+``pair_weight (T_r, k)`` -- and returns the complete routed output of those tokens: every expert's contribution,
+every tensor-parallel slice summed. On the way it hands the rows this rank must compute to
+``compute(rows (N, H), pair_expert (N, k), pair_weight (N, k))``, where ``pair_expert`` keeps only the pairs
+assigned to this rank's experts (``-1`` elsewhere); ``compute`` returns this rank's ``(N, H)`` partial output (its
+experts, its slice of the intermediate dimension).
 
 - ``all_gather`` (NxD's way): every rank gathers all tokens of the block, masks to its local experts, and the
   partial outputs are reduce-scattered back. Static shapes.
@@ -20,8 +21,28 @@ from typing import Callable, NamedTuple
 import torch
 
 from nxd_moe.config import EXPERT_PARALLEL_DISPATCHES
+from nxd_moe.parallel.collectives import CommLedger
+from nxd_moe.parallel.layout import ExpertShard, MoEGroups
+from nxd_moe.parallel.token_layout import TokenLayout
 
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DispatchInputs(NamedTuple):
+    """What every dispatch takes: this rank's tokens and routing (see the module docstring), where they sit in the
+    block (``layout``), the groups they move through, this rank's share of the experts for the phase (``shard``),
+    the per-expert ``capacity`` of the block's tokens (capacity-factor mode) or None, ``compute``, and the
+    ``ledger`` that counts the bytes moved."""
+
+    hidden: torch.Tensor
+    pair_expert: torch.Tensor
+    pair_weight: torch.Tensor
+    layout: TokenLayout
+    groups: MoEGroups
+    shard: ExpertShard
+    capacity: int | None
+    compute: Compute
+    ledger: CommLedger
 
 
 class DispatchResult(NamedTuple):
@@ -32,7 +53,7 @@ class DispatchResult(NamedTuple):
     pairs_per_expert: torch.Tensor
 
 
-def get_dispatch(name: str) -> Callable[..., DispatchResult]:
+def get_dispatch(name: str) -> Callable[[DispatchInputs], DispatchResult]:
     """The dispatch function called ``name`` (one of :data:`~nxd_moe.config.EXPERT_PARALLEL_DISPATCHES`)."""
     if name == "all_gather":
         from nxd_moe.parallel.all_gather import all_gather_dispatch

@@ -75,18 +75,20 @@ class TokenLayout:
 
     def to_token_order(self, gathered: torch.Tensor) -> torch.Tensor:
         """Shards gathered over the block in rank order ``(M * B * S_r, ...)`` -> the block's token order."""
-        if not self.sequence_parallel or self.group_size == 1:
-            return gathered
-        rest = gathered.shape[1:]
-        shaped = gathered.reshape(self.num_groups, self.group_size, self.batch, self.local_seq_len, *rest)
-        return shaped.transpose(1, 2).reshape(-1, *rest)
+        return self._swap_ranks_and_batch(gathered, self.group_size, self.batch)
 
     def from_token_order(self, tokens: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`to_token_order`."""
+        return self._swap_ranks_and_batch(tokens, self.batch, self.group_size)
+
+    def _swap_ranks_and_batch(self, rows: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
+        """Each token group's rows ``(outer, inner, S_r)`` -> ``(inner, outer, S_r)``, where ``outer`` and ``inner``
+        are the group's ranks and the batch, one way or the other. Without sequence parallelism (or with one rank
+        per group) the two orders are the same."""
         if not self.sequence_parallel or self.group_size == 1:
-            return tokens
-        rest = tokens.shape[1:]
-        shaped = tokens.reshape(self.num_groups, self.batch, self.group_size, self.local_seq_len, *rest)
+            return rows
+        rest = rows.shape[1:]
+        shaped = rows.reshape(self.num_groups, outer, inner, self.local_seq_len, *rest)
         return shaped.transpose(1, 2).reshape(-1, *rest)
 
     def chunk(self) -> tuple[int, int, int]:

@@ -23,7 +23,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from conftest import FP32_ATOL, MODES, assert_close, make_config, make_router, random_routing, randn, randomize_  # noqa: E402
-from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, SharedExperts, parallel_state  # noqa: E402
+from nxd_moe import (  # noqa: E402
+    BlockwiseMatmulConfig,
+    ExpertMLPsV2,
+    MoE,
+    RoutedExpertsMLPOpsConfig,
+    SharedExperts,
+    parallel_state,
+)
 from nxd_moe.config import ExpertParallelConfig  # noqa: E402
 from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads  # noqa: E402
 from nxd_moe.parallel.sharding import load_full_state_dict  # noqa: E402
@@ -73,6 +80,26 @@ def pair(**kwargs) -> tuple[MoE, MoE]:
     """The single-device layer (random weights) and the parallel one holding this rank's shard of them."""
     full = randomize_(make_moe(False, **kwargs), seed=1)
     return full, load_full_state_dict(make_moe(None, **kwargs), full.state_dict())
+
+
+def full_experts(cfg: RoutedExpertsMLPOpsConfig, seed: int) -> ExpertMLPsV2:
+    """The single-device ``ExpertMLPsV2`` (block size 4) with random weights."""
+    return randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=seed)
+
+
+def parallel_experts(full: ExpertMLPsV2, dispatch: str, distribution=None) -> ExpertMLPsV2:
+    """The parallel twin of ``full`` (same configs), holding this rank's shard of its weights."""
+    placed = ExpertParallelConfig(dispatch, distribution)
+    return load_full_state_dict(ExpertMLPsV2(full.routed_experts_mlp_config, full.blockwise_matmul_config,
+                                             expert_parallel_config=placed), full.state_dict())
+
+
+def check_rows(par: ExpertMLPsV2, inputs: tuple, rows: slice, expected: torch.Tensor, msg: str, **kwargs):
+    """``par`` on rows ``rows`` of the block-wide ``inputs`` (hidden, affinities, expert index) gives
+    ``expected``; returns its stats."""
+    out, stats = par(*(t[rows] for t in inputs), return_stats=True, **kwargs)
+    assert_close(out, expected, FP32_ATOL, msg=msg)
+    return stats
 
 
 def coordinates() -> tuple[int, int, int, int]:
@@ -136,16 +163,14 @@ def forced_modes(tp: int, ep: int) -> Callable[[], None]:
     def run():
         init(tp, ep)
         cfg = make_config(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8, bias=True, capacity_factor=1.0)
-        full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=3)
+        full = full_experts(cfg, seed=3)
         d, groups, j, tp_size = coordinates()
         per_group = 12
         hidden = randn(groups * per_group, 16, seed=20)
         affinities, index = random_routing(groups * per_group, 8, 2, seed=21, skew=0.3)
         real = randn(groups * per_group, seed=22) > -1.0
         for dispatch in DISPATCHES:
-            par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
-                                                    expert_parallel_config=ExpertParallelConfig(dispatch)),
-                                       full.state_dict())
+            par = parallel_experts(full, dispatch)
             for mode in MODES:
                 expected, ref_stats = full(hidden, affinities, index, padding_mask=real, mode=mode, return_stats=True)
                 for sp in (False, True):
@@ -154,9 +179,9 @@ def forced_modes(tp: int, ep: int) -> Callable[[], None]:
                         width = per_group // tp_size
                         rows = slice(d * per_group + j * width, d * per_group + (j + 1) * width)
                     token_layout = par.parallelism.groups.token_layout(1, rows.stop - rows.start, sp)
-                    out, stats = par(hidden[rows], affinities[rows], index[rows], padding_mask=real[rows], mode=mode,
-                                     return_stats=True, token_layout=token_layout)
-                    assert_close(out, expected[rows], FP32_ATOL, msg=f"{dispatch} {mode} sp={sp}")
+                    stats = check_rows(par, (hidden, affinities, index), rows, expected[rows],
+                                       f"{dispatch} {mode} sp={sp}", padding_mask=real[rows], mode=mode,
+                                       token_layout=token_layout)
                     assert int(stats.dropped_tokens) == int(ref_stats.dropped_tokens)
                     assert torch.equal(stats.tokens_per_expert, ref_stats.tokens_per_expert)
                 if mode == "capacity_factor":
@@ -190,7 +215,7 @@ def eplb(dispatch: str) -> Callable[[], None]:
     def run():
         init(1, 4)
         cfg = make_config(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
-        full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=4)
+        full = full_experts(cfg, seed=4)
         d, groups, _, _ = coordinates()
         per_group = 32
         hidden = randn(groups * per_group, 16, seed=40)
@@ -199,11 +224,8 @@ def eplb(dispatch: str) -> Callable[[], None]:
         expected = full(hidden, affinities, index)[rows]
 
         def measure(distribution):
-            placed = ExpertParallelConfig(dispatch, distribution)
-            par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
-                                                    expert_parallel_config=placed), full.state_dict())
-            out, stats = par(hidden[rows], affinities[rows], index[rows], return_stats=True)
-            assert_close(out, expected, FP32_ATOL, msg=f"distribution {distribution}")
+            stats = check_rows(parallel_experts(full, dispatch, distribution), (hidden, affinities, index), rows,
+                               expected, f"distribution {distribution}")
             return gather_objects(stats.summary()["rank_load"]), stats.tokens_per_expert
 
         contiguous, counts = measure(None)
@@ -225,7 +247,7 @@ def bytes_moved() -> None:
     init(1, 4)
     num_experts, top_k, hidden_size, per_rank = 16, 2, 64, 12
     cfg = make_config(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, intermediate_size=8)
-    full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=5)
+    full = full_experts(cfg, seed=5)
     me, ranks = dist.get_rank(), dist.get_world_size()
     hidden = randn(ranks * per_rank, hidden_size, seed=50)
     affinities, index = random_routing(ranks * per_rank, num_experts, top_k, seed=51)
@@ -233,12 +255,8 @@ def bytes_moved() -> None:
     expected = full(hidden, affinities, index)[rows]
     reported = {}
     for dispatch in DISPATCHES:
-        par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
-                                                expert_parallel_config=ExpertParallelConfig(dispatch)),
-                                   full.state_dict())
-        out, stats = par(hidden[rows], affinities[rows], index[rows], return_stats=True)
-        assert_close(out, expected, FP32_ATOL, msg=dispatch)
-        reported[dispatch] = stats.communication
+        reported[dispatch] = check_rows(parallel_experts(full, dispatch), (hidden, affinities, index), rows, expected,
+                                        dispatch).communication
     owner = index // (num_experts // ranks)  # contiguous placement
     hits = torch.stack([(owner == r).any(dim=1) for r in range(ranks)], dim=1)  # (T, ranks)
     source = torch.arange(ranks * per_rank) // per_rank
@@ -284,7 +302,7 @@ def idle_ranks() -> None:
     all-to-all-v, and every rank still gets its tokens' outputs."""
     init(1, 4)
     cfg = make_config(num_experts=8, top_k=2, hidden_size=16, intermediate_size=8)
-    full = randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=6)
+    full = full_experts(cfg, seed=6)
     me, ranks, per_rank = dist.get_rank(), dist.get_world_size(), 5
     hidden = randn(ranks * per_rank, 16, seed=80)
     affinities = torch.softmax(randn(ranks * per_rank, 8, seed=81), dim=-1)
@@ -292,11 +310,7 @@ def idle_ranks() -> None:
     rows = slice(me * per_rank, (me + 1) * per_rank)
     expected = full(hidden, affinities, index)[rows]
     for dispatch in DISPATCHES:
-        par = load_full_state_dict(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4),
-                                                expert_parallel_config=ExpertParallelConfig(dispatch)),
-                                   full.state_dict())
-        out, stats = par(hidden[rows], affinities[rows], index[rows], return_stats=True)
-        assert_close(out, expected, FP32_ATOL, msg=dispatch)
+        stats = check_rows(parallel_experts(full, dispatch), (hidden, affinities, index), rows, expected, dispatch)
         assert stats.summary()["rank_load"] == (2 * ranks * per_rank if me == 0 else 0)
 
 

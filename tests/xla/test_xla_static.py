@@ -15,7 +15,16 @@ torch_xla = pytest.importorskip("torch_xla")
 
 import torch  # noqa: E402
 
-from conftest import make_config, make_experts, make_router, make_shared, randn, random_routing  # noqa: E402
+from conftest import (  # noqa: E402
+    ItemExperts,
+    NonzeroExperts,
+    make_config,
+    make_experts,
+    make_router,
+    make_shared,
+    randn,
+    random_routing,
+)
 from nxd_moe import MoE  # noqa: E402
 from nxd_moe.experts.while_loop import while_loop  # noqa: E402
 from nxd_moe.trace import check_static, moe_inputs  # noqa: E402
@@ -89,26 +98,6 @@ def test_check_static_needs_several_routings():
 
 # ----------------------------------------------------------------------------------------------------------
 # negative controls: the check can fail
-
-
-class NonzeroExperts(torch.nn.Module):
-    """Deliberately data-dependent: the tokens routed to expert 0, found with ``nonzero``."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(randn(HIDDEN, HIDDEN, seed=3))
-
-    def forward(self, x, expert_index):
-        rows = torch.nonzero(expert_index[:, 0] == 0).squeeze(1)
-        return torch.zeros_like(x).index_add(0, rows, x.index_select(0, rows) @ self.weight)
-
-
-class ItemExperts(NonzeroExperts):
-    """Deliberately data-dependent: reads a count on the host and slices with it."""
-
-    def forward(self, x, expert_index):
-        count = int((expert_index[:, 0] == 0).sum().item())
-        return x[:count] @ self.weight
 
 
 def routed_inputs(i: int):

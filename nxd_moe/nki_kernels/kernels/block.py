@@ -19,6 +19,7 @@ loop, in which case every access that depends on it uses it as a runtime ``scala
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 import numpy as np
 
@@ -30,6 +31,9 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     HIDDEN_CHUNK,
     ExpertAffinityScaleMode,
     MlpShard,
+    array_shape,
+    check_expert_weights,
+    computed_intermediate,
     down_projection,
     gate_up_activation,
     load_down_bias,
@@ -70,22 +74,14 @@ class BlockwiseInputs:
                token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias, down_proj_bias,
                activation, skip_dma, expert_affinities_scaling_mode,
                is_tensor_update_accumulating) -> "BlockwiseInputs":
-        if not isinstance(activation, ExpertActivation):
-            raise TypeError(f"activation must be an ExpertActivation, got {type(activation).__name__}")
         skip_dma = SkipMode(*skip_dma)
         mode = ExpertAffinityScaleMode(expert_affinities_scaling_mode)
-        rows, hidden = _shape(hidden_states, "hidden_states", 2)
-        experts, h2, num_proj, inter = _shape(gate_up_proj_weight, "gate_up_proj_weight", 4)
-        if h2 != hidden or num_proj != (2 if activation.glu_mlp else 1):
-            raise ValueError(f"gate_up_proj_weight must be (E, H={hidden}, {2 if activation.glu_mlp else 1}, I), got "
-                             f"{gate_up_proj_weight.shape}")
-        if down_proj_weight.shape != (experts, inter, hidden):
-            raise ValueError(f"down_proj_weight must be (E, I, H) = {(experts, inter, hidden)}, got "
-                             f"{down_proj_weight.shape}")
+        rows, hidden = array_shape(hidden_states, "hidden_states", 2)
+        experts, num_proj, inter = check_expert_weights(gate_up_proj_weight, down_proj_weight, hidden, activation)
         if expert_affinities_masked.shape != (rows * experts, 1):
             raise ValueError(f"expert_affinities_masked must be (T_rows * E, 1) = {(rows * experts, 1)}, got "
                              f"{expert_affinities_masked.shape}")
-        blocks = _shape(block_to_expert, "block_to_expert", 2)[0]
+        blocks = array_shape(block_to_expert, "block_to_expert", 2)[0]
         if block_to_expert.shape != (blocks, 1) or not is_integer(block_to_expert.dtype):
             raise ValueError(f"block_to_expert must be an int32 (N, 1) tensor, got {block_to_expert!r}")
         if not isinstance(block_size, int) or block_size < 1:
@@ -127,8 +123,7 @@ class BlockwiseInputs:
 
     @property
     def intermediate_actual(self) -> int:
-        actual = self.activation.intermediate_size_actual
-        return self.intermediate if actual is None else min(actual, self.intermediate)
+        return computed_intermediate(self.activation, self.intermediate)
 
     @property
     def dtype(self) -> np.dtype:
@@ -143,14 +138,6 @@ class BlockwiseInputs:
 
     def with_output(self, output: NkiTensor, slot: int = 0) -> "BlockwiseInputs":
         return replace(self, output=output, output_slot=slot)
-
-
-def _shape(t, name: str, dims: int) -> tuple[int, ...]:
-    if not isinstance(t, NkiTensor):
-        raise TypeError(f"{name} must be an array (an HBM tensor inside the kernel), got {type(t).__name__}")
-    if len(t.shape) != dims:
-        raise ValueError(f"{name} must have {dims} dimensions, got shape {t.shape}")
-    return t.shape
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -335,6 +322,31 @@ def compute_block(io: BlockwiseInputs, block, weights: tuple, shard: MlpShard,
         nisa.sendrecv(src=theirs, dst=received, send_to_rank=peer, recv_from_rank=peer, pipe_id=0)
         nisa.tensor_tensor(mine, mine, received, nl.add)
         _finish_tile(io, own, ids, affinities, d_bias, shard, lambda c0, c1, y=mine: y[:, c0:c1])
+
+
+def check_conditions(conditions, iterations: int, expected: str) -> None:
+    """``conditions``, when given, must be an int32 ``(iterations + 1,)`` tensor (``expected``: that shape in the
+    kernel's terms, for the message)."""
+    if conditions is not None and (conditions.shape != (iterations + 1,) or not is_integer(conditions.dtype)):
+        raise ValueError(f"conditions must be an int32 {expected} = ({iterations + 1},) tensor, got {conditions!r}")
+
+
+def dynamic_loop(conditions: NkiTensor, start: int) -> Iterator[NkiTensor]:
+    """The hardware loop that follows ``start`` static iterations: ``conditions (iterations + 1,)`` (1 = the
+    iteration has an active block, a trailing 0) is summed on the device into a register, the trip count, so
+    iterations past the active ones never run. Yields, for each iteration, an int32 ``(1, 1)`` SBUF tensor holding
+    its index (``start``, ``start + 1``, ...), to address the block with at runtime."""
+    flags = nl.ndarray((1, conditions.shape[0]), nl.int32, name="conditions_sb")
+    nisa.dma_copy(flags, conditions)
+    active = nl.ndarray((1, 1), nl.int32, name="active_iterations_sb")
+    nisa.tensor_reduce(active, nl.add, flags, axis=1, keepdims=True)
+    trip_count = nisa.register_alloc()
+    nisa.register_load(trip_count, active)
+    index = nl.ndarray((1, 1), nl.int32, name="iteration_sb")
+    nisa.memset(index, start)
+    for _ in nl.dynamic_range(start, trip_count):
+        yield index
+        nisa.tensor_scalar(index, index, nl.add, 1)
 
 
 def resident_weight_skipping(io: BlockwiseInputs, shard: MlpShard) -> bool:

@@ -22,7 +22,9 @@ from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.kernels.block import (
     NO_SKIP,
     BlockwiseInputs,
+    check_conditions,
     compute_block,
+    dynamic_loop,
     resident_weight_skipping,
     token_tiles,
     weight_load_experts,
@@ -30,7 +32,6 @@ from nxd_moe.nki_kernels.kernels.block import (
 )
 from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
 from nxd_moe.nki_kernels.kernels.tiling import split
-from nxd_moe.nki_kernels.machine import is_integer
 
 
 def bwmm_shard_on_I(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
@@ -54,8 +55,7 @@ def bwmm_shard_on_I(hidden_states, expert_affinities_masked, gate_up_proj_weight
     if cores == 2 and (io.block_size % 256 or len(token_tiles(io)) % 2):
         raise ValueError(f"bwmm_shard_on_I with two cores needs block_size % 256 == 0, got {io.block_size}")
     num_blocks = io.num_blocks
-    if conditions is not None and (conditions.shape != (num_blocks + 1,) or not is_integer(conditions.dtype)):
-        raise ValueError(f"conditions must be an int32 (N + 1,) = ({num_blocks + 1},) tensor, got {conditions!r}")
+    check_conditions(conditions, num_blocks, "(N + 1,)")
     static = num_blocks if conditions is None else num_blocks - io.num_experts if num_static_block is None \
         else num_static_block
     static = min(max(static, 0), num_blocks)
@@ -73,16 +73,8 @@ def bwmm_shard_on_I(hidden_states, expert_affinities_masked, gate_up_proj_weight
         nisa.core_barrier(output, (0, 1))
     if conditions is None:
         return output
-    flags = nl.ndarray((1, num_blocks + 1), nl.int32, name="conditions_sb")
-    nisa.dma_copy(flags, conditions)
-    active = nl.ndarray((1, 1), nl.int32, name="active_blocks_sb")
-    nisa.tensor_reduce(active, nl.add, flags, axis=1, keepdims=True)
-    active_blocks = nisa.register_alloc()
-    nisa.register_load(active_blocks, active)
-    block = nl.ndarray((1, 1), nl.int32, name="block_index_sb")
-    nisa.memset(block, static)
-    for _ in nl.dynamic_range(static, active_blocks):
+    # One block per iteration: the iteration index is the block index.
+    for block in dynamic_loop(conditions, static):
         compute_block(io, block, weights, shard, weight_experts, exchange)
         nisa.core_barrier(output, (0, 1))
-        nisa.tensor_scalar(block, block, nl.add, 1)
     return output

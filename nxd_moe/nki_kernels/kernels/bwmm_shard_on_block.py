@@ -21,14 +21,16 @@ from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.kernels.block import (
     NO_SKIP,
     BlockwiseInputs,
+    check_conditions,
     compute_block,
+    dynamic_loop,
     resident_weight_skipping,
     weight_load_experts,
     zero_output_rows,
 )
 from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
-from nxd_moe.nki_kernels.machine import PMAX, is_integer
+from nxd_moe.nki_kernels.machine import PMAX
 
 
 def core_blocks(num_blocks: int, cores: int, core: int, strategy: BlockShardStrategy) -> tuple[int, int, int]:
@@ -68,9 +70,7 @@ def bwmm_shard_on_block(hidden_states, expert_affinities_masked, gate_up_proj_we
         raise ValueError(f"bwmm_shard_on_block on {cores} cores needs a number of blocks divisible by {cores}, got "
                          f"{io.num_blocks} (pad the mapping with an empty block)")
     first, step, per_core = core_blocks(io.num_blocks, cores, core, block_sharding_strategy)
-    if conditions is not None and (conditions.shape != (per_core + 1,) or not is_integer(conditions.dtype)):
-        raise ValueError(f"conditions must be an int32 (N / cores + 1,) = ({per_core + 1},) tensor, got "
-                         f"{conditions!r}")
+    check_conditions(conditions, per_core, "(N / cores + 1,)")
     if num_static_blocks is None:
         num_static_blocks = io.num_blocks if conditions is None else 0
     static = min(-(-num_static_blocks // cores), per_core)
@@ -83,19 +83,10 @@ def bwmm_shard_on_block(hidden_states, expert_affinities_masked, gate_up_proj_we
     for j in nl.sequential_range(static):
         compute_block(io, first + step * j, weights, shard, weight_experts)
     if conditions is not None:
-        flags = nl.ndarray((1, per_core + 1), nl.int32, name="conditions_sb")
-        nisa.dma_copy(flags, conditions)
-        active = nl.ndarray((1, 1), nl.int32, name="active_iterations_sb")
-        nisa.tensor_reduce(active, nl.add, flags, axis=1, keepdims=True)
-        iterations = nisa.register_alloc()
-        nisa.register_load(iterations, active)
-        position = nl.ndarray((1, 1), nl.int32, name="iteration_sb")
-        nisa.memset(position, static)
         block = nl.ndarray((1, 1), nl.int32, name="block_index_sb")
-        for _ in nl.dynamic_range(static, iterations):
+        for position in dynamic_loop(conditions, static):
             nisa.tensor_scalar(block, position, nl.multiply, step, op1=nl.add, operand1=first)
             compute_block(io, block, weights, shard, weight_experts)
-            nisa.tensor_scalar(position, position, nl.add, 1)
     if cores == 2:
         nisa.core_barrier(output, (0, 1))
         rows = tiles(*split(io.rows, cores, core), PMAX)

@@ -27,7 +27,7 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.kernels.tiling import tiles
-from nxd_moe.nki_kernels.machine import PMAX
+from nxd_moe.nki_kernels.machine import PMAX, NkiTensor
 
 TOKEN_CHUNK = nl.tile_size.gemm_moving_fmax  # tokens per gate/up matmul (moving free size)
 HIDDEN_CHUNK = nl.tile_size.psum_fmax  # hidden columns per down-projection matmul (one PSUM bank of fp32)
@@ -74,6 +74,39 @@ class MlpShard:
     @property
     def h_out_width(self) -> int:
         return self.h_out[1] - self.h_out[0]
+
+
+def array_shape(t, name: str, dims: int) -> tuple[int, ...]:
+    """The shape of kernel input ``t``, checked: an array (an HBM tensor inside the kernel) of ``dims`` dimensions."""
+    if not isinstance(t, NkiTensor):
+        raise TypeError(f"{name} must be an array (an HBM tensor inside the kernel), got {type(t).__name__}")
+    if len(t.shape) != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {t.shape}")
+    return t.shape
+
+
+def check_expert_weights(gate_up_proj_weight, down_proj_weight, hidden: int,
+                         activation: ExpertActivation) -> tuple[int, int, int]:
+    """``(E, G, I)`` of a kernel's expert weights, checked against NKI's contract for hidden size ``hidden``:
+    ``gate_up_proj_weight (E, H, G, I)`` with ``G`` 2 for a GLU MLP and 1 otherwise, ``down_proj_weight (E, I, H)``,
+    and ``activation`` an :class:`~nxd_moe.experts.activation.ExpertActivation`."""
+    if not isinstance(activation, ExpertActivation):
+        raise TypeError(f"activation must be an ExpertActivation, got {type(activation).__name__}")
+    experts, h, num_proj, inter = array_shape(gate_up_proj_weight, "gate_up_proj_weight", 4)
+    if h != hidden or num_proj != (2 if activation.glu_mlp else 1):
+        raise ValueError(f"gate_up_proj_weight must be (E, H={hidden}, {2 if activation.glu_mlp else 1}, I), got "
+                         f"{gate_up_proj_weight.shape}")
+    if down_proj_weight.shape != (experts, inter, hidden):
+        raise ValueError(f"down_proj_weight must be (E, I, H) = {(experts, inter, hidden)}, got "
+                         f"{down_proj_weight.shape}")
+    return experts, num_proj, inter
+
+
+def computed_intermediate(activation: ExpertActivation, intermediate: int) -> int:
+    """How many of the ``intermediate`` columns stored the kernels compute: the first ``intermediate_size_actual``
+    (all of them when it is unset; the rest is checkpoint padding)."""
+    actual = activation.intermediate_size_actual
+    return intermediate if actual is None else min(actual, intermediate)
 
 
 def weight_chunks(shard: MlpShard, itemsize: int, budget: int | None = None) -> list[tuple[int, int]]:

@@ -27,6 +27,8 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     ExpertAffinityScaleMode,
     MlpShard,
     allocate_weights,
+    check_expert_weights,
+    computed_intermediate,
     down_projection,
     gate_up_activation,
     load_down_bias,
@@ -41,15 +43,8 @@ from nxd_moe.nki_kernels.machine import PMAX, NkiTensor, counted_once_per_signat
 
 def _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked, expert_mask,
            activation: ExpertActivation, scaling_mode) -> tuple[MlpShard, ExpertAffinityScaleMode]:
-    if not isinstance(activation, ExpertActivation):
-        raise TypeError(f"activation must be an ExpertActivation, got {type(activation).__name__}")
     tokens, hidden = hidden_states.shape
-    experts, _, num_proj, inter = gate_up_proj_weight.shape
-    if gate_up_proj_weight.shape != (experts, hidden, 2 if activation.glu_mlp else 1, inter):
-        raise ValueError(f"gate_up_proj_weight must be (E, H={hidden}, {2 if activation.glu_mlp else 1}, I), got "
-                         f"{gate_up_proj_weight.shape}")
-    if down_proj_weight.shape != (experts, inter, hidden):
-        raise ValueError(f"down_proj_weight must be {(experts, inter, hidden)}, got {down_proj_weight.shape}")
+    experts, _, inter = check_expert_weights(gate_up_proj_weight, down_proj_weight, hidden, activation)
     if expert_affinities_masked.shape != (tokens * experts, 1):
         raise ValueError(f"expert_affinities_masked must be (T * E, 1) = {(tokens * experts, 1)}, got "
                          f"{expert_affinities_masked.shape}")
@@ -57,9 +52,8 @@ def _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affiniti
     pre = mode is ExpertAffinityScaleMode.PRE_SCALE
     if pre and (expert_mask is None or expert_mask.shape != (tokens * experts, 1)):
         raise ValueError(f"PRE_SCALE needs expert_mask (T * E, 1) = {(tokens * experts, 1)}")
-    actual = activation.intermediate_size_actual
-    i_eff = inter if actual is None else min(actual, inter)
-    return MlpShard(hidden, inter, (0, hidden), (0, hidden), (0, i_eff), activation.glu_mlp), mode
+    i_range = (0, computed_intermediate(activation, inter))
+    return MlpShard(hidden, inter, (0, hidden), (0, hidden), i_range, activation.glu_mlp), mode
 
 
 def moe_tkg_all_expert(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
