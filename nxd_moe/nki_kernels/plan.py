@@ -196,10 +196,10 @@ def decode_candidate(problem: RankProblem, batch: int, mode: ExpertsMode, lnc: i
             **_weights(problem)}
     label = mode.value
     if mode is ExpertsMode.SELECTIVE_LOADING:
-        if problem.ep > 1:
-            return Candidate(section, label, error="selective loading with expert parallelism: NxD raises "
-                                                   "NotImplementedError in decode")
-        args["expert_index"] = balanced_expert_index(batch, problem.top_k, experts).to(torch.int32).numpy()
+        # Under EP (where NxD raises and nxd_moe does not) a balanced routing spreads each token's k experts over
+        # the EP ranks, so a rank serves about ceil(k / EP) of them per token.
+        local_top_k = min(-(-problem.top_k // problem.ep), experts)
+        args["expert_index"] = balanced_expert_index(batch, local_top_k, experts).to(torch.int32).numpy()
         call = KernelCall("moe_tkg_selective_expert", moe_tkg_selective_expert, lnc, args)
     else:
         call = KernelCall("moe_tkg_all_expert", moe_tkg_all_expert, lnc, args)

@@ -20,7 +20,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor reduce-scatter and deprecated the old name; older releases have only the old one.
+# torch 2.13 renamed the tensor all-gather and reduce-scatter and deprecated the old names (same signatures);
+# older releases have only the old ones.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -53,7 +55,7 @@ def all_gather(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.T
         return x.unsqueeze(0)
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the rank chunks concatenated along dim 0
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_into(out, x, group=group)
     ledger.add(step, (size - 1) * _nbytes(x))
     return out.view(size, *x.shape)
 
