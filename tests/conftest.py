@@ -42,6 +42,11 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "nxd_moe_ci"))
 
+# Without a GPU the triton backend's kernels run in Triton's interpreter (on CPU tensors). Triton reads this when
+# a kernel is defined, so it is set before any test imports nxd_moe.triton_kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # fp32 outputs are O(0.1-1) with the weights below; these are absolute tolerances.
 FP32_ATOL = 1e-5
 FP64_ATOL = 1e-10

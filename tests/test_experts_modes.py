@@ -480,9 +480,9 @@ def test_reference_hand_computed():
 
 def _wrong_mapping(kind):
     """Wrap the block mapping so one (token, expert) pair is lost or duplicated."""
-    from nxd_moe.experts import expert_mlps
+    from nxd_moe.experts import backends
 
-    real = expert_mlps.token_to_block_mapping
+    real = backends.token_to_block_mapping
 
     def broken(*args, **kwargs):
         mapping = real(*args, **kwargs)
@@ -498,14 +498,14 @@ def _wrong_mapping(kind):
 
 @pytest.mark.parametrize("kind", ["drop", "duplicate"])
 def test_reference_catches_lost_or_duplicated_pair(monkeypatch, kind):
-    from nxd_moe.experts import expert_mlps
+    from nxd_moe.experts import backends
 
     experts = make_experts(make_config(), seed=111)
     x = randn(8, 16, seed=112)
     affinities, expert_index = random_routing(8, 4, 2, seed=113)
     ref = reference_for_experts(experts, x, affinities, expert_index)
     assert_close(experts(x, affinities, expert_index, mode="blockwise"), ref, FP32_ATOL)
-    monkeypatch.setattr(expert_mlps, "token_to_block_mapping", _wrong_mapping(kind))
+    monkeypatch.setattr(backends, "token_to_block_mapping", _wrong_mapping(kind))
     out = experts(x, affinities, expert_index, mode="blockwise")
     with pytest.raises(AssertionError, match="worst row 3"):
         assert_close(out, ref, FP32_ATOL)

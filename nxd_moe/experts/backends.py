@@ -23,14 +23,27 @@ from nxd_moe.experts.decode import all_experts_forward, selective_loading_forwar
 from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward
 from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
 from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.routing_inputs import Routing
-from nxd_moe.experts.token_mapping import BlockMapping
+from nxd_moe.experts.token_mapping import BlockMapping, token_to_block_mapping
 
 
 class ExpertsBackend(abc.ABC):
     """One implementation of the four expert algorithms."""
 
     name: str
+
+    def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
+                    capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:
+        """The algorithm for a forward of these static shapes: NxD's rule unless the hardware wants another."""
+        return select_mode(num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
+                           selective_loading_threshold)
+
+    def block_mapping(self, routing: Routing, weights: ExpertWeights, block_size: int, num_blocks: int,
+                      optimized: bool) -> BlockMapping:
+        """The token->block mapping of a blockwise forward (a backend may compute it its own way, and attach
+        its own tiling as ``BlockMapping.tiles``; the mapping itself must be the shared one)."""
+        return token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, num_blocks, optimized)
 
     @abc.abstractmethod
     def blockwise(self, hidden_states: torch.Tensor, routing: Routing, mapping: BlockMapping,
@@ -87,6 +100,7 @@ class TorchBackend(ExpertsBackend):
 BACKENDS: dict[str, str] = {
     "torch": "nxd_moe.experts.backends:TorchBackend",
     "nki_sim": "nxd_moe.nki_kernels.backend:NkiSimBackend",
+    "triton": "nxd_moe.triton_kernels.backend:TritonBackend",
 }
 
 

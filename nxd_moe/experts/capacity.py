@@ -18,6 +18,17 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return min(math.ceil(num_tokens * top_k * capacity_factor / num_experts), num_tokens)
 
 
+def admit(expert_mask: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First come, first served: ``expert_mask (T, E)`` -> ``(kept (T, E), rank_in_expert (T, E), dropped)``.
+
+    A token's rank is its order among the expert's tokens; ranks ``>= capacity`` are dropped. ``dropped`` counts
+    the dropped (token, expert) assignments (a 0-d int64 tensor).
+    """
+    rank_in_expert = torch.cumsum(expert_mask.to(torch.int64), dim=0) - 1
+    kept = expert_mask & (rank_in_expert < capacity)
+    return kept, rank_in_expert, (expert_mask & ~kept).sum()
+
+
 def capacity_factor_forward(
     hidden_states: torch.Tensor,
     routing: Routing,
@@ -30,10 +41,7 @@ def capacity_factor_forward(
     num_tokens, hidden = hidden_states.shape
     num_experts = routing.expert_mask.shape[1]  # not the property: Dynamo 2.9 cannot multiply it by an int
     device = hidden_states.device
-    mask = routing.expert_mask
-    rank_in_expert = torch.cumsum(mask.to(torch.int64), dim=0) - 1
-    kept = mask & (rank_in_expert < capacity)
-    dropped = (mask & ~kept).sum()
+    kept, rank_in_expert, dropped = admit(routing.expert_mask, capacity)
 
     num_slots = num_experts * capacity
     experts = torch.arange(num_experts, device=device)

@@ -23,9 +23,9 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.mlp import ExpertWeights
-from nxd_moe.experts.mode import ExpertsMode, select_mode
+from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing, build_routing
-from nxd_moe.experts.token_mapping import BlockMapping, num_blocks, token_to_block_mapping
+from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.consistency import config_fingerprint
 from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch
@@ -344,18 +344,19 @@ class ExpertMLPsV2(nn.Module):
             capacity = (expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
                         if mode is ExpertsMode.CAPACITY_FACTOR else None)
             out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights())
+            # Only when asked: the counts are a kernel launch, which decode latency would otherwise pay.
             stats = ExpertsStats(
                 mode=mode,
                 num_tokens=num_tokens,
                 top_k=cfg.top_k,
                 num_experts=cfg.num_experts,
-                tokens_per_expert=routing.expert_mask.sum(dim=0),
+                tokens_per_expert=routing.expert_mask.sum(dim=0) if mapping is None else mapping.tokens_per_expert,
                 dropped_tokens=dropped,
                 block_size=block_size,
                 num_blocks=n_blocks,
                 capacity=capacity,
                 mapping=mapping,
-            )
+            ) if return_stats else None
         if in_width != cfg.hidden_size:
             out = out[:, :in_width]
         return (out, stats) if return_stats else out
@@ -372,8 +373,8 @@ class ExpertMLPsV2(nn.Module):
             # Shapes, not cfg: on an expert-parallel rank the routing covers its local experts and k' pairs.
             n_blocks = num_blocks(x.shape[0], routing.expert_index.shape[1], routing.expert_mask.shape[1], block_size,
                                   bcfg.pad_num_blocks_to_even)
-            mapping = token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, n_blocks,
-                                             optimized=bcfg.optimized_block_to_token_mapping)
+            mapping = self.backend.block_mapping(routing, weights, block_size, n_blocks,
+                                                 bcfg.optimized_block_to_token_mapping)
             backend = self.backend
             if bcfg.use_torch_block_wise and not isinstance(backend, TorchBackend):
                 backend = TorchBackend()
@@ -451,8 +452,9 @@ class ExpertMLPsV2(nn.Module):
     def _resolve_mode(self, mode, num_tokens: int, seq_len: int | None) -> ExpertsMode:
         cfg = self.routed_experts_mlp_config
         if mode is None:
-            return select_mode(num_tokens, seq_len, cfg.top_k, cfg.num_experts, self.blockwise_matmul_config.block_size,
-                               cfg.capacity_factor, cfg.selective_loading_threshold)
+            return self.backend.select_mode(num_tokens, seq_len, cfg.top_k, cfg.num_experts,
+                                            self.blockwise_matmul_config.block_size, cfg.capacity_factor,
+                                            cfg.selective_loading_threshold)
         try:
             mode = ExpertsMode(mode)
         except ValueError:

@@ -8,7 +8,7 @@ case over all routings, computed from T, k, E and the block size alone.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,6 +47,8 @@ class BlockMapping(NamedTuple):
     - ``conditions (N,)`` int32: 1 if the block holds at least one real token (active blocks are a prefix).
     - ``token_slot (T, k)``: the slot of each (token, chosen expert) pair; ``N*B`` for a padded token.
     - ``tokens_per_expert (E,)``: real tokens routed to each expert.
+    - ``tiles``: a backend's own tiling of the same assignment, computed alongside (the Triton backend's
+      :class:`~nxd_moe.triton_kernels.routing_metadata.TileLayout`), or None.
     """
 
     block_to_expert: torch.Tensor
@@ -55,6 +57,7 @@ class BlockMapping(NamedTuple):
     token_slot: torch.Tensor
     tokens_per_expert: torch.Tensor
     block_size: int
+    tiles: Any = None
 
     @property
     def num_blocks(self) -> int:

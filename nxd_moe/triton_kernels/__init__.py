@@ -1,0 +1,10 @@
+"""GPU kernels in Triton: routing metadata, fused grouped GEMMs, the combine -- the ``"triton"`` backend.
+
+Optional: ``pip install 'nxd-moe[gpu]'``. Nothing else in nxd_moe imports this package, so nxd_moe works without
+Triton; ``ExpertMLPsV2(..., backend="triton")`` imports it on first use.
+"""
+
+try:
+    import triton  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised only where triton is absent
+    raise ImportError("the triton backend needs Triton: pip install 'nxd-moe[gpu]' (or pip install triton)") from error

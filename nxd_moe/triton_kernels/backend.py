@@ -1,0 +1,165 @@
+"""``ExpertMLPsV2(..., backend="triton")``: every expert algorithm as the same three GPU kernels.
+
+Each mode only decides which rows exist -- a :class:`~nxd_moe.triton_kernels.routing_metadata.TileLayout` -- and
+then runs gate/up GEMM (token gather + activation fused) -> down GEMM -> deterministic combine:
+
+- blockwise: the layout comes from the routing-metadata kernels together with NxD's ``BlockMapping`` (which the
+  front end reports in its stats), tiles of ``block_m`` rows independent of the Trainium block size;
+- selective loading: the same kernels with decode-sized tiles, so each chosen expert's weights are streamed
+  once per tile of its tokens;
+- capacity factor: first come first served (shared with the torch backend), each expert's ``C`` slots tiled;
+- all-experts: every token in every expert's tiles; the combine reads only the chosen pairs.
+
+Mode choice differs from NxD's rule where the GPU wants it (:meth:`TritonBackend.select_mode`). Supports fp32,
+bf16 and fp16 on CUDA; on a CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
+is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nxd_moe.experts.backends import ExpertsBackend
+from nxd_moe.experts.capacity import admit
+from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.experts.mode import ExpertsMode
+from nxd_moe.experts.routing_inputs import Routing
+from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.triton_kernels.combine import combine_rows
+from nxd_moe.triton_kernels.grouped_gemm import down_projection, gate_up_projection
+from nxd_moe.triton_kernels.launch_configs import launch_config
+from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_device(hidden_states: torch.Tensor) -> None:
+    if hidden_states.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"the triton backend runs on CUDA tensors (got a {hidden_states.device.type} tensor); "
+                           "on a CPU set TRITON_INTERPRET=1 before importing nxd_moe to run its kernels in "
+                           "Triton's interpreter, or use backend='torch'")
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the triton backend supports dtypes {[str(d) for d in SUPPORTED_DTYPES]}, got "
+                        f"{hidden_states.dtype} (use the torch backend for float64)")
+
+
+def _static_layout(kept: torch.Tensor, rank: torch.Tensor, rows_per_expert: int, expert_index: torch.Tensor | None,
+                   block_m: int) -> TileLayout:
+    """Each expert owns ``rows_per_expert`` (a multiple of ``block_m``) consecutive rows; token ``t`` of
+    ``kept (T, E)`` sits at rank ``rank[t, e]``. ``expert_index (T, k)`` picks the pairs the combine reads
+    (None: all ``E`` of them)."""
+    num_tokens, num_experts = kept.shape
+    device = kept.device
+    num_rows = num_experts * rows_per_expert
+    row = torch.arange(num_experts, device=device) * rows_per_expert + rank
+    tokens = torch.arange(num_tokens, device=device).unsqueeze(1).expand_as(row)
+    scatter_at = torch.where(kept, row, torch.full_like(row, num_rows)).reshape(-1)
+    row_token = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=device)
+    row_token = row_token.scatter(0, scatter_at, tokens.reshape(-1))[:num_rows]
+    tile_expert = torch.arange(num_experts, dtype=torch.int32, device=device).repeat_interleave(
+        rows_per_expert // block_m)
+    num_tiles = torch.full((1,), num_rows // block_m, dtype=torch.int32, device=device)
+    if expert_index is not None:
+        kept, row = kept.gather(1, expert_index), row.gather(1, expert_index)
+    pair_row = torch.where(kept, row, torch.full_like(row, num_rows))
+    return TileLayout(row_token, tile_expert, num_tiles, pair_row, block_m)
+
+
+class TritonBackend(ExpertsBackend):
+    """Fused Triton kernels on NVIDIA GPUs (see the module docstring).
+
+    ``configs``: a launch configuration (see :mod:`~nxd_moe.triton_kernels.launch_configs`) to use for every
+    shape instead of the tuned table -- what the tuner passes; None for the shipped table and default rule.
+    """
+
+    name = "triton"
+
+    def __init__(self, configs: dict | None = None):
+        self.configs = configs
+
+    def _config(self, hidden_states: torch.Tensor, weights: ExpertWeights, top_k: int) -> dict:
+        if self.configs is not None:
+            return self.configs
+        num_experts, hidden, _ = weights.gate_up_proj.shape
+        return launch_config(num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
+                             hidden_states.device, hidden_states.dtype)
+
+    def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
+                    selective_loading_threshold):
+        """On a GPU the tiled kernels never compute an empty row and read each used expert's weights once per
+        tile, so all-experts (every expert's weights, ``E/k`` times the FLOPs) never wins and is only run when
+        forced; NxD's ``T*k >= alpha*E`` switch to it -- right for Trainium's DMA -- is not applied. Capacity
+        factor still applies to prefill, and tiny prefills run as selective loading, as in NxD."""
+        if seq_len == 1:
+            return ExpertsMode.SELECTIVE_LOADING
+        if capacity_factor is not None:
+            return ExpertsMode.CAPACITY_FACTOR
+        if num_tokens * top_k < selective_loading_threshold * num_experts:
+            return ExpertsMode.SELECTIVE_LOADING
+        return ExpertsMode.BLOCKWISE
+
+    def block_mapping(self, routing: Routing, weights: ExpertWeights, block_size: int, n_blocks: int,
+                      optimized: bool) -> BlockMapping:
+        """NxD's mapping and the GPU tiles from the two routing-metadata kernels (``optimized`` changes how the
+        torch version computes the same mapping; it has no meaning here)."""
+        _check_device(routing.affinities)
+        config = self._config(routing.affinities, weights, routing.expert_index.shape[1])
+        mapping, tiles = routing_layout(routing.expert_mask, routing.expert_index, block_size, n_blocks,
+                                        config["block_m"])
+        return mapping._replace(tiles=tiles)
+
+    def _run(self, hidden_states: torch.Tensor, routing: Routing, weights: ExpertWeights, layout: TileLayout,
+             config: dict, pair_expert: torch.Tensor | None = None) -> torch.Tensor:
+        """gate/up -> down -> combine over ``layout``; ``pair_expert (T, K)``: the expert of each of
+        ``layout.pair_row``'s pairs (default: the routing's top-k)."""
+        x = hidden_states.contiguous()
+        affinities = routing.affinities.contiguous()
+        activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
+                                       affinities if routing.prescale else None, config["gate_up"])
+        rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
+        pair_expert = routing.expert_index if pair_expert is None else pair_expert
+        return combine_rows(rows, layout.pair_row, pair_expert, affinities, routing.prescale, x.dtype)
+
+    def blockwise(self, hidden_states, routing, mapping, weights, config):
+        _check_device(hidden_states)
+        launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
+        tiles = mapping.tiles
+        if not isinstance(tiles, TileLayout) or tiles.block_m != launch["block_m"]:
+            # A mapping made elsewhere (the torch implementation, another backend): tile it here.
+            tiles = self.block_mapping(routing, weights, mapping.block_size, mapping.num_blocks, True).tiles
+        return self._run(hidden_states, routing, weights, tiles, launch)
+
+    def selective_loading(self, hidden_states, routing, weights):
+        _check_device(hidden_states)
+        launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
+        block_m = launch["block_m"]
+        num_tokens, top_k = routing.expert_index.shape
+        _, tiles = routing_layout(routing.expert_mask, routing.expert_index, block_m,
+                                  num_blocks(num_tokens, top_k, routing.expert_mask.shape[1], block_m), block_m)
+        return self._run(hidden_states, routing, weights, tiles, launch)
+
+    def capacity_factor(self, hidden_states, routing, capacity, weights):
+        _check_device(hidden_states)
+        launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
+        block_m = launch["block_m"]
+        kept, rank, dropped = admit(routing.expert_mask, capacity)
+        tiles = _static_layout(kept, rank, -(-capacity // block_m) * block_m, routing.expert_index, block_m)
+        return self._run(hidden_states, routing, weights, tiles, launch), dropped
+
+    def all_experts(self, hidden_states, routing, weights):
+        _check_device(hidden_states)
+        launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
+        block_m = launch["block_m"]
+        num_tokens, num_experts = routing.expert_mask.shape
+        everyone = torch.ones_like(routing.expert_mask)
+        rank = torch.arange(num_tokens, device=hidden_states.device).unsqueeze(1).expand(num_tokens, num_experts)
+        tiles = _static_layout(everyone, rank, -(-num_tokens // block_m) * block_m, None, block_m)
+        # Only the chosen pairs are combined: unchosen rows are computed (that is the algorithm) but never read.
+        pair_row = torch.where(routing.expert_mask, tiles.pair_row, torch.full_like(tiles.pair_row, tiles.num_rows))
+        every_expert = torch.arange(num_experts, device=hidden_states.device).expand(num_tokens, num_experts)
+        return self._run(hidden_states, routing, weights, tiles._replace(pair_row=pair_row), launch, every_expert)
+
+    def __repr__(self) -> str:
+        return "TritonBackend()" if self.configs is None else f"TritonBackend(configs={self.configs!r})"

@@ -1,0 +1,243 @@
+"""The two expert projections as grouped GEMMs over a :class:`~nxd_moe.triton_kernels.routing_metadata.TileLayout`.
+
+Each program owns one ``BLOCK_M``-row tile of one expert and one ``BLOCK_N`` column slice; programs whose tile is
+past the device-side tile count exit before loading anything (the GPU form of dynamic-while block skipping), so
+one launch shape -- and one captured CUDA graph -- serves every routing. Programs are ordered tile-major, so the
+column slices of one tile run together (its gathered rows stay in L2) and the tiles of one expert follow each
+other (its weights are read from HBM about once).
+
+- :func:`gate_up_projection`: rows gathered straight from ``hidden_states`` by token id inside the A-tile load
+  (padding rows are masked, never loaded), ``x @ gate_up_proj[e]``, and the whole activation in the epilogue:
+  affinity pre-scaling (Llama 4), bias, clamps, GLU / SwiGLU with GPT-OSS's scaling and ``hidden_act_bias``,
+  checkpoint-padding columns zeroed. ``[gate | up]`` are two column slices of the same ``(E, H, 2I)`` weight,
+  accumulated side by side so the activation sees both.
+- :func:`down_projection`: ``act @ down_proj[e]`` plus bias, optionally split along ``K`` into fp32 partial sums
+  (summed, in a fixed order, by the combine) so that decode puts enough programs on the GPU.
+
+Accumulation is fp32; results are rounded once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.config import GLUType
+from nxd_moe.triton_kernels.routing_metadata import TileLayout
+
+ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "tanh": 4, "leaky_relu": 5}
+
+
+@triton.jit
+def _activation(x, ACT: tl.constexpr):
+    if ACT == 0:
+        return x * tl.sigmoid(x)
+    elif ACT == 1:
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        return tl.where(x > 0, x, 0.0)
+    elif ACT == 3:
+        return tl.sigmoid(x)
+    elif ACT == 4:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+    else:
+        return tl.where(x >= 0, x, 0.01 * x)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter (3.6 to 3.9) returns garbage for 16-bit dots; under it the operands go in as fp32.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile_and_column(pid, num_tiles_ptr, num_n, GROUP_M: tl.constexpr):
+    """Program -> (tile, column slice), ``GROUP_M`` tiles at a time: the group's gathered rows and each column
+    slice of the weights are read from HBM once and reused from L2 by the whole group (tile-major order would
+    re-read an expert's weights once per tile). ``tile = -1``: past the device-side tile count, nothing to do."""
+    num_tiles = tl.load(num_tiles_ptr)
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_tiles - first, GROUP_M)
+    in_group = pid % per_group
+    tile = first + in_group % tl.maximum(group_size, 1)
+    column = in_group // tl.maximum(group_size, 1)
+    return tl.where(pid < num_tiles * num_n, tile, -1), column
+
+
+@triton.jit
+def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
+    # where-based so that NaN stays NaN (a hardware min/max would return the other operand).
+    if HAS_LOWER:
+        x = tl.where(x < lower, lower, x)
+    if HAS_UPPER:
+        x = tl.where(x > upper, upper, x)
+    return x
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, bias_ptr, affinity_ptr, out_ptr,
+    row_token_ptr, tile_expert_ptr, num_tiles_ptr,
+    hidden, inter, inter_actual, num_experts,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_be, stride_or,
+    scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
+    ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
+    GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if tile < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = tl.load(row_token_ptr + rows)
+    row_ok = token >= 0
+    token = tl.where(row_ok, token, 0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+        k_ok = ks < hidden - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, PRECISION, UPCAST)
+        if GLU:
+            w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if PRESCALE:
+        scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+        acc_up = acc_up * scale[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            acc_up += tl.load(bias_ptr + expert * stride_be + inter + cols, mask=col_ok,
+                              other=0.0).to(tl.float32)[None, :]
+    if GLU:
+        gate = _clamp(acc, gate_lower, gate_upper, GATE_LOWER, GATE_UPPER)
+        up = _clamp(acc_up, up_lower, up_upper, UP_LOWER, UP_UPPER)
+        out = _activation(gate * scaling, ACT)
+        if SWIGLU:
+            out = gate * out
+        out = out * (up + act_bias)
+    else:
+        out = _activation(acc, ACT)
+    if MASK_PADDED_COLUMNS:
+        out = tl.where((cols < inter_actual)[None, :], out, 0.0)
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, bias_ptr, out_ptr,
+    row_token_ptr, tile_expert_ptr, num_tiles_ptr,
+    inter, hidden, k_per_split,
+    stride_hr, stride_we, stride_wk, stride_wn, stride_be, stride_os, stride_or,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
+    if tile < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = tl.load(row_token_ptr + rows) >= 0
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    k_begin = split * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, inter)
+    ks = k_begin + tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows[:, None] * stride_hr + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
+        k_ok = ks < k_end - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, PRECISION, UPCAST)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        if split == 0:
+            acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + split * stride_os + rows[:, None] * stride_or + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _launch_options(config: dict, dtype: torch.dtype) -> dict:
+    # fp32 models get fp32 products (tf32 would cost them ~1e-3 relative error); 16-bit inputs ignore it.
+    return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+            "UPCAST": dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+            "GROUP_M": config.get("GROUP_M", 8)}
+
+
+def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_proj: torch.Tensor,
+                       gate_up_bias: torch.Tensor | None, activation: ExpertActivation,
+                       affinities: torch.Tensor | None, config: dict) -> torch.Tensor:
+    """``hidden_states (T, H)`` -> ``(R, I)`` activated rows in tile order (padding rows unwritten).
+
+    ``gate_up_proj (E, H, 2I)`` (``(E, H, I)`` without GLU); ``affinities (T, E)`` when the expert input is
+    pre-scaled by its affinity, else None.
+    """
+    if activation.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"the triton backend supports hidden_act in {sorted(ACTIVATIONS)}, got "
+                         f"{activation.hidden_act!r}")
+    num_experts, hidden, width = gate_up_proj.shape
+    inter = width // 2 if activation.glu_mlp else width
+    block_m, block_n = layout.block_m, config["BLOCK_N"]
+    out = torch.empty(layout.num_rows, inter, dtype=hidden_states.dtype, device=hidden_states.device)
+    actual = activation.intermediate_size_actual
+    limits = (activation.gate_lower, activation.gate_upper, activation.up_lower, activation.up_upper)
+    bias = gate_up_bias if gate_up_bias is not None else gate_up_proj
+    grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
+    _gate_up_kernel[grid](
+        hidden_states, gate_up_proj, bias, affinities if affinities is not None else hidden_states, out,
+        layout.row_token, layout.tile_expert, layout.num_tiles,
+        hidden, inter, inter if actual is None else actual, num_experts,
+        hidden_states.stride(0), *gate_up_proj.stride(), bias.stride(0), out.stride(0),
+        float(activation.scaling_factor), float(activation.act_bias), *(0.0 if v is None else float(v) for v in limits),
+        ACT=ACTIVATIONS[activation.hidden_act], GLU=activation.glu_mlp,
+        SWIGLU=activation.glu_type is GLUType.SWIGLU, HAS_BIAS=gate_up_bias is not None,
+        PRESCALE=affinities is not None, GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
+        UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
+        MASK_PADDED_COLUMNS=actual is not None and actual < inter,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"], **_launch_options(config, hidden_states.dtype))
+    return out
+
+
+def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torch.Tensor,
+                    down_bias: torch.Tensor | None, config: dict) -> torch.Tensor:
+    """``activated (R, I)`` -> ``(S, R, H)``: ``S = config["SPLIT_K"]`` partial sums over slices of ``I``
+    (fp32 when ``S > 1``, else the input dtype). Padding rows are unwritten."""
+    num_experts, inter, hidden = down_proj.shape
+    split = config["SPLIT_K"]
+    block_m, block_n, block_k = layout.block_m, config["BLOCK_N"], config["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(inter, split), block_k) * block_k
+    split = triton.cdiv(inter, k_per_split)
+    dtype = activated.dtype if split == 1 else torch.float32
+    out = torch.empty(split, layout.num_rows, hidden, dtype=dtype, device=activated.device)
+    bias = down_bias if down_bias is not None else down_proj
+    grid = ((layout.num_rows // block_m) * triton.cdiv(hidden, block_n), split)
+    _down_kernel[grid](
+        activated, down_proj, bias, out, layout.row_token, layout.tile_expert, layout.num_tiles,
+        inter, hidden, k_per_split, activated.stride(0), *down_proj.stride(), bias.stride(0), out.stride(0),
+        out.stride(1), HAS_BIAS=down_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        **_launch_options(config, activated.dtype))
+    return out

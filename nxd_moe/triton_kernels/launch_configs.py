@@ -1,0 +1,86 @@
+"""Launch configurations for the grouped GEMMs: tuned entries shipped as JSON, a rule for everything else.
+
+A configuration is looked up once per forward from static shapes only -- ``(E, H, I, k, T)`` with ``T`` rounded
+up to a power of two -- in ``configs/<GPU name>.json`` (written by ``benchmarks/tune_gpu.py`` on that GPU). A
+shape without an entry uses :func:`default_config`; nothing autotunes inside a forward.
+
+Each entry: ``block_m`` (rows per tile, a power of two >= 16), and for ``gate_up`` and ``down`` the column tile
+``BLOCK_N``, the reduction tile ``BLOCK_K``, ``num_warps``, ``num_stages``; ``down`` also has ``SPLIT_K``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k},T={triton.next_power_of_2(num_tokens)}"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_table(name: str) -> dict:
+    path = CONFIG_DIR / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
+                   multiprocessors: int = 132) -> dict:
+    """The rule for untuned shapes.
+
+    ``block_m`` follows the expected rows per used expert (``T*k / min(E, T*k)``): decode-sized problems get
+    16-row tiles, where the work is streaming weights and wider tiles only re-read nothing; prefill gets 128.
+    Memory-bound shapes use long ``K`` tiles, and split the down projection's ``K`` while there are fewer
+    programs than multiprocessors (otherwise a 2-expert decode would run on a few SMs).
+    """
+    pairs = num_tokens * top_k
+    rows_per_expert = pairs / min(num_experts, pairs)
+    block_m = max(16, min(128, triton.next_power_of_2(int(-(-rows_per_expert // 1)))))
+    # The tiles below won on every shape benchmarks/tune_gpu.py tried on an H100 (2026-11-24).
+    if block_m >= 64:
+        warps = 8 if block_m == 128 else 4
+        gate_up = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": warps, "num_stages": 3}
+        down = {"BLOCK_N": 256 if block_m == 128 else 128, "BLOCK_K": 64, "num_warps": warps, "num_stages": 3,
+                "SPLIT_K": 1}
+        return {"block_m": block_m, "gate_up": gate_up, "down": down}
+    gate_up = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+    tiles = min(num_experts, pairs)
+    programs = tiles * -(-hidden // 128)
+    split = max(1, min(8, multiprocessors // max(programs, 1), inter // 256))
+    down = {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": split}
+    return {"block_m": block_m, "gate_up": gate_up, "down": down}
+
+
+def for_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """Entries are tuned for 16-bit weights; 4-byte elements get half the ``K`` tile so the same pipeline depth
+    fits in shared memory."""
+    if dtype.itemsize <= 2:
+        return config
+    return {**config, **{part: {**config[part], "BLOCK_K": max(32, config[part]["BLOCK_K"] // 2)}
+                         for part in ("gate_up", "down")}}
+
+
+def launch_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
+                  device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The tuned entry for this GPU and shape, else :func:`default_config`, adapted to ``dtype``."""
+    entry = tuned_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, num_tokens))
+    if entry is None:
+        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
+    return for_dtype(entry, dtype)

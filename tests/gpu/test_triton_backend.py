@@ -1,0 +1,224 @@
+"""The triton backend against the float64 reference and the torch backend.
+
+On a GPU the kernels run compiled at realistic sizes; without one they run under Triton's interpreter
+(``TRITON_INTERPRET=1``, set by the suite's conftest) on CPU tensors at small sizes, so CI exercises the same
+kernel code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK, SharedExperts
+from nxd_moe.experts import ExpertsMode
+from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe
+from tests.conftest import ACTIVATIONS, MODES, make_config, randn, randomize_, random_routing
+
+triton = pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+# (T, E, k, H, I): odd sizes on purpose (H, I not multiples of the tiles).
+SHAPES = [(33, 8, 2, 40, 24), (1, 16, 4, 24, 40)] + ([(511, 64, 6, 200, 136), (4097, 128, 8, 136, 72),
+                                                      (257, 256, 8, 72, 40)] if CUDA else [])
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _pair(config, *, block_size=16, dtype=torch.float32, seed=0):
+    """A triton-backed layer and a torch-backed one with the same weights."""
+    kwargs = dict(dtype=dtype, device=DEVICE)
+    reference = randomize_(ExpertMLPsV2(config, BlockwiseMatmulConfig(block_size=block_size), backend="torch",
+                                        **kwargs), seed=seed)
+    tested = ExpertMLPsV2(config, BlockwiseMatmulConfig(block_size=block_size), backend="triton", **kwargs)
+    tested.load_state_dict(reference.state_dict())
+    return tested, reference
+
+
+def _check(out, ref64, dtype, what=""):
+    assert out.dtype == dtype and out.device.type == DEVICE
+    assert torch.isfinite(out).all(), what
+    scale = max(1.0, ref64.abs().max().item())
+    err = (out.double().cpu() - ref64).abs().max().item()
+    assert err < TOL[dtype] * scale, f"{what}: max error {err:.3g} vs tolerance {TOL[dtype] * scale:.3g}"
+
+
+def _routing(num_tokens, num_experts, top_k, seed, skew=0.0):
+    affinities, index = random_routing(num_tokens, num_experts, top_k, seed=seed, skew=skew)
+    return affinities.to(DEVICE), index.to(DEVICE)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_every_mode_and_activation_matches_reference(mode, activation):
+    num_tokens, num_experts, top_k, hidden, inter = SHAPES[0]
+    config = make_config(num_experts, hidden, inter, top_k, activation, bias=True, capacity_factor=1.0,
+                         normalize_top_k_affinities=True)
+    tested, reference = _pair(config)
+    x = randn(num_tokens, hidden, seed=1).to(DEVICE)
+    affinities, index = _routing(num_tokens, num_experts, top_k, seed=2)
+    with torch.no_grad():
+        out, stats = tested(x, affinities, index, mode=mode, return_stats=True)
+        torch_out = reference(x, affinities, index, mode=mode)
+    keep = first_come_first_served(index.cpu(), num_experts, stats.capacity) if mode == "capacity_factor" else None
+    _check(out, reference_for_experts(tested, x, affinities, index, keep=keep), torch.float32, f"{mode}/{activation}")
+    _check(out, torch_out.double().cpu(), torch.float32, "vs torch backend")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] + ([torch.float16] if CUDA else []))
+@pytest.mark.parametrize("mode", ("blockwise", "selective_loading"))
+def test_odd_sizes_and_dtypes(shape, dtype, mode):
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    config = make_config(num_experts, hidden, inter, top_k, "glu_silu", normalize_top_k_affinities=True)
+    tested, _ = _pair(config, dtype=dtype, block_size=64)
+    x = randn(num_tokens, hidden, seed=3).to(DEVICE, dtype)
+    affinities, index = _routing(num_tokens, num_experts, top_k, seed=4, skew=0.05)
+    with torch.no_grad():
+        out = tested(x, affinities, index, mode=mode)
+    _check(out, reference_for_experts(tested, x, affinities, index), dtype, f"{shape} {dtype} {mode}")
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+@pytest.mark.parametrize("prescale", [False, True])
+def test_top_k_and_early_affinity_modulation(top_k, prescale):
+    config = make_config(8, 32, 16, top_k, "glu_silu", early_expert_affinity_modulation=prescale)
+    tested, reference = _pair(config)
+    x = randn(21, 32, seed=5).to(DEVICE)
+    affinities, index = _routing(21, 8, top_k, seed=6)
+    with torch.no_grad():
+        for mode in ("blockwise", "selective_loading", "all_experts"):
+            out = tested(x, affinities, index, mode=mode)
+            _check(out, reference_for_experts(tested, x, affinities, index), torch.float32, mode)
+            _check(out, reference(x, affinities, index, mode=mode).double().cpu(), torch.float32, "torch backend")
+
+
+@pytest.mark.parametrize("routing", ["all_to_one", "ties", "empty_experts"])
+def test_adversarial_routings_drop_nothing(routing):
+    num_tokens, num_experts, top_k = 40, 16, 2
+    config = make_config(num_experts, 24, 16, top_k, "glu_silu")
+    tested, _ = _pair(config, block_size=8)
+    x = randn(num_tokens, 24, seed=7).to(DEVICE)
+    affinities, index = _routing(num_tokens, num_experts, top_k, seed=8)
+    if routing == "all_to_one":
+        index = torch.tensor([[3, 5]], device=DEVICE).expand(num_tokens, 2).contiguous()
+    elif routing == "ties":
+        affinities = torch.full_like(affinities, 1.0 / num_experts)
+    else:
+        index = index % 3  # experts 3..15 get nothing
+        index[:, 1] = torch.where(index[:, 1] == index[:, 0], (index[:, 0] + 1) % 3, index[:, 1])
+    with torch.no_grad():
+        for mode in ("blockwise", "selective_loading"):
+            out, stats = tested(x, affinities, index, mode=mode, return_stats=True)
+            assert int(stats.tokens_per_expert.sum()) == num_tokens * top_k
+            _check(out, reference_for_experts(tested, x, affinities, index), torch.float32, f"{routing} {mode}")
+
+
+def test_block_mapping_equals_the_torch_implementation():
+    """The routing-metadata kernels write NxD's BlockMapping exactly (and a consistent tiling)."""
+    from nxd_moe.experts.routing_inputs import build_routing
+    from nxd_moe.experts.token_mapping import num_blocks, token_to_block_mapping
+    from nxd_moe.triton_kernels.routing_metadata import routing_layout
+
+    cases = [(50, 8, 2, 4, 0.0, False, 1024), (37, 16, 4, 16, 0.3, True, 16), (5, 32, 8, 64, 0.0, True, 8),
+             (61, 4, 3, 8, 1.0, True, 32)]
+    for num_tokens, num_experts, top_k, block_size, skew, pad, chunk in cases:
+        affinities, index = _routing(num_tokens, num_experts, top_k, seed=num_tokens, skew=skew)
+        padding = (torch.arange(num_tokens, device=DEVICE) % 5 != 2) if pad else None
+        routing = build_routing(affinities, index, num_experts, True, False, padding)
+        n = num_blocks(num_tokens, top_k, num_experts, block_size)
+        ours, tiles = routing_layout(routing.expert_mask, routing.expert_index, block_size, n, 16, chunk)
+        theirs = token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, n)
+        for name in ("block_to_expert", "token_position_to_id", "conditions", "token_slot", "tokens_per_expert"):
+            assert torch.equal(getattr(ours, name).cpu(), getattr(theirs, name).cpu()), name
+        # Every real pair has a row holding its token, in a tile of its expert; padded pairs have none.
+        valid = routing.pair_valid().cpu()
+        rows = tiles.pair_row.cpu()
+        assert (rows[~valid] == tiles.num_rows).all()
+        tokens = torch.arange(num_tokens).unsqueeze(1).expand_as(rows)
+        assert torch.equal(tiles.row_token.cpu()[rows[valid]], tokens[valid])
+        assert torch.equal(tiles.tile_expert.cpu().long()[rows[valid] // 16], index.cpu()[valid])
+        used = int(tiles.num_tiles)
+        assert used == int(((theirs.tokens_per_expert.cpu() + 15) // 16).sum())
+
+
+def test_padding_mask_and_nan_token_stay_isolated():
+    config = make_config(8, 32, 16, 2, "swiglu_gptoss", bias=True)
+    tested, _ = _pair(config)
+    x = randn(30, 32, seed=9).to(DEVICE)
+    affinities, index = _routing(30, 8, 2, seed=10)
+    padding = torch.ones(30, dtype=torch.bool, device=DEVICE)
+    padding[[0, 7, 29]] = False
+    poisoned = x.clone()
+    poisoned[11] = float("nan")
+    with torch.no_grad():
+        for mode in ("blockwise", "selective_loading", "all_experts"):
+            out = tested(x, affinities, index, padding_mask=padding, mode=mode)
+            assert (out[~padding] == 0).all(), mode
+            ref = reference_for_experts(tested, x, affinities, index)
+            _check(out[padding], ref[padding.cpu()], torch.float32, mode)
+            bad = tested(poisoned, affinities, index, mode=mode)
+            others = torch.arange(30, device=DEVICE) != 11
+            assert torch.isnan(bad[11]).any(), mode
+            assert torch.equal(bad[others], tested(x, affinities, index, mode=mode)[others]), mode
+
+
+def test_layer_picks_gpu_modes():
+    """Decode is selective loading on a GPU even when T*k >= E (NxD would pick all-experts there)."""
+    config = make_config(8, 16, 8, 4, "glu_silu")
+    tested, reference = _pair(config)
+    assert tested._resolve_mode(None, 16, 1) is ExpertsMode.SELECTIVE_LOADING
+    assert reference._resolve_mode(None, 16, 1) is ExpertsMode.ALL_EXPERTS
+    assert tested._resolve_mode(None, 64, None) is ExpertsMode.BLOCKWISE
+    assert tested._resolve_mode("all_experts", 16, 1) is ExpertsMode.ALL_EXPERTS
+
+
+def test_moe_with_shared_expert_matches_reference():
+    num_experts, top_k, hidden, inter = 8, 2, 32, 24
+    config = make_config(num_experts, hidden, inter, top_k, "glu_silu", normalize_top_k_affinities=True)
+    experts = ExpertMLPsV2(config, BlockwiseMatmulConfig(block_size=16), backend="triton", device=DEVICE)
+    moe = randomize_(MoE(RouterTopK(num_experts, top_k, hidden, device=DEVICE), experts,
+                         SharedExperts(hidden, inter, 1, "silu", device=DEVICE)).eval(), seed=11)
+    for shape in ((2, 9, hidden), (6, 1, hidden)):
+        x = randn(*shape, seed=12).to(DEVICE)
+        with torch.no_grad():
+            out = moe(x)[0]
+        ref = reference_for_moe(moe, x)
+        _check(out, ref, torch.float32, str(shape))
+
+
+def test_errors_name_the_problem():
+    config = make_config(4, 16, 8, 2, "glu_silu")
+    tested = ExpertMLPsV2(config, backend="triton", dtype=torch.float64, device=DEVICE)
+    x = torch.randn(3, 16, dtype=torch.float64, device=DEVICE)
+    affinities, index = _routing(3, 4, 2, seed=0)
+    with pytest.raises(TypeError, match="float64"):
+        tested(x, affinities.double(), index)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graph_replays_new_routings():
+    num_experts, top_k, hidden, inter = 64, 8, 256, 192
+    config = make_config(num_experts, hidden, inter, top_k, "glu_silu", normalize_top_k_affinities=True)
+    experts = ExpertMLPsV2(config, BlockwiseMatmulConfig(block_size=128), backend="triton", dtype=torch.bfloat16,
+                           device="cuda")
+    moe = randomize_(MoE(RouterTopK(num_experts, top_k, hidden, device="cuda"), experts,
+                         SharedExperts(hidden, inter, 1, "silu", dtype=torch.bfloat16, device="cuda")).eval(), seed=13)
+    for shape in ((1, 300, hidden), (16, 1, hidden)):
+        static_x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                moe(static_x)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = moe(static_x)[0]
+            for seed in range(3):
+                static_x.copy_(randn(*shape, seed=100 + seed).to("cuda", torch.bfloat16))
+                if seed == 2:  # every token to one expert
+                    moe.router.linear_router.weight.data.zero_()
+                    moe.router.linear_router.weight.data[5] = 1.0
+                graph.replay()
+                _check(static_out, reference_for_moe(moe, static_x), torch.bfloat16, f"{shape} replay {seed}")
