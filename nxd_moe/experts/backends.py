@@ -24,7 +24,7 @@ from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward
 from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
-from nxd_moe.experts.routing_inputs import Routing
+from nxd_moe.experts.routing_inputs import Routing, build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, token_to_block_mapping
 
 
@@ -38,6 +38,12 @@ class ExpertsBackend(abc.ABC):
         """The algorithm for a forward of these static shapes: NxD's rule unless the hardware wants another."""
         return select_mode(num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                            selective_loading_threshold)
+
+    def build_routing(self, expert_affinities: torch.Tensor, expert_index: torch.Tensor, num_experts: int,
+                      normalize: bool, prescale: bool, padding_mask: torch.Tensor | None = None) -> Routing:
+        """The router's output in the algorithms' form (:func:`~nxd_moe.experts.routing_inputs.build_routing`;
+        a backend may compute the same tensors its own way)."""
+        return build_routing(expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask)
 
     def block_mapping(self, routing: Routing, weights: ExpertWeights, block_size: int, num_blocks: int,
                       optimized: bool) -> BlockMapping:

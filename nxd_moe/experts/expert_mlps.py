@@ -24,7 +24,7 @@ from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
-from nxd_moe.experts.routing_inputs import Routing, build_routing
+from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.consistency import config_fingerprint
@@ -329,7 +329,7 @@ class ExpertMLPsV2(nn.Module):
         x = hidden_states
         if in_width != cfg.hidden_size:
             x = F.pad(x, (0, cfg.hidden_size - in_width))
-        routing = build_routing(
+        routing = self.backend.build_routing(
             expert_affinities,
             expert_index.long(),
             cfg.num_experts,

@@ -222,3 +222,20 @@ def test_cuda_graph_replays_new_routings():
                     moe.router.linear_router.weight.data[5] = 1.0
                 graph.replay()
                 _check(static_out, reference_for_moe(moe, static_x), torch.bfloat16, f"{shape} replay {seed}")
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_fused_routing_equals_build_routing(normalize, padded):
+    from nxd_moe.experts.routing_inputs import build_routing
+    from nxd_moe.triton_kernels.routing import fused_routing
+
+    affinities, index = _routing(37, 12, 3, seed=20)
+    affinities[5] = 0.0  # a row whose chosen affinities sum to 0 stays 0 (no division by zero)
+    padding = (torch.arange(37, device=DEVICE) % 4 != 1) if padded else None
+    ours = fused_routing(affinities, index, 12, normalize, False, padding)
+    theirs = build_routing(affinities, index, 12, normalize, False, padding)
+    assert torch.equal(ours.expert_mask, theirs.expert_mask)
+    assert torch.equal(ours.expert_index, theirs.expert_index)
+    torch.testing.assert_close(ours.affinities, theirs.affinities, rtol=1e-6, atol=0)
+    assert ours.has_padding == theirs.has_padding
