@@ -2,12 +2,13 @@
 
     PYTHONPATH=. python3 benchmarks/tune_gpu.py [--shapes NAME ...] [--budget-s 480] [--out FILE]
 
-For each shape ``(E, H, I, k, T)`` (bf16, random softmax routing) it times, with ``triton.testing.do_bench``
-(L2 flushed between runs, median), each candidate row tile ``block_m`` and, for it, every candidate
-configuration of the gate/up kernel and of the down kernel (the latter together with the combine, since its
-``SPLIT_K`` partials are summed there). The fastest pair per shape is merged into
-``nxd_moe/triton_kernels/configs/<GPU>.json`` (or ``--out``); one JSON line per shape goes to stdout with the
-best time and the default rule's time. A shape keeps its old entry if the budget runs out before it.
+Each candidate is timed the way the layer runs: the whole ``ExpertMLPsV2`` forward (bf16, a softmax router's
+routing) replayed from a CUDA graph (``triton.testing.do_bench_cudagraph``, median), with
+``TritonBackend(configs=candidate)``. The search is coordinate descent from the default rule: the row tile
+``block_m``, then the gate/up kernel's tiles, then the down kernel's (with its ``SPLIT_K``), keeping each
+improvement. The best configuration per shape is merged into ``nxd_moe/triton_kernels/configs/<GPU>.json`` (or
+``--out``); one JSON line per shape goes to stdout with the default's and the best time. A shape keeps its old
+entry if the budget runs out first.
 """
 
 from __future__ import annotations
@@ -16,25 +17,26 @@ import argparse
 import itertools
 import json
 import time
+from pathlib import Path
 
 import torch
-from triton.testing import do_bench
+from triton.testing import do_bench_cudagraph
 
-from nxd_moe.experts.activation import ExpertActivation
-from nxd_moe.config import RoutedExpertsMLPOpsConfig
-from nxd_moe.experts.token_mapping import num_blocks
-from nxd_moe.triton_kernels.combine import combine_rows
-from nxd_moe.triton_kernels.grouped_gemm import down_projection, gate_up_projection
+from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, RoutedExpertsMLPOpsConfig
+from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.launch_configs import CONFIG_DIR, default_config, device_name, shape_key
-from nxd_moe.triton_kernels.routing_metadata import routing_layout
 
-# name: (E, H, I, k, T) -- the benchmark's shapes (benchmarks/gpu_layer.py).
+# name: (E, H, I, k, T) -- the shapes of benchmarks/gpu_layer.py.
 SHAPES = {
     "qwen3-30b-a3b-decode-b1": (128, 2048, 768, 8, 1),
     "qwen3-30b-a3b-decode-b16": (128, 2048, 768, 8, 16),
     "qwen3-30b-a3b-decode": (128, 2048, 768, 8, 32),
+    "qwen3-30b-a3b-m128": (128, 2048, 768, 8, 128),
+    "qwen3-30b-a3b-m1024": (128, 2048, 768, 8, 1024),
     "mixtral-8x7b-decode-b1": (8, 4096, 14336, 2, 1),
     "mixtral-8x7b-decode-b16": (8, 4096, 14336, 2, 16),
+    "mixtral-8x7b-m128": (8, 4096, 14336, 2, 128),
+    "mixtral-8x7b-m1024": (8, 4096, 14336, 2, 1024),
     "llama4-scout-tp8-decode": (16, 5120, 1024, 1, 64),
     "llama4-scout-decode": (16, 5120, 8192, 1, 64),
     "deepseek-v3-decode": (256, 7168, 2048, 8, 16),
@@ -44,64 +46,67 @@ SHAPES = {
 }
 
 
-def candidates(block_m: int) -> tuple[list[dict], list[dict]]:
+def gate_up_candidates(block_m: int) -> list[dict]:
     if block_m >= 64:
-        gate_up = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-                   for n, k, w, s in itertools.product((64, 128), (64,), (4, 8), (3, 4))]
-        down = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, SPLIT_K=1)
-                for n, k, w, s in itertools.product((128, 256), (64,), (4, 8), (3, 4))]
-        return gate_up, down
-    gate_up = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
-               for n, k, s in itertools.product((32, 64, 128), (128, 256), (3, 4, 5))]
-    down = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s, SPLIT_K=sk)
-            for n, k, s, sk in itertools.product((64, 128), (128,), (4,), (1, 2, 4, 8))]
-    return gate_up, down
+        return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+                for n, k, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
+    return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
+            for n, k, s in itertools.product((32, 64, 128), (128, 256), (3, 4))]
 
 
-def tune_shape(num_experts, hidden, inter, top_k, num_tokens, seed=0):
+def down_candidates(block_m: int) -> list[dict]:
+    if block_m >= 64:
+        return [dict(BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, SPLIT_K=1)
+                for n, w, s in itertools.product((128, 256), (4, 8), (3, 4))]
+    return [dict(BLOCK_N=n, BLOCK_K=128, num_warps=4, num_stages=s, SPLIT_K=sk)
+            for n, s, sk in itertools.product((64, 128), (3, 4), (1, 2, 4))]
+
+
+def layer_timer(num_experts, hidden, inter, top_k, num_tokens, seed=0):
+    """``time(config) -> microseconds`` of the experts forward for this shape (inf if the config fails)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    dtype, dev = torch.bfloat16, "cuda"
-    x = torch.randn(num_tokens, hidden, device=dev, dtype=dtype, generator=gen)
-    w13 = torch.randn(num_experts, hidden, 2 * inter, device=dev, dtype=dtype, generator=gen) * 0.02
-    w2 = torch.randn(num_experts, inter, hidden, device=dev, dtype=dtype, generator=gen) * 0.02
-    logits = torch.randn(num_tokens, num_experts, device=dev, generator=gen)
-    index = logits.topk(top_k, dim=-1).indices
-    mask = torch.zeros(num_tokens, num_experts, dtype=torch.bool, device=dev).scatter_(1, index, True)
-    affinities = torch.softmax(logits, -1) * mask
-    act = ExpertActivation.from_config(RoutedExpertsMLPOpsConfig(
-        num_experts=num_experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter, hidden_act="silu",
-        glu_mlp=True))
-    rule = default_config(num_experts, hidden, inter, top_k, num_tokens,
-                          torch.cuda.get_device_properties(0).multi_processor_count)
-    block_ms = sorted({rule["block_m"], max(16, rule["block_m"] // 2), min(128, rule["block_m"] * 2)})
+    config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
+                                       intermediate_size=inter, hidden_act="silu", glu_mlp=True,
+                                       normalize_top_k_affinities=True)
+    layer = ExpertMLPsV2(config, BlockwiseMatmulConfig(), dtype=torch.bfloat16, device="cuda", backend="triton")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, device="cuda", dtype=p.dtype, generator=gen) * 0.02)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    router = torch.randn(hidden, num_experts, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    affinities = torch.softmax((x @ router).float(), dim=-1)
+    index = affinities.topk(top_k, dim=-1).indices
+    seq_len = 1 if num_tokens <= 64 else None
 
-    def timed(fn):
+    def time_config(candidate: dict) -> float:
+        layer.backend = TritonBackend(configs=candidate)
         try:
-            return do_bench(fn, warmup=10, rep=40)
+            with torch.no_grad():
+                return do_bench_cudagraph(lambda: layer(x, affinities, index, seq_len=seq_len), rep=50) * 1e3
         except Exception:  # a configuration that does not fit (shared memory, registers) is not a candidate
             return float("inf")
+    return time_config
 
-    best = None
-    rule_ms = None
-    for block_m in block_ms:
-        _, layout = routing_layout(mask, index, block_m, num_blocks(num_tokens, top_k, num_experts, block_m), block_m)
-        gate_up, down = candidates(block_m)
-        gu_times = [(timed(lambda c=c: gate_up_projection(x, layout, w13, None, act, None, c)), c) for c in gate_up]
-        gu_ms, gu_cfg = min(gu_times, key=lambda t: t[0])
-        h = gate_up_projection(x, layout, w13, None, act, None, gu_cfg)
 
-        def down_and_combine(c):
-            return combine_rows(down_projection(h, layout, w2, None, c), layout.pair_row, index, affinities, False, dtype)
-
-        dn_times = [(timed(lambda c=c: down_and_combine(c)), c) for c in down]
-        dn_ms, dn_cfg = min(dn_times, key=lambda t: t[0])
-        total = gu_ms + dn_ms
-        if block_m == rule["block_m"]:
-            rule_ms = timed(lambda: gate_up_projection(x, layout, w13, None, act, None, rule["gate_up"])) + timed(
-                lambda: down_and_combine(rule["down"]))
-        if best is None or total < best[0]:
-            best = (total, {"block_m": block_m, "gate_up": gu_cfg, "down": dn_cfg})
-    return best[0], rule_ms, best[1]
+def tune_shape(num_experts, hidden, inter, top_k, num_tokens):
+    time_config = layer_timer(num_experts, hidden, inter, top_k, num_tokens)
+    rule = default_config(num_experts, hidden, inter, top_k, num_tokens,
+                          torch.cuda.get_device_properties(0).multi_processor_count)
+    best, best_us = rule, time_config(rule)
+    rule_us = best_us
+    for block_m in sorted({max(16, rule["block_m"] // 2), min(128, rule["block_m"] * 2)} - {rule["block_m"]}):
+        shape_rule = default_config(num_experts, hidden, inter, top_k, num_tokens)
+        candidate = {**shape_rule, "block_m": block_m}
+        us = time_config(candidate)
+        if us < best_us:
+            best, best_us = candidate, us
+    for part, candidates in (("gate_up", gate_up_candidates), ("down", down_candidates)):
+        for option in candidates(best["block_m"]):
+            candidate = {**best, part: option}
+            us = time_config(candidate)
+            if us < best_us:
+                best, best_us = candidate, us
+    return rule_us, best_us, best
 
 
 def main():
@@ -111,6 +116,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = args.out or str(CONFIG_DIR / f"{device_name(torch.device('cuda'))}.json")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(out) as f:
             table = json.load(f)
@@ -122,11 +128,11 @@ def main():
             print(json.dumps({"shape": name, "skipped": "budget"}), flush=True)
             continue
         num_experts, hidden, inter, top_k, num_tokens = SHAPES[name]
-        best_ms, rule_ms, config = tune_shape(num_experts, hidden, inter, top_k, num_tokens)
+        rule_us, best_us, config = tune_shape(num_experts, hidden, inter, top_k, num_tokens)
+        torch.cuda.empty_cache()
         table[shape_key(num_experts, hidden, inter, top_k, num_tokens)] = config
-        print(json.dumps({"shape": name, "best_us": round(best_ms * 1e3, 1),
-                          "rule_us": None if rule_ms is None else round(rule_ms * 1e3, 1), "config": config}),
-              flush=True)
+        print(json.dumps({"shape": name, "default_us": round(rule_us, 1), "best_us": round(best_us, 1),
+                          "config": config}), flush=True)
         with open(out, "w") as f:
             json.dump(table, f, indent=1, sort_keys=True)
     print(json.dumps({"wrote": out, "entries": len(table), "seconds": round(time.time() - start)}))

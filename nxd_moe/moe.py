@@ -135,6 +135,13 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
         sharded_input = self._distributed and self.sequence_parallel_enabled and seq_len != 1
         parallelism = self.expert_mlps.parallelism
+        # A replicated shared expert's output goes into the routed experts' combine (one pass fewer where the
+        # backend fuses it); a tensor-parallel one is added after. With an input of the wrong dtype it is not run
+        # first, so that the experts' check reports it clearly.
+        shared = None
+        if self.shared_experts is not None and self.shared_experts.tensor_parallel is None \
+                and flat.dtype == self.expert_mlps.dtype:
+            shared = self.shared_experts(flat, seq_len)
         routed = self.expert_mlps(
             flat,
             expert_affinities,
@@ -144,14 +151,11 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             return_stats=return_stats,
             token_layout=None if parallelism is None else parallelism.groups.token_layout(batch, seq_len,
                                                                                           sharded_input),
+            addend=shared,
         )
-        routed, stats = routed if return_stats else (routed, None)
-        if self.shared_experts is None:
-            out = routed
-        elif self.shared_experts.tensor_parallel is None:
-            out = routed + self.shared_experts(flat, seq_len)
-        else:
-            out = routed + self.shared_experts(x, seq_len, sequence_parallel=sharded_input).reshape(flat.shape)
+        out, stats = routed if return_stats else (routed, None)
+        if self.shared_experts is not None and self.shared_experts.tensor_parallel is not None:
+            out = out + self.shared_experts(x, seq_len, sequence_parallel=sharded_input).reshape(flat.shape)
         if token_is_real is not None:
             out = torch.where(token_is_real.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
         result = [out.view(batch, seq_len, hidden)]

@@ -29,9 +29,14 @@ from nxd_moe.experts.token_mapping import BlockMapping, token_to_block_mapping
 
 
 class ExpertsBackend(abc.ABC):
-    """One implementation of the four expert algorithms."""
+    """One implementation of the four expert algorithms.
+
+    ``fuses_addend``: the four methods also take ``addend=`` -- a ``(T, H)`` tensor (the shared experts'
+    output) to add inside the backend's last pass; otherwise the front end adds it to the result.
+    """
 
     name: str
+    fuses_addend: bool = False
 
     def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
                     capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:

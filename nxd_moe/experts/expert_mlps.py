@@ -154,7 +154,9 @@ class ExpertMLPsV2(nn.Module):
     ``forward(hidden_states (T, H), expert_affinities (T, E), expert_index (T, k), seq_len=None,
     padding_mask=None)`` returns ``(T, H)``. The mode follows :func:`~nxd_moe.experts.mode.select_mode`
     (``seq_len == 1`` is decode; ``None`` means prefill) unless ``mode=`` forces one. All modes have static
-    shapes and never read tensor values on the host, so they compile to one graph.
+    shapes and never read tensor values on the host, so they compile to one graph. ``addend (T, H)`` (keyword; the
+    shared experts' output when ``MoE`` calls) is added to the output, inside the backend's last pass where it
+    can (``ExpertsBackend.fuses_addend``).
 
     ``backend``: ``"torch"`` (default) or any name in :data:`~nxd_moe.experts.backends.BACKENDS`, or an
     :class:`~nxd_moe.experts.backends.ExpertsBackend` instance. ``validate_inputs=True`` adds value checks
@@ -322,9 +324,15 @@ class ExpertMLPsV2(nn.Module):
         mode: ExpertsMode | str | None = None,
         return_stats: bool = False,
         token_layout: TokenLayout | None = None,
+        addend: torch.Tensor | None = None,
     ):
         cfg = self.routed_experts_mlp_config
         self._check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
+        if addend is not None and (not isinstance(addend, torch.Tensor) or addend.shape != hidden_states.shape
+                                   or addend.dtype != hidden_states.dtype):
+            raise ValueError(f"ExpertMLPsV2: addend must be a tensor shaped and typed like hidden_states "
+                             f"{tuple(hidden_states.shape)} {hidden_states.dtype}, got "
+                             f"{tuple(getattr(addend, 'shape', ())) or type(addend).__name__}")
         num_tokens, in_width = hidden_states.shape
         x = hidden_states
         if in_width != cfg.hidden_size:
@@ -343,7 +351,12 @@ class ExpertMLPsV2(nn.Module):
             mode = self._resolve_mode(mode, num_tokens, seq_len)
             capacity = (expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
                         if mode is ExpertsMode.CAPACITY_FACTOR else None)
-            out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights())
+            # The backend may add the addend in its own last pass (fused) when the widths agree.
+            fused = addend if in_width == cfg.hidden_size else None
+            out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights(),
+                                                                    fused)
+            if fused is not None:
+                addend = None
             # Only when asked: the counts are a kernel launch, which decode latency would otherwise pay.
             stats = ExpertsStats(
                 mode=mode,
@@ -359,12 +372,19 @@ class ExpertMLPsV2(nn.Module):
             ) if return_stats else None
         if in_width != cfg.hidden_size:
             out = out[:, :in_width]
+        if addend is not None:
+            out = out + addend
         return (out, stats) if return_stats else out
 
     def _run(self, x: torch.Tensor, routing: Routing, mode: ExpertsMode, capacity: int | None,
-             weights: ExpertWeights):
-        """The backend call for one mode on ``routing``'s experts: ``(out, dropped, mapping, block_size,
-        num_blocks)``."""
+             weights: ExpertWeights, addend: torch.Tensor | None = None):
+        """The backend call for one mode on ``routing``'s experts, ``+ addend`` if given: ``(out, dropped,
+        mapping, block_size, num_blocks)``."""
+        backend = self.backend
+        if mode is ExpertsMode.BLOCKWISE and self.blockwise_matmul_config.use_torch_block_wise \
+                and not isinstance(backend, TorchBackend):
+            backend = TorchBackend()
+        fused = {"addend": addend} if addend is not None and backend.fuses_addend else {}
         dropped = torch.zeros((), dtype=torch.int64, device=x.device)
         mapping = block_size = n_blocks = None
         if mode is ExpertsMode.BLOCKWISE:
@@ -373,18 +393,17 @@ class ExpertMLPsV2(nn.Module):
             # Shapes, not cfg: on an expert-parallel rank the routing covers its local experts and k' pairs.
             n_blocks = num_blocks(x.shape[0], routing.expert_index.shape[1], routing.expert_mask.shape[1], block_size,
                                   bcfg.pad_num_blocks_to_even)
-            mapping = self.backend.block_mapping(routing, weights, block_size, n_blocks,
-                                                 bcfg.optimized_block_to_token_mapping)
-            backend = self.backend
-            if bcfg.use_torch_block_wise and not isinstance(backend, TorchBackend):
-                backend = TorchBackend()
-            out = backend.blockwise(x, routing, mapping, weights, bcfg)
+            mapping = backend.block_mapping(routing, weights, block_size, n_blocks,
+                                            bcfg.optimized_block_to_token_mapping)
+            out = backend.blockwise(x, routing, mapping, weights, bcfg, **fused)
         elif mode is ExpertsMode.CAPACITY_FACTOR:
-            out, dropped = self.backend.capacity_factor(x, routing, capacity, weights)
+            out, dropped = backend.capacity_factor(x, routing, capacity, weights, **fused)
         elif mode is ExpertsMode.SELECTIVE_LOADING:
-            out = self.backend.selective_loading(x, routing, weights)
+            out = backend.selective_loading(x, routing, weights, **fused)
         else:
-            out = self.backend.all_experts(x, routing, weights)
+            out = backend.all_experts(x, routing, weights, **fused)
+        if addend is not None and not fused:
+            out = out + addend
         return out, dropped, mapping, block_size, n_blocks
 
     def _parallel_forward(self, x: torch.Tensor, routing: Routing, seq_len: int | None, mode,

@@ -76,6 +76,7 @@ class TritonBackend(ExpertsBackend):
     """
 
     name = "triton"
+    fuses_addend = True
 
     def __init__(self, configs: dict | None = None):
         self.configs = configs
@@ -117,44 +118,44 @@ class TritonBackend(ExpertsBackend):
         return mapping._replace(tiles=tiles)
 
     def _run(self, hidden_states: torch.Tensor, routing: Routing, weights: ExpertWeights, layout: TileLayout,
-             config: dict, pair_expert: torch.Tensor | None = None) -> torch.Tensor:
-        """gate/up -> down -> combine over ``layout``; ``pair_expert (T, K)``: the expert of each of
-        ``layout.pair_row``'s pairs (default: the routing's top-k)."""
+             config: dict, addend: torch.Tensor | None, pair_expert: torch.Tensor | None = None) -> torch.Tensor:
+        """gate/up -> down -> combine (+ ``addend``) over ``layout``; ``pair_expert (T, K)``: the expert of each
+        of ``layout.pair_row``'s pairs (default: the routing's top-k)."""
         x = hidden_states.contiguous()
         affinities = routing.affinities.contiguous()
         activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
                                        affinities if routing.prescale else None, config["gate_up"])
         rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
         pair_expert = routing.expert_index if pair_expert is None else pair_expert
-        return combine_rows(rows, layout.pair_row, pair_expert, affinities, routing.prescale, x.dtype)
+        return combine_rows(rows, layout.pair_row, pair_expert, affinities, routing.prescale, x.dtype, addend)
 
-    def blockwise(self, hidden_states, routing, mapping, weights, config):
+    def blockwise(self, hidden_states, routing, mapping, weights, config, addend=None):
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         tiles = mapping.tiles
         if not isinstance(tiles, TileLayout) or tiles.block_m != launch["block_m"]:
             # A mapping made elsewhere (the torch implementation, another backend): tile it here.
             tiles = self.block_mapping(routing, weights, mapping.block_size, mapping.num_blocks, True).tiles
-        return self._run(hidden_states, routing, weights, tiles, launch)
+        return self._run(hidden_states, routing, weights, tiles, launch, addend)
 
-    def selective_loading(self, hidden_states, routing, weights):
+    def selective_loading(self, hidden_states, routing, weights, addend=None):
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         block_m = launch["block_m"]
         num_tokens, top_k = routing.expert_index.shape
         _, tiles = routing_layout(routing.expert_mask, routing.expert_index, block_m,
                                   num_blocks(num_tokens, top_k, routing.expert_mask.shape[1], block_m), block_m)
-        return self._run(hidden_states, routing, weights, tiles, launch)
+        return self._run(hidden_states, routing, weights, tiles, launch, addend)
 
-    def capacity_factor(self, hidden_states, routing, capacity, weights):
+    def capacity_factor(self, hidden_states, routing, capacity, weights, addend=None):
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         block_m = launch["block_m"]
         kept, rank, dropped = admit(routing.expert_mask, capacity)
         tiles = _static_layout(kept, rank, -(-capacity // block_m) * block_m, routing.expert_index, block_m)
-        return self._run(hidden_states, routing, weights, tiles, launch), dropped
+        return self._run(hidden_states, routing, weights, tiles, launch, addend), dropped
 
-    def all_experts(self, hidden_states, routing, weights):
+    def all_experts(self, hidden_states, routing, weights, addend=None):
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         block_m = launch["block_m"]
@@ -165,7 +166,8 @@ class TritonBackend(ExpertsBackend):
         # Only the chosen pairs are combined: unchosen rows are computed (that is the algorithm) but never read.
         pair_row = torch.where(routing.expert_mask, tiles.pair_row, torch.full_like(tiles.pair_row, tiles.num_rows))
         every_expert = torch.arange(num_experts, device=hidden_states.device).expand(num_tokens, num_experts)
-        return self._run(hidden_states, routing, weights, tiles._replace(pair_row=pair_row), launch, every_expert)
+        return self._run(hidden_states, routing, weights, tiles._replace(pair_row=pair_row), launch, addend,
+                         every_expert)
 
     def __repr__(self) -> str:
         return "TritonBackend()" if self.configs is None else f"TritonBackend(configs={self.configs!r})"

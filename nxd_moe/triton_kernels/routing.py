@@ -15,7 +15,7 @@ import triton.language as tl
 from nxd_moe.experts.routing_inputs import Routing
 
 # F.normalize's default eps: a row whose chosen affinities sum to 0 stays 0.
-NORMALIZE_EPS = 1e-12
+NORMALIZE_EPS = tl.constexpr(1e-12)
 
 
 @triton.jit

@@ -28,7 +28,9 @@ import triton.language as tl
 
 from nxd_moe.experts.token_mapping import BlockMapping
 
-PAIR_CHUNK = 1024
+PAIR_CHUNK = 4096
+# Up to this many (expert, pair) comparisons, the layout kernel counts by itself (one launch instead of two).
+COUNT_HERE_ELEMENTS = 32768
 
 
 class TileLayout(NamedTuple):
@@ -150,11 +152,23 @@ def _layout_kernel(expert_index_ptr, expert_mask_ptr, partial_ptr, counts_ptr,
                    block_to_expert_ptr, token_position_to_id_ptr, conditions_ptr, token_slot_ptr,
                    row_token_ptr, tile_expert_ptr, num_tiles_ptr, pair_row_ptr,
                    num_pairs, top_k, num_experts, num_chunks, block_size, num_blocks, num_rows,
-                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr,
+                   COUNT_HERE: tl.constexpr):
     expert = tl.program_id(0)
     chunk = tl.program_id(1)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    if COUNT_HERE:
+        # One chunk (decode sizes): every program counts all experts itself, which saves a launch.
+        pair = tl.arange(0, CHUNK)
+        in_range = pair < num_pairs
+        chosen = tl.load(expert_index_ptr + pair, mask=in_range, other=-1)
+        real = tl.load(expert_mask_ptr + (pair // top_k) * num_experts + chosen, mask=in_range, other=0) != 0
+        hits = (experts[:, None] == chosen[None, :]) & (real & in_range)[None, :]
+        counts = tl.sum(hits.to(tl.int64), axis=1)
+        if (expert < num_experts) & (chunk == 0):
+            tl.store(counts_ptr + expert, tl.sum(tl.where(experts == expert, counts, 0), axis=0))
+    else:
+        counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     before = experts < expert
     block_start = tl.sum(tl.where(before, (counts + block_size - 1) // block_size, 0), axis=0)
     tile_start = tl.sum(tl.where(before, (counts + BLOCK_M - 1) // BLOCK_M, 0), axis=0)
@@ -179,7 +193,7 @@ def routing_layout(expert_mask: torch.Tensor, expert_index: torch.Tensor, block_
     """``expert_mask (T, E)`` bool, ``expert_index (T, k)`` -> the NxD block mapping and the GPU tiles.
 
     ``block_m`` is a power of two >= 16 (the GEMMs' row tile); ``pair_chunk`` (a power of two) the pairs one
-    program scans. Two launches, no host sync.
+    program scans. Two launches (one at decode sizes), no host sync.
     """
     num_tokens, num_experts = expert_mask.shape
     top_k = expert_index.shape[1]
@@ -189,10 +203,13 @@ def routing_layout(expert_mask: torch.Tensor, expert_index: torch.Tensor, block_
     mask_bytes = expert_mask.contiguous().view(torch.uint8)
     chunk = min(pair_chunk, triton.next_power_of_2(num_pairs))
     num_chunks = triton.cdiv(num_pairs, chunk)
+    block_e = triton.next_power_of_2(num_experts)
+    count_here = num_chunks == 1 and block_e * chunk <= COUNT_HERE_ELEMENTS
     partial = torch.empty(num_experts, num_chunks, dtype=torch.int64, device=device)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    _count_kernel[(num_experts, num_chunks)](expert_index, mask_bytes, partial, counts, num_pairs, top_k,
-                                             num_experts, num_chunks, CHUNK=chunk)
+    counts = (torch.empty if count_here else torch.zeros)(num_experts, dtype=torch.int64, device=device)
+    if not count_here:
+        _count_kernel[(num_experts, num_chunks)](expert_index, mask_bytes, partial, counts, num_pairs, top_k,
+                                                 num_experts, num_chunks, CHUNK=chunk)
     num_rows = max_tiles(num_pairs, num_experts, block_m) * block_m
     i64 = dict(dtype=torch.int64, device=device)
     block_to_expert = torch.empty(num_blocks, **i64)
@@ -206,7 +223,7 @@ def routing_layout(expert_mask: torch.Tensor, expert_index: torch.Tensor, block_
     _layout_kernel[(num_experts + 1, num_chunks)](
         expert_index, mask_bytes, partial, counts, block_to_expert, token_position_to_id, conditions, token_slot,
         row_token, tile_expert, num_tiles, pair_row, num_pairs, top_k, num_experts, num_chunks, block_size,
-        num_blocks, num_rows, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_C=triton.next_power_of_2(num_chunks), CHUNK=chunk)
+        num_blocks, num_rows, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=triton.next_power_of_2(num_chunks),
+        CHUNK=chunk, COUNT_HERE=count_here)
     mapping = BlockMapping(block_to_expert, token_position_to_id, conditions, token_slot, counts, block_size)
     return mapping, TileLayout(row_token, tile_expert, num_tiles, pair_row, block_m)

@@ -239,3 +239,19 @@ def test_fused_routing_equals_build_routing(normalize, padded):
     assert torch.equal(ours.expert_index, theirs.expert_index)
     torch.testing.assert_close(ours.affinities, theirs.affinities, rtol=1e-6, atol=0)
     assert ours.has_padding == theirs.has_padding
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_addend_is_added_in_the_combine(mode):
+    """``addend`` (the shared experts' output) lands in the same sum, in every mode; a wrong one is refused."""
+    config = make_config(8, 24, 16, 2, "glu_silu", capacity_factor=1.0)
+    tested, reference = _pair(config)
+    x = randn(19, 24, seed=30).to(DEVICE)
+    addend = randn(19, 24, seed=31).to(DEVICE)
+    affinities, index = _routing(19, 8, 2, seed=32)
+    with torch.no_grad():
+        out = tested(x, affinities, index, mode=mode, addend=addend)
+        expected = reference(x, affinities, index, mode=mode).double().cpu() + addend.double().cpu()
+    _check(out, expected, torch.float32, mode)
+    with pytest.raises(ValueError, match="addend must be"):
+        tested(x, affinities, index, mode=mode, addend=addend[:3])
