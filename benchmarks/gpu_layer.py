@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -272,7 +273,10 @@ def contenders(case: Case, problem, args, device, dtype):
     else:
         liger_src = args.liger_src if args.liger_src and os.path.isdir(os.path.join(args.liger_src, "liger_kernel")) \
             else None
-        yield "liger", lambda: liger_contender(problem, liger_src, args.liger_autotune)
+        if liger_src is None and importlib.util.find_spec("liger_kernel") is None:
+            yield "liger", f"skipped: no liger_kernel/ under --liger-src {args.liger_src!r} and none installed"
+        else:
+            yield "liger", lambda: liger_contender(problem, liger_src, args.liger_autotune)
         if args.vllm_src and os.path.isdir(args.vllm_src):
             yield "vllm_triton", lambda: vllm_contender(problem, args.vllm_src, case.tokens)
         else:
