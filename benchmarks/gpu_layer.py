@@ -282,12 +282,13 @@ def contenders(case: Case, problem, args, device, dtype):
         else:
             yield "vllm_triton", f"skipped: no unpacked vLLM source at --vllm-src {args.vllm_src!r}"
 
+    # triton first: the headline contender runs before anything else of ours could upset the device
     backends = ["torch"]
     why = backend_available("triton")
     if why is None and not triton_ok:
         why = "Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)"
     if why is None:
-        backends.append("triton")
+        backends.insert(0, "triton")
     block_sizes = [None] if case.decode else [None, 16]
     built = {}
     for backend in backends:
@@ -510,10 +511,15 @@ def _git_commit() -> str | None:
 def selected_cases(args) -> list[Case]:
     if args.cases:
         names = [n.strip() for n in args.cases.split(",") if n.strip()]
-        unknown = [n for n in names if not any(n == c or n in c for c in ALL_CASES)]
+
+        def picked(case: Case, name: str) -> bool:
+            return name == case.group or name in case.name
+
+        unknown = [n for n in names if not any(picked(c, n) for c in ALL_CASES.values())]
         if unknown:
-            raise SystemExit(f"--cases: unknown {unknown}; known: {sorted(ALL_CASES)}")
-        return [c for c in ALL_CASES.values() if any(n == c.name or n in c.name for n in names)]
+            raise SystemExit(f"--cases: unknown {unknown}; known: {sorted(ALL_CASES)} and the groups "
+                             f"{sorted({c.group for c in ALL_CASES.values()})}")
+        return [c for c in ALL_CASES.values() if any(picked(c, n) for n in names)]
     pool = SMOKE_CASES if args.device == "cpu" else CASES
     return [c for c in pool if c.quick] if args.quick and args.device != "cpu" else list(pool)
 
@@ -561,7 +567,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout before the table)")
-    p.add_argument("--cases", default=None, help=f"comma list of case names or substrings; known: {sorted(ALL_CASES)}")
+    p.add_argument("--cases", default=None, help="comma list of case names, name substrings or groups (issue, llama4, metashuffling, sweep, "
+                        "smoke); default: all but smoke on cuda, smoke on cpu")
     p.add_argument("--impls", default=None,
                    help="comma list of contenders to run (e.g. nxd_triton,vllm_triton; a name also selects its "
                         "forced-mode variants)")
