@@ -171,7 +171,8 @@ def hf_contenders(problem: Problem, tokens: int, decode: bool, batched_mm_limit_
         module = MixtralExperts(config)
     module.gate_up_proj = nn.Parameter(problem.gate_up, requires_grad=False)
     module.down_proj = nn.Parameter(problem.down, requires_grad=False)
-    gathered = tokens * problem.top_k * (problem.gate_up[0].numel() + problem.down[0].numel()) * problem.gate_up.element_size()
+    expert_bytes = (problem.gate_up[0].numel() + problem.down[0].numel()) * problem.gate_up.element_size()
+    gathered = tokens * problem.top_k * expert_bytes
 
     def make(impl: str) -> Layer:
         def layer(x: torch.Tensor) -> torch.Tensor:

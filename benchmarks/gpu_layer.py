@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import gc
+import importlib
 import importlib.util
 import json
 import math
@@ -388,12 +389,13 @@ def measure_roofline(args) -> None:
     """Device copy bandwidth and bf16 matmul rate, plus the environment, into ``args.child_out``."""
     import torch
 
-    import transformers
-    import triton
-
     device = torch.device(args.device)
-    env = {"torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "device": str(device)}
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    for package in ("triton", "transformers"):
+        try:
+            env[package] = importlib.import_module(package).__version__
+        except ImportError:
+            env[package] = None
     roof = {}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -483,7 +485,8 @@ def table(result: dict) -> str:
             return "-"
         flag = "" if row.get("correct") else " WRONG"
         pct = f" {100 * row['vs_roofline']:.0f}%rf" if row.get("vs_roofline") else ""
-        return f"{row['time_us']:.0f}{'g' if row['timing'] == 'graph' else 'e'} x{row.get('vs_best_peer', 0):.2f}{pct}{flag}"
+        ratio = f" x{row['vs_best_peer']:.2f}" if row.get("vs_best_peer") else ""
+        return f"{row['time_us']:.0f}{'g' if row['timing'] == 'graph' else 'e'}{ratio}{pct}{flag}"
 
     lines = [f"{'case':44s} {'roofline':>9s} {'best peer (us)':>26s}  {'nxd_torch':>24s}  {'nxd_triton':>24s}"]
     for name, c in result["cases"].items():
@@ -527,6 +530,8 @@ def selected_cases(args) -> list[Case]:
 def main_parent(args) -> dict:
     started = time.perf_counter()
     cases = selected_cases(args)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "gpu_layer", "schema_version": SCHEMA_VERSION,
               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "git_commit": _git_commit(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
@@ -567,7 +572,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (default: stdout before the table)")
-    p.add_argument("--cases", default=None, help="comma list of case names, name substrings or groups (issue, llama4, metashuffling, sweep, "
+    p.add_argument("--cases", default=None,
+                   help="comma list of case names, name substrings or groups (issue, llama4, metashuffling, sweep, "
                         "smoke); default: all but smoke on cuda, smoke on cpu")
     p.add_argument("--impls", default=None,
                    help="comma list of contenders to run (e.g. nxd_triton,vllm_triton; a name also selects its "
