@@ -101,8 +101,9 @@ def test_model_parallel_run_on_cuda_is_a_clear_error(capsys):
 @cuda
 @pytest.mark.parametrize("backend", GPU_BACKENDS + ["nki_sim"])
 def test_run_on_cuda_end_to_end(capsys, backend):
-    """The layer on the GPU, the float64 reference on the CPU, for each backend (bf16 and fp32)."""
-    for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+    """The layer on the GPU, the float64 reference on the CPU, for each backend (bf16 and fp32; a Triton kernel may
+    run fp32 matmuls in TF32)."""
+    for dtype, tol in (("float32", 1e-4 if backend != "triton" else 2e-3), ("bfloat16", 3e-2)):
         report = run_json(capsys, "--config", "qwen3-30b-a3b", "--scale", "16", "--tokens", "96",
                           "--decode-batch", "4", "--device", "cuda", "--backend", backend, "--dtype", dtype)
         assert report["device"].startswith("cuda") and report["backend"] == backend
@@ -119,4 +120,4 @@ def test_build_moe_on_cuda_matches_the_cpu_reference(backend):
         out = moe(x)[0].double().cpu()
     ref = reference_for_moe(moe, x)
     assert ref.device.type == "cpu"
-    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert (out - ref).abs().max() <= (1e-4 if backend != "triton" else 2e-3) * ref.abs().max()
