@@ -84,7 +84,10 @@ def _positive_float(text: str) -> float:
 def _timed_ms(fn, repeats: int, device: torch.device | None = None) -> tuple[object, float]:
     """Run ``fn`` once to warm up, then ``repeats`` times; return the last result and the median in ms (on a CUDA
     ``device``, each call's kernels included: the clock stops after a synchronize)."""
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    def sync():
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     result = fn()
     sync()
     times = []
@@ -111,6 +114,7 @@ def resolve_device(name: str, backend: str) -> torch.device:
                              f"{built})")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        torch.cuda.set_device(device)  # kernels launched outside torch (Triton) go to the current device
     try:
         get_backend(backend)
     except ImportError as e:
