@@ -45,6 +45,7 @@ class Contender:
     graphable: bool = True
     note: str | None = None
     info: dict = dataclasses.field(default_factory=dict)
+    parts: dict[str, Layer] = dataclasses.field(default_factory=dict)  # pieces of the layer, timed on their own
 
 
 @dataclass
@@ -234,8 +235,17 @@ def vllm_contender(problem: Problem, vllm_src: str, tokens: int) -> Contender:
         return problem.with_shared(x, routed)
 
     info = _vllm_stubs.chosen_config(module, problem.gate_up, problem.down, problem.top_k, tokens)
+    block_m = info["config"]["BLOCK_SIZE_M"]
+
+    def router_and_align(x: torch.Tensor):
+        ids = problem.route(x)[1].to(torch.int32)
+        return _vllm_stubs._moe_align_block_size(ids, block_m, problem.num_experts)
+
+    # What the stand-in glue costs: a vLLM install runs one CUDA kernel where the stand-in align runs several.
+    # (At small batches vLLM skips the align altogether: then the difference of these two is not in its time.)
+    parts = {"router": lambda x: problem.route(x), "router+align_standin": router_and_align}
     return Contender("vllm_triton", "peer", "vLLM 0.33.0 fused_moe Triton kernel with its shipped configs", layer,
-                     note=_vllm_stubs.GLUE_NOTE, info={"vllm_config": info})
+                     note=_vllm_stubs.GLUE_NOTE, info={"vllm_config": info}, parts=parts)
 
 
 def _version_of(package: str) -> str:

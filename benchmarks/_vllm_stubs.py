@@ -200,4 +200,6 @@ def chosen_config(module: types.ModuleType, w1: torch.Tensor, w2: torch.Tensor, 
     file_name = module.get_config_file_name(experts, width, dtype)
     tuned = os.path.isfile(os.path.join(os.path.dirname(module.__file__), "configs", file_name))
     config = module.try_get_optimal_moe_config(tuple(w1.shape), tuple(w2.shape), top_k, dtype, tokens)
-    return {"file": file_name, "tuned_file_found": tuned, "config": dict(config)}
+    # vLLM 0.33's rule (no expert map, bf16): few pairs per expert -> one block per pair, no align op at all
+    naive = tokens * top_k * 4 <= experts
+    return {"file": file_name, "tuned_file_found": tuned, "config": dict(config), "align_skipped": naive}

@@ -254,6 +254,23 @@ class Timer:
             del graph
 
 
+def time_layer(timer: Timer, layer, inputs, row: dict, graph: bool) -> None:
+    """``row["eager"]`` and, if ``graph``, ``row["graph"]`` (or ``row["graph_error"]``)."""
+    import torch
+
+    row["eager"] = timer.eager(layer, inputs)
+    if not graph:
+        return
+    try:
+        row["graph"] = timer.graph(layer, inputs)
+    except Exception as exc:  # recorded, not hidden: e.g. a host sync inside the layer
+        row["graph_error"] = _error(exc)
+        try:
+            torch.cuda.synchronize()
+        except Exception as sync_exc:
+            row["graph_error"] += f" (device unusable after it: {_error(sync_exc)})"
+
+
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
 
@@ -362,16 +379,10 @@ def run_case(case: Case, args) -> None:
                        finite=bool(torch.isfinite(out).all()))
             row["correct"] = row["finite"] and row["rel_err"] <= CORRECT_REL_ERR.get(args.dtype, 2e-2)
             del out
-            row["eager"] = timer.eager(contender.layer, inputs)
-            if device.type == "cuda" and contender.graphable:
-                try:
-                    row["graph"] = timer.graph(contender.layer, inputs)
-                except Exception as exc:  # recorded, not hidden: e.g. a host sync inside the layer
-                    row["graph_error"] = _error(exc)
-                    try:
-                        torch.cuda.synchronize()
-                    except Exception as sync_exc:
-                        row["graph_error"] += f" (device unusable after it: {_error(sync_exc)})"
+            time_layer(timer, contender.layer, inputs, row, device.type == "cuda" and contender.graphable)
+            for part, layer in contender.parts.items():
+                time_layer(timer, layer, inputs, row.setdefault("parts", {}).setdefault(part, {}),
+                           device.type == "cuda")
         except Exception as exc:
             row["error"] = _error(exc)
         finally:
@@ -463,6 +474,8 @@ def derive(case_result: dict, roofline: dict) -> None:
     rows = case_result["contenders"]
     for row in rows.values():
         row["time_us"], row["timing"] = _best(row)
+        for part in row.get("parts", {}).values():
+            part["time_us"], part["timing"] = _best(part)
         if row["time_us"]:
             row["TFLOPs"] = flop / row["time_us"] / 1e6
             row["TBps_touched"] = touched / row["time_us"] / 1e6
