@@ -283,7 +283,12 @@ def contenders(case: Case, problem, args, device, dtype):
 
     triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     yield "torch_grouped_mm", lambda: grouped_mm_contender(problem)
-    for contender in hf_contenders(problem, case.tokens, case.decode, args.batched_mm_limit_gib * 2**30):
+    try:
+        hf = hf_contenders(problem, case.tokens, case.decode, args.batched_mm_limit_gib * 2**30)
+    except ImportError as exc:
+        hf = []
+        yield "hf_grouped_mm", f"skipped: transformers' experts do not import: {_error(exc)}"
+    for contender in hf:
         yield contender.name, (lambda c=contender: c)
     if not triton_ok:
         yield "liger", "skipped: Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)"
@@ -309,20 +314,22 @@ def contenders(case: Case, problem, args, device, dtype):
         backends.insert(0, "triton")
     block_sizes = [None] if case.decode else [None, 16]
     built = {}
+
+    def layer(backend, block):  # one weight copy for all of ours: the first layer built lends its tensors
+        if (backend, block) not in built:
+            share = next(iter(built.values()), None)
+            built[backend, block] = build_ours(problem, backend, block, dtype, device, share_with=share)
+        return built[backend, block]
+
     for backend in backends:
         base = f"nxd_{backend}"
         for block in block_sizes if backend == "torch" else [None]:
             name = base if block is None else f"{base}_bs{block}"
-            key = (backend, block)
-
-            def make(backend=backend, block=block, name=name, key=key):
-                share = next(iter(built.values()), None)
-                built[key] = build_ours(problem, backend, block, dtype, device, share_with=share)
-                return ours_contender(built[key], name, case.decode)
-            yield name, make
+            yield name, (lambda backend=backend, block=block, name=name:
+                         ours_contender(layer(backend, block), name, case.decode))
             for mode in case.modes:
-                yield f"{name}_{mode}", (lambda key=key, name=name, mode=mode:
-                                         ours_contender(built[key], f"{name}_{mode}", case.decode, mode))
+                yield f"{name}_{mode}", (lambda backend=backend, block=block, name=name, mode=mode:
+                                         ours_contender(layer(backend, block), f"{name}_{mode}", case.decode, mode))
     if why is not None:
         yield "nxd_triton", f"skipped: {why}"
 
