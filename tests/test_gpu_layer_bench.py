@@ -111,3 +111,12 @@ def test_vllm_kernel_through_the_stubs_under_the_triton_interpreter(tmp_path):
     row = result["cases"]["smoke-prefill-m33"]["contenders"]["vllm_triton"]
     assert row["correct"] and row["rel_err"] < 1e-5, row
     assert row["vllm_config"]["tuned_file_found"] is False  # no tuned file for a CPU "device"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / ".peers" / "liger_kernel").is_dir(), reason="no unpacked Liger in .peers/liger_kernel")
+def test_liger_through_the_harness_under_the_triton_interpreter(tmp_path):
+    result = _run_harness(tmp_path, "--cases", "smoke-llama4", "--impls", "liger", "--liger-src", str(ROOT / ".peers"),
+                          env={"TRITON_INTERPRET": "1"})
+    row = result["cases"]["smoke-llama4-shared-decode-m4"]["contenders"]["liger"]
+    assert row["correct"] and row["rel_err"] < 1e-5 and "pinned config" in row["what"], row
