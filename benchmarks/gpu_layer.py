@@ -523,6 +523,96 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+GROUP_TITLES = {"issue": "Issue 9's shapes", "llama4": "Llama 4 Scout decode with its shared expert",
+                "metashuffling": "MetaShuffling's GroupedGEMM shapes (balanced top-1 routing)",
+                "sweep": "Qwen3-30B-A3B and Mixtral-8x7B at M = 16, 128, 1024", "smoke": "Smoke shapes"}
+# issue 9's targets: prefill M=4096 speedups over the best peer, decode share of copy bandwidth, Llama 4 time
+PREFILL_TARGETS = {"qwen3-30b-a3b-prefill-m4096": 1.5, "gpt-oss-20b-prefill-m4096": 1.3,
+                   "mixtral-8x7b-prefill-m4096": 1.1}
+DECODE_BANDWIDTH_TARGET, LLAMA4_TARGET_US = 0.85, 185.0
+
+
+def markdown(result: dict) -> str:
+    """The run as Markdown tables for docs/performance.md: every number is read from ``result``."""
+    env, roof = result.get("environment", {}), result.get("roofline", {})
+    copy = roof.get("copy_TBps")
+    lines = [f"Run: {result.get('date')}, commit {result.get('git_commit')}, {env.get('gpu', env.get('device'))}, "
+             f"torch {env.get('torch')}, triton {env.get('triton')}, transformers {env.get('transformers')}; "
+             f"wall {result.get('wall_s')} s. Measured in the run: copy "
+             + (f"{copy:.2f} TB/s, bf16 matmul {roof['bf16_matmul_TFLOPs']:.0f} TFLOP/s." if copy else "none (CPU).")
+             , ""]
+
+    def us(row):
+        if not row:
+            return "—"
+        if row.get("error"):
+            return "error"
+        if not row.get("time_us"):
+            return "—"
+        eager_only = "" if row["timing"] == "graph" else " (e)"
+        return f"{row['time_us']:.0f}{eager_only}{'' if row.get('correct') else ' WRONG'}"
+
+    def best_of(rows, prefix):
+        found = [r for n, r in rows.items() if n.startswith(prefix) and r.get("time_us") and r.get("correct")]
+        return min(found, key=lambda r: r["time_us"]) if found else None
+
+    groups = {}
+    for name, c in result["cases"].items():
+        groups.setdefault(c.get("case", {}).get("group", "other"), []).append((name, c))
+    for group, cases in groups.items():
+        lines += [f"### {GROUP_TITLES.get(group, group)}", "",
+                  "| case | touched MB | GFLOP | roofline us | vLLM | Liger | HF best | grouped_mm | nxd torch | "
+                  "nxd triton | triton / best peer | triton % roofline | triton TB/s | triton TFLOP/s |",
+                  "|" + " --- |" * 14]
+        for name, c in cases:
+            if "contenders" not in c:
+                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 12)
+                continue
+            rows = c["contenders"]
+            tri = rows.get("nxd_triton", {})
+            torch_cell = us(rows.get("nxd_torch")) + (f" / {us(rows['nxd_torch_bs16'])} (bs16)"
+                                                       if "nxd_torch_bs16" in rows else "")
+            lines.append("| " + " | ".join([
+                name, f"{c['touched_weight_bytes'] / 1e6:.0f}", f"{c['useful_flop'] / 1e9:.1f}",
+                f"{c['roofline_us']:.0f}" if c.get("roofline_us") else "—", us(rows.get("vllm_triton")),
+                us(rows.get("liger")), us(best_of(rows, "hf_")), us(rows.get("torch_grouped_mm")), torch_cell, us(tri),
+                f"{tri['vs_best_peer']:.2f}x" if tri.get("vs_best_peer") else "—",
+                f"{100 * tri['vs_roofline']:.0f}%" if tri.get("vs_roofline") else "—",
+                f"{tri['TBps_touched']:.2f}" if tri.get("TBps_touched") else "—",
+                f"{tri['TFLOPs']:.0f}" if tri.get("TFLOPs") else "—"]) + " |")
+        lines += ["", "us per layer call, CUDA-graph replay unless (e) = eager only; HF best = fastest correct "
+                  "transformers implementation.", ""]
+    lines += ["### Targets", "", "| target | measured | met? |", "| --- | --- | --- |"]
+    cases = result["cases"]
+
+    def triton(name):
+        return cases.get(name, {}).get("contenders", {}).get("nxd_triton", {})
+
+    decode = [(n, triton(n)) for n, c in cases.items()
+              if c.get("case", {}).get("decode") and c["case"]["tokens"] <= 64 and c["case"]["group"] != "smoke"]
+    shares = [(n, r["TBps_touched"] / copy) for n, r in decode if r.get("TBps_touched") and copy]
+    if shares:
+        worst = min(shares, key=lambda s: s[1])
+        lines.append(f"| decode M <= 64: >= {DECODE_BANDWIDTH_TARGET:.0%} of copy bandwidth on touched weights | "
+                     f"worst {worst[1]:.0%} ({worst[0]}) | {'yes' if worst[1] >= DECODE_BANDWIDTH_TARGET else 'no'} |")
+    llama = triton("llama4-scout-tp8-shared-decode-m64")
+    if llama.get("time_us"):
+        lines.append(f"| Llama 4 Scout TP8 decode layer with shared expert <= {LLAMA4_TARGET_US:.0f} us | "
+                     f"{llama['time_us']:.0f} us | {'yes' if llama['time_us'] <= LLAMA4_TARGET_US else 'no'} |")
+    for name, target in PREFILL_TARGETS.items():
+        r = triton(name)
+        if r.get("vs_best_peer"):
+            lines.append(f"| {name}: >= {target}x the best peer ({cases[name].get('best_peer')}) | "
+                         f"{r['vs_best_peer']:.2f}x | {'yes' if r['vs_best_peer'] >= target else 'no'} |")
+    ratios = [(n, c["contenders"]["nxd_triton"]["vs_best_peer"]) for n, c in cases.items()
+              if c.get("contenders", {}).get("nxd_triton", {}).get("vs_best_peer")]
+    if ratios:
+        worst = min(ratios, key=lambda r: r[1])
+        lines.append(f"| never slower than the best peer | slowest {worst[1]:.2f}x ({worst[0]}) | "
+                     f"{'yes' if worst[1] >= 1 else 'no'} |")
+    return "\n".join(lines)
+
+
 def _git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -621,6 +711,8 @@ def parse_args(argv=None):
     p.add_argument("--batched-mm-limit-gib", type=float, default=8.0,
                    help="skip HF batched_mm where its gathered weights exceed this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--markdown", default=None, metavar="JSON",
+                   help="print a finished run's JSON as Markdown tables (for docs/performance.md) and exit")
     p.add_argument("--run-case", default=None, help=argparse.SUPPRESS)
     p.add_argument("--roofline-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
@@ -652,6 +744,9 @@ def _strip_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())))
+        return 0
     if args.roofline_only:
         measure_roofline(args)
         return 0

@@ -120,3 +120,28 @@ def test_liger_through_the_harness_under_the_triton_interpreter(tmp_path):
                           env={"TRITON_INTERPRET": "1"})
     row = result["cases"]["smoke-llama4-shared-decode-m4"]["contenders"]["liger"]
     assert row["correct"] and row["rel_err"] < 1e-5 and "pinned config" in row["what"], row
+
+
+def test_markdown_reports_the_targets_from_the_json():
+    def case(group, tokens, decode, contenders):
+        c = {"case": {"group": group, "tokens": tokens, "decode": decode}, "touched_weight_bytes": 3e8,
+             "useful_flop": 1e11, "contenders": contenders}
+        gpu_layer.derive(c, {"copy_TBps": 3.0, "bf16_matmul_TFLOPs": 800.0})
+        return c
+
+    peer = {"kind": "peer", "correct": True, "graph": {"us": 300.0}}
+    result = {"date": "d", "environment": {"gpu": "G"}, "roofline": {"copy_TBps": 3.0, "bf16_matmul_TFLOPs": 800.0},
+              "cases": {
+                  "llama4-scout-tp8-shared-decode-m64": case("llama4", 64, True, {
+                      "vllm_triton": dict(peer), "nxd_triton": {"kind": "ours", "correct": True,
+                                                                "graph": {"us": 120.0}}}),
+                  "qwen3-30b-a3b-prefill-m4096": case("issue", 4096, False, {
+                      "vllm_triton": dict(peer), "nxd_triton": {"kind": "ours", "correct": True,
+                                                                "graph": {"us": 250.0}}}),
+              }}
+    text = gpu_layer.markdown(result)
+    # 3e8 B in 120 us = 2.5 TB/s = 83% of 3 TB/s: below the 85% decode target
+    assert "| decode M <= 64: >= 85% of copy bandwidth on touched weights | worst 83% " in text
+    assert "| Llama 4 Scout TP8 decode layer with shared expert <= 185 us | 120 us | yes |" in text
+    assert "| qwen3-30b-a3b-prefill-m4096: >= 1.5x the best peer (vllm_triton) | 1.20x | no |" in text
+    assert "| never slower than the best peer | slowest 1.20x (qwen3-30b-a3b-prefill-m4096) | yes |" in text
