@@ -5,8 +5,12 @@ weights (H and I divided by ``--scale``), runs a prefill and a decode step, and 
 the block layout, padding overhead, dropped tokens, time per step and the error against the float64 dense
 reference. ``--json`` prints the same as one JSON object.
 
+``--device cuda`` runs the layer on the GPU (``--backend triton`` for the Triton kernels, ``torch`` or ``nki_sim``);
+inputs are drawn on the CPU, so a CPU and a GPU run see the same tokens, and the float64 reference is computed on
+the CPU either way.
+
 ``torchrun --nproc-per-node N -m nxd_moe.cli run --config ... --tp A --ep B`` runs the same job model-parallel
-(gloo): each token group (TP group) feeds its own sequence and decode batch, rank 0 reports.
+(gloo, CPU): each token group (TP group) feeds its own sequence and decode batch, rank 0 reports.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from nxd_moe.config import (
     load_model_config,
     to_torch_dtype,
 )
-from nxd_moe.experts.backends import BACKENDS
+from nxd_moe.experts.backends import BACKENDS, get_backend
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.reference import reference_for_moe
 
@@ -77,15 +81,48 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _timed_ms(fn, repeats: int) -> tuple[object, float]:
-    """Run ``fn`` once to warm up, then ``repeats`` times; return the last result and the median in ms."""
+def _timed_ms(fn, repeats: int, device: torch.device | None = None) -> tuple[object, float]:
+    """Run ``fn`` once to warm up, then ``repeats`` times; return the last result and the median in ms (on a CUDA
+    ``device``, each call's kernels included: the clock stops after a synchronize)."""
+    def sync():
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     result = fn()
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     return result, statistics.median(times)
+
+
+def resolve_device(name: str, backend: str) -> torch.device:
+    """``--device`` checked against this machine and ``--backend``; ``ValueError`` says what is missing."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            built = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
+            raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__}, built "
+                             f"{built})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        torch.cuda.set_device(device)  # kernels launched outside torch (Triton) go to the current device
+    try:
+        get_backend(backend)
+    except ImportError as e:
+        raise ValueError(f"--backend {backend} is not available here: {e}") from None
+    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--backend triton runs Triton kernels: use --device cuda (or set TRITON_INTERPRET=1 to "
+                         "run them on the CPU in Triton's interpreter, slowly)")
+    return device
 
 
 @contextmanager
@@ -104,11 +141,11 @@ def _progress(total: int, enabled: bool):
 
 def _step(moe, x: torch.Tensor, repeats: int) -> dict:
     with torch.inference_mode():
-        (output, stats), ms = _timed_ms(lambda: moe(x, return_stats=True), repeats)
-        reference = reference_for_moe(moe, x, capacity=stats.capacity)
+        (output, stats), ms = _timed_ms(lambda: moe(x, return_stats=True), repeats, x.device)
+        reference = reference_for_moe(moe, x, capacity=stats.capacity)  # float64, on the CPU
     summary = stats.summary()
     summary["ms"] = ms
-    summary["max_abs_err"] = float((output.double() - reference).abs().max())
+    summary["max_abs_err"] = float((output.double().cpu() - reference).abs().max())
     summary["max_abs_ref"] = float(reference.abs().max())
     return summary
 
@@ -146,6 +183,7 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
         "scale": scale,
         "dtype": str(dtype).removeprefix("torch."),
         "backend": args.backend,
+        "device": str(moe.router.linear_router.weight.device),
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_experts": cfg.num_experts,
@@ -163,22 +201,27 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
 def run(args: argparse.Namespace) -> dict | None:
     """The report (on rank 0 of a model-parallel run; None on the other ranks)."""
     if _is_parallel(args):
+        if args.device != "cpu":
+            raise ValueError(f"--device {args.device}: model-parallel runs (--tp/--ep/--sp, torchrun) run on the CPU "
+                             "(gloo); run one device with --device cuda")
         return run_parallel(args)
+    device = resolve_device(args.device, args.backend)
     model, dtype, scale = _setup(args)
     overrides = _overrides(args)
     with _progress(total=3, enabled=not args.no_progress) as bar:
         bar.set_description("build", refresh=False)
-        moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, **overrides)
+        moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, device=device,
+                        **overrides)
         bar.update()
         cfg = moe.expert_mlps.routed_experts_mlp_config
         generator = torch.Generator().manual_seed(args.seed + 1)
         bar.set_description("prefill", refresh=False)
-        prefill_x = torch.randn(1, args.tokens, cfg.hidden_size, generator=generator).to(dtype)
+        prefill_x = torch.randn(1, args.tokens, cfg.hidden_size, generator=generator).to(device, dtype)
         prefill = _step(moe, prefill_x, args.repeats)
         prefill["tokens"] = args.tokens
         bar.update()
         bar.set_description("decode", refresh=False)
-        decode_x = torch.randn(args.decode_batch, 1, cfg.hidden_size, generator=generator).to(dtype)
+        decode_x = torch.randn(args.decode_batch, 1, cfg.hidden_size, generator=generator).to(device, dtype)
         decode = _step(moe, decode_x, args.repeats)
         decode["batch"] = args.decode_batch
         bar.update()
@@ -282,7 +325,8 @@ def format_report(report: dict) -> str:
         f"I={report['intermediate_size']}, "
         f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}, "
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
-        f"backend {report['backend']}, {report['threads']} threads)",
+        f"backend {report['backend']} on {report['device']}"
+        + (f", {report['threads']} threads)" if report["device"] == "cpu" else ")"),
         f"prefill  {p['tokens']} tokens -> {p['mode']}",
     ]
     if p["num_blocks"] is not None:
@@ -333,7 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override the config's blockwise block_size")
     run_p.add_argument("--capacity-factor", type=_positive_float, default=None,
                        help="drop tokens beyond this capacity factor (default: the config's, usually dropless)")
-    run_p.add_argument("--backend", default="torch", choices=sorted(BACKENDS))
+    run_p.add_argument("--backend", default="torch", choices=sorted(BACKENDS),
+                       help="expert computation (default torch; triton needs --device cuda and Triton)")
+    run_p.add_argument("--device", default="cpu",
+                       help="cpu (default) or cuda / cuda:N; the float64 reference is computed on the CPU either way")
     run_p.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions per step (median)")
     run_p.add_argument("--seed", type=int, default=0)
     run_p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
@@ -370,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         report = run(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         parser.exit(2, f"nxd-moe: error: {e}\n")
     if report is not None:
         print(json.dumps(report, indent=2) if args.json else format_report(report))
