@@ -48,7 +48,7 @@ SHAPES = {
 
 def gate_up_candidates(block_m: int) -> list[dict]:
     if block_m >= 64:
-        return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+        return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s, TMA=True)
                 for n, k, w, s in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))]
     return [dict(BLOCK_N=n, BLOCK_K=k, num_warps=4, num_stages=s)
             for n, k, s in itertools.product((32, 64, 128), (128, 256), (3, 4))]
@@ -56,7 +56,7 @@ def gate_up_candidates(block_m: int) -> list[dict]:
 
 def down_candidates(block_m: int) -> list[dict]:
     if block_m >= 64:
-        return [dict(BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, SPLIT_K=1)
+        return [dict(BLOCK_N=n, BLOCK_K=64, num_warps=w, num_stages=s, SPLIT_K=1, TMA=True)
                 for n, w, s in itertools.product((128, 256), (4, 8), (3, 4))]
     return [dict(BLOCK_N=n, BLOCK_K=128, num_warps=4, num_stages=s, SPLIT_K=sk)
             for n, s, sk in itertools.product((64, 128), (3, 4), (1, 2, 4))]

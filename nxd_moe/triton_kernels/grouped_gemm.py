@@ -83,14 +83,14 @@ def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, bias_ptr, affinity_ptr, out_ptr,
+    x_ptr, w_ptr, w_desc, bias_ptr, affinity_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
     hidden, inter, inter_actual, num_experts,
     stride_xt, stride_we, stride_wk, stride_wn, stride_be, stride_or,
     scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
-    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -108,13 +108,21 @@ def _gate_up_kernel(
     w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first_col = column * BLOCK_N
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
         k_ok = ks < hidden - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if TMA:
+            # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
+            w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = _dot(a, w, acc, PRECISION, UPCAST)
         if GLU:
-            w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if TMA:
+                w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -144,11 +152,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, bias_ptr, out_ptr,
+    h_ptr, w_ptr, w_desc, bias_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
     inter, hidden, k_per_split,
     stride_hr, stride_we, stride_wk, stride_wn, stride_be, stride_os, stride_or,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -169,7 +177,10 @@ def _down_kernel(
     for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
         k_ok = ks < k_end - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if TMA:  # unsplit only: past I the copy engine zero-fills
+            w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = _dot(a, w, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -178,6 +189,18 @@ def _down_kernel(
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + split * stride_os + rows[:, None] * stride_or + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted: bool):
+    """A bulk-copy (TMA) descriptor of ``weight (E, K, N)`` for ``(1, block_k, block_n)`` tiles, when asked for
+    and possible (Hopper or newer, 16-byte aligned rows); else None and the kernel loads through pointers."""
+    if not wanted or weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] < 9:
+        return None
+    if weight.stride(-1) != 1 or any(s * weight.element_size() % 16 for s in weight.stride()[:-1]) \
+            or weight.data_ptr() % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [1, block_k, block_n])
 
 
 def _launch_options(config: dict, dtype: torch.dtype) -> dict:
@@ -207,8 +230,9 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     limits = (activation.gate_lower, activation.gate_upper, activation.up_lower, activation.up_upper)
     bias = gate_up_bias if gate_up_bias is not None else gate_up_proj
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
+    descriptor = _weight_descriptor(gate_up_proj, config["BLOCK_K"], block_n, config.get("TMA", False))
     _gate_up_kernel[grid](
-        hidden_states, gate_up_proj, bias, affinities if affinities is not None else hidden_states, out,
+        hidden_states, gate_up_proj, gate_up_proj if descriptor is None else descriptor, bias, affinities if affinities is not None else hidden_states, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,
         hidden, inter, inter if actual is None else actual, num_experts,
         hidden_states.stride(0), *gate_up_proj.stride(), bias.stride(0), out.stride(0),
@@ -217,7 +241,7 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
         SWIGLU=activation.glu_type is GLUType.SWIGLU, HAS_BIAS=gate_up_bias is not None,
         PRESCALE=affinities is not None, GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
         UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
-        MASK_PADDED_COLUMNS=actual is not None and actual < inter,
+        MASK_PADDED_COLUMNS=actual is not None and actual < inter, TMA=descriptor is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"], **_launch_options(config, hidden_states.dtype))
     return out
 
@@ -235,9 +259,11 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
     out = torch.empty(split, layout.num_rows, hidden, dtype=dtype, device=activated.device)
     bias = down_bias if down_bias is not None else down_proj
     grid = ((layout.num_rows // block_m) * triton.cdiv(hidden, block_n), split)
+    descriptor = _weight_descriptor(down_proj, block_k, block_n, config.get("TMA", False) and split == 1)
     _down_kernel[grid](
-        activated, down_proj, bias, out, layout.row_token, layout.tile_expert, layout.num_tiles,
+        activated, down_proj, down_proj if descriptor is None else descriptor, bias, out, layout.row_token, layout.tile_expert, layout.num_tiles,
         inter, hidden, k_per_split, activated.stride(0), *down_proj.stride(), bias.stride(0), out.stride(0),
-        out.stride(1), HAS_BIAS=down_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        out.stride(1), HAS_BIAS=down_bias is not None, TMA=descriptor is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         **_launch_options(config, activated.dtype))
     return out
