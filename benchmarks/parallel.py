@@ -70,7 +70,7 @@ def sync(device: torch.device) -> None:
 def build_layers(args, device: torch.device, dtype: torch.dtype) -> dict:
     """One layer per dispatch, sharing the same weight tensors."""
     model = load_model_config(args.config)
-    common = dict(scale=args.scale, dtype=dtype, seed=0, block_size=args.block_size)
+    common = dict(scale=args.scale, dtype=dtype, seed=0, block_size=args.block_size, backend=args.backend)
     first = build_moe(model, device=device, expert_parallel_config=ExpertParallelConfig(EXPERT_PARALLEL_DISPATCHES[0]),
                       **common)
     layers = {EXPERT_PARALLEL_DISPATCHES[0]: first}
@@ -237,6 +237,7 @@ def launch(args) -> dict:
         "environment": environment(args),
         "layer": {"config": model.name, "hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
                   "num_experts": model.num_experts, "top_k": model.top_k, "block_size": args.block_size,
+                  "backend": args.backend,
                   "dtype": "bfloat16" if args.device == "cuda" else "float32", "tensor_parallel": 1,
                   "expert_parallel": "world size"},
         "method": {"repeats": args.repeats, "warmup": args.warmup,
@@ -279,6 +280,7 @@ def main() -> None:
     parser.add_argument("--config", default="deepseek-v3")
     parser.add_argument("--scale", type=int, default=1, help="divide H and I (1 = full DeepSeek-V3 size)")
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--backend", default="torch", help="the experts' backend on every rank (torch, triton, ...)")
     parser.add_argument("--prefill-tokens", type=_sizes, default=[2048, 8192], help="per rank, dispatch comparison")
     parser.add_argument("--decode-batch", type=_sizes, default=[4, 64], help="per rank, dispatch comparison")
     parser.add_argument("--scaling-prefill-tokens", type=int, default=8192, help="global, EP scaling")

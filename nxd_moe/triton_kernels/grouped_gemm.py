@@ -232,7 +232,8 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
     descriptor = _weight_descriptor(gate_up_proj, config["BLOCK_K"], block_n, config.get("TMA", False))
     _gate_up_kernel[grid](
-        hidden_states, gate_up_proj, gate_up_proj if descriptor is None else descriptor, bias, affinities if affinities is not None else hidden_states, out,
+        hidden_states, gate_up_proj, gate_up_proj if descriptor is None else descriptor, bias,
+        affinities if affinities is not None else hidden_states, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,
         hidden, inter, inter if actual is None else actual, num_experts,
         hidden_states.stride(0), *gate_up_proj.stride(), bias.stride(0), out.stride(0),
@@ -261,7 +262,8 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
     grid = ((layout.num_rows // block_m) * triton.cdiv(hidden, block_n), split)
     descriptor = _weight_descriptor(down_proj, block_k, block_n, config.get("TMA", False) and split == 1)
     _down_kernel[grid](
-        activated, down_proj, down_proj if descriptor is None else descriptor, bias, out, layout.row_token, layout.tile_expert, layout.num_tiles,
+        activated, down_proj, down_proj if descriptor is None else descriptor, bias, out,
+        layout.row_token, layout.tile_expert, layout.num_tiles,
         inter, hidden, k_per_split, activated.stride(0), *down_proj.stride(), bias.stride(0), out.stride(0),
         out.stride(1), HAS_BIAS=down_bias is not None, TMA=descriptor is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k,
