@@ -13,6 +13,8 @@ on the Vector Engine; ``core_barrier`` on GpSimd; ``dma_copy`` / ``dma_compute``
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 
 from nxd_moe.nki_kernels import language as nl
@@ -43,6 +45,68 @@ class oob_mode:  # noqa: N801 -- NKI's name
     skip = "skip"
 
 
+class engine(enum.IntEnum):  # noqa: N801 -- NKI's name
+    """The engine an instruction runs on (``unknown``: the compiler picks; here the op's default engine)."""
+
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
+
+
+tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
+    engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
+
+
+class dge_mode(enum.IntEnum):  # noqa: N801 -- NKI's name
+    """How DMA descriptors are generated: before the run (``none``), by GpSimd (``swdge``) or by the DGE hardware
+    (``hwdge``). Descriptor generation is not timed here; the mode is checked and recorded only."""
+
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+class nc_version(enum.IntEnum):  # noqa: N801 -- NKI's name
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+class reduce_cmd(enum.IntEnum):  # noqa: N801 -- NKI's name
+    """The Vector/Scalar Engine accumulator registers: ``idle`` leaves them, ``reset_reduce`` starts a reduction,
+    ``reduce`` continues one, ``load_reduce`` starts from given values."""
+
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
+
+
+class matmul_perf_mode(str, enum.Enum):  # noqa: N801 -- NKI's name
+    none = "none"
+    double_row = "double_row"
+
+
+class dma_engine(enum.IntEnum):  # noqa: N801 -- NKI's name
+    dma = 1
+    gpsimd_dma = 2
+
+
+def get_nc_version() -> nc_version:
+    """The simulated NeuronCore generation: Trn2's NeuronCore-v3."""
+    return nc_version.gen3
+
+
+def get_nc_sub_version() -> int:
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # operand helpers
 
@@ -61,8 +125,10 @@ def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM)) -> NkiTenso
 
 
 def _same_shape(op: str, a: NkiTensor, a_role: str, b: NkiTensor, b_role: str) -> None:
-    if a.shape != b.shape:
-        raise HardwareLimitError(f"{op}: {a_role} shape {a.shape} and {b_role} shape {b.shape} must match")
+    """NKI's rule for elementwise operands: the same partitions and the same number of elements per partition."""
+    if a.partitions != b.partitions or a.free_size != b.free_size:
+        raise HardwareLimitError(f"{op}: {a_role} shape {a.shape} and {b_role} shape {b.shape} must have the same "
+                                 "partitions and elements per partition")
 
 
 def _operand(value, data: NkiTensor, op: str, role: str):
@@ -88,8 +154,9 @@ def _computes(dst: NkiTensor, *inputs) -> bool:
 
 
 def _f32(value) -> np.ndarray | float:
+    """An operand as fp32: a tile flattened to ``(partitions, elements per partition)``, or a number."""
     if isinstance(value, NkiTensor):
-        return value.data.astype(np.float32)
+        return value.data.astype(np.float32).reshape(value.partitions, value.free_size)
     return np.float32(value)
 
 
@@ -97,6 +164,8 @@ def _store(dst: NkiTensor, values) -> None:
     values = np.asarray(values)
     if is_integer(dst.dtype) and not is_integer(values.dtype):
         values = np.rint(values)
+    if values.size == dst.size and values.shape != dst.shape:
+        values = values.reshape(dst.shape)
     dst.data[...] = np.broadcast_to(values, dst.shape).astype(dst.dtype)
 
 
@@ -112,23 +181,39 @@ def _account(engine: str, op: str, data: NkiTensor, *inputs) -> None:
 # Tensor Engine
 
 
-def nc_matmul(dst, stationary, moving, accumulate: bool | None = None) -> None:
+def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str = "") -> str:
+    """An ``engine=`` argument (``nisa.engine`` member or its name) as the accounting's engine name."""
+    if value is None or value == engine.unknown or value == "unknown":
+        return default
+    name = value.name if isinstance(value, engine) else value
+    if name not in allowed:
+        raise ValueError(f"{op}: engine must be one of {', '.join(allowed)}, got {value!r}")
+    return name
+
+
+def _matrix(t: NkiTensor) -> np.ndarray:
+    return _f32(t)
+
+
+def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
+              is_transpose: bool = False, accumulate: bool | None = None, tile_position=(), tile_size=(),
+              perf_mode=None, name=None) -> None:
     """``dst (M, N) [+]= stationary (K, M).T @ moving (K, N)`` on the Tensor Engine, fp32 in PSUM.
 
-    Limits: K (the partition / contraction size) <= 128, stationary free M <= 128, moving free N <= 512, dst a
-    float32 PSUM tile inside one bank. ``accumulate``: ``None`` overwrites PSUM no matmul has written yet and adds
-    to what one has; ``True`` always adds (and raises on PSUM no matmul initialised: undefined on hardware);
-    ``False`` overwrites.
+    Limits: K (the partition / contraction size) <= 128, stationary free M <= 128, moving free N <= 512 (free dims
+    beyond the first are flattened), dst a PSUM tile of M partitions and N elements per partition, float32 (or, with
+    ``is_transpose``, the stationary's dtype: the bit-accurate transpose against an identity ``moving``).
+    ``accumulate``: ``None`` overwrites PSUM no matmul has written yet and adds to what one has; ``True`` always adds
+    (and raises on PSUM no matmul initialised: undefined on hardware); ``False`` overwrites. ``tile_position`` /
+    ``tile_size`` (row, column) place a small stationary in a quarter or half of the PE array: checked, and the
+    stationary must fit the tile. ``perf_mode="double_row"`` needs fp8 operands.
     """
     op = "nc_matmul"
     dst = _tile(dst, "dst", op, (Buffer.PSUM,))
     stationary = _tile(stationary, "stationary", op, (Buffer.SBUF,))
     moving = _tile(moving, "moving", op, (Buffer.SBUF,))
-    if len(stationary.shape) != 2 or len(moving.shape) != 2 or len(dst.shape) != 2:
-        raise HardwareLimitError(f"{op}: operands must be 2-D tiles, got stationary {stationary.shape}, moving "
-                                 f"{moving.shape}, dst {dst.shape}")
-    k, m = stationary.shape
-    k2, n = moving.shape
+    k, m = stationary.partitions, stationary.free_size
+    k2, n = moving.partitions, moving.free_size
     if k != k2:
         raise HardwareLimitError(f"{op}: stationary and moving partition (contraction) sizes differ: {k} vs {k2}")
     if m > GEMM_STATIONARY_FMAX:
@@ -137,177 +222,291 @@ def nc_matmul(dst, stationary, moving, accumulate: bool | None = None) -> None:
     if n > GEMM_MOVING_FMAX:
         raise HardwareLimitError(f"{op}: moving free size {n} exceeds nl.tile_size.gemm_moving_fmax = "
                                  f"{GEMM_MOVING_FMAX}")
-    if dst.shape != (m, n):
+    if (dst.partitions, dst.free_size) != (m, n):
         raise HardwareLimitError(f"{op}: dst shape {dst.shape} must be (stationary free, moving free) = {(m, n)}")
-    if dst.dtype != nl.float32:
+    if dst.dtype != nl.float32 and not (is_transpose and dst.dtype == stationary.dtype):
         raise HardwareLimitError(f"{op}: dst must be float32 (PSUM accumulates in fp32 on NeuronCore-v3), got "
                                  f"{dst.dtype}")
     for t, role in ((stationary, "stationary"), (moving, "moving")):
         if t.dtype not in MATMUL_DTYPES:
             raise TypeError(f"{op}: {role} dtype {t.dtype} is not a Tensor Engine input type "
                             f"({', '.join(str(d) for d in MATMUL_DTYPES)})")
-    if (stationary.dtype == nl.float32) != (moving.dtype == nl.float32):
+    if (stationary.dtype == nl.float32) != (moving.dtype == nl.float32) and not is_transpose:
         raise TypeError(f"{op}: float32 operands must be paired (stationary {stationary.dtype}, moving "
                         f"{moving.dtype})")
+    if perf_mode not in (None, "none", "double_row") and getattr(perf_mode, "value", None) not in ("none", "double_row"):
+        raise ValueError(f"{op}: perf_mode must be matmul_perf_mode.none or .double_row, got {perf_mode!r}")
+    if getattr(perf_mode, "value", perf_mode) == "double_row" and not all(
+            t.dtype.itemsize == 1 for t in (stationary, moving)):
+        raise TypeError(f"{op}: perf_mode=double_row needs fp8 stationary and moving tiles")
+    if bool(tile_position) != bool(tile_size):
+        raise ValueError(f"{op}: tile_position and tile_size must be given together")
+    if tile_size:
+        rows, cols = (int(v) for v in tile_size)
+        r0, c0 = (int(v) for v in tile_position)
+        if rows not in (32, 64, 128) or cols not in (32, 64, 128) or r0 % rows or c0 % cols or r0 + rows > 128 \
+                or c0 + cols > 128:
+            raise HardwareLimitError(f"{op}: tile_size {tile_size} / tile_position {tile_position} do not tile the "
+                                     "128 x 128 PE array (sizes 32, 64 or 128; positions multiples of the size)")
+        if k > rows or m > cols:
+            raise HardwareLimitError(f"{op}: stationary ({k}, {m}) does not fit the PE tile {tile_size}")
     if accumulate is True and not dst.written.all():
         raise HardwareLimitError(f"{op}: accumulate=True onto PSUM tile {dst.name!r} that no nc_matmul initialised "
                                  "(undefined behaviour on hardware)")
     core = current_core()
     if _computes(dst, stationary, moving):
-        # einsum's own loop, not BLAS: tiles are small, and BLAS threads oversubscribe the cores of an LNC2 launch.
-        product = np.einsum("km,kn->mn", stationary.data.astype(np.float32), moving.data.astype(np.float32))
-        if accumulate is False:
-            dst.data[...] = product
+        if is_transpose and _is_identity(moving):
+            product = stationary.data.reshape(k, m).T[:, :n]  # bit-accurate: NaN and Inf pass through
         else:
-            dst.data[...] = np.where(dst.written, dst.data + product, product)
+            # einsum's own loop, not BLAS: tiles are small, and BLAS threads oversubscribe an LNC2 launch's cores.
+            product = np.einsum("km,kn->mn", _matrix(stationary), _matrix(moving))
+        written = dst.written.reshape(m, n) if dst.written.flags.c_contiguous else dst.written.copy().reshape(m, n)
+        current = _f32(dst)
+        if accumulate is False or is_transpose:
+            _store(dst, product)
+        else:
+            _store(dst, np.where(written, current + product, product))
     dst.written[...] = True
+    if is_transpose:
+        core.accounting.transposes += 1
+        core.accounting.record("tensor", "transpose", n, stationary.dtype == nl.float32)
+        return
     core.accounting.matmuls += 1
     core.accounting.matmul_flops += 2 * k * m * n
     core.accounting.record("tensor", "matmul", n, stationary.dtype == nl.float32)
 
 
-def nc_transpose(dst, data) -> None:
-    """``dst (F, P) = data (P, F).T`` on the Tensor Engine (a matmul against the identity): P, F <= 128."""
+def _is_identity(t: NkiTensor) -> bool:
+    values = t.data.reshape(t.partitions, t.free_size)
+    return values.shape[0] <= values.shape[1] and np.array_equal(values.astype(np.float32),
+                                                                 np.eye(*values.shape, dtype=np.float32))
+
+
+def nc_transpose(dst, data, engine=None, name=None) -> None:
+    """``dst (F, P) = data (P, F).T``: on the Tensor Engine (default; P, F <= 128, dst in PSUM) or the Vector Engine
+    (``engine=nisa.vector_engine``: P, F <= 32, SBUF or PSUM)."""
     op = "nc_transpose"
-    dst = _tile(dst, "dst", op, (Buffer.PSUM,))
-    data = _tile(data, "data", op, (Buffer.SBUF,))
-    if len(data.shape) != 2:
-        raise HardwareLimitError(f"{op}: data must be a 2-D tile, got {data.shape}")
-    p, f = data.shape
-    if f > GEMM_STATIONARY_FMAX:
-        raise HardwareLimitError(f"{op}: data free size {f} exceeds {GEMM_STATIONARY_FMAX} (it becomes the "
-                                 "stationary tile of a Tensor Engine transpose)")
-    if dst.shape != (f, p):
+    on = _engine(engine, "tensor", ("tensor", "vector"), op)
+    limit = GEMM_STATIONARY_FMAX if on == "tensor" else 32
+    dst = _tile(dst, "dst", op, (Buffer.PSUM,) if on == "tensor" else (Buffer.SBUF, Buffer.PSUM))
+    data = _tile(data, "data", op, (Buffer.SBUF,) if on == "tensor" else (Buffer.SBUF, Buffer.PSUM))
+    p, f = data.partitions, data.free_size
+    if f > limit or p > limit:
+        raise HardwareLimitError(f"{op}: data ({p}, {f}) exceeds the {on} engine transpose limit {limit} x {limit}")
+    if (dst.partitions, dst.free_size) != (f, p):
         raise HardwareLimitError(f"{op}: dst shape {dst.shape} must be {(f, p)}")
     if dst.dtype not in (nl.float32, data.dtype):
         raise TypeError(f"{op}: dst dtype must be float32 or the data's dtype {data.dtype}, got {dst.dtype}")
     if _computes(dst, data):
-        _store(dst, data.data.T)
+        _store(dst, data.data.reshape(p, f).T)
     core = current_core()
-    core.accounting.transposes += 1
-    core.accounting.record("tensor", "transpose", p, data.dtype == nl.float32)
+    if on == "tensor":
+        core.accounting.transposes += 1
+        if dst.written is not None:
+            dst.written[...] = True
+    core.accounting.record(on, "transpose", p, data.dtype == nl.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Scalar and Vector Engines
 
+_REDUCTIONS = {"add": np.sum, "maximum": np.max, "minimum": np.min, "multiply": np.prod}
+_REDUCE_IDENTITY = {"add": 0.0, "maximum": -np.inf, "minimum": np.inf, "multiply": 1.0}
 
-def activation(dst, op, data, bias=None, scale=1.0) -> None:
-    """``dst = op(data * scale + bias)`` on the Scalar Engine; ``bias``/``scale`` are numbers or ``(P, 1)`` tiles."""
-    name = "activation"
-    dst, data = _tile(dst, "dst", name), _tile(data, "data", name)
-    _same_shape(name, dst, "dst", data, "data")
+
+def _reduce_op(op, name: str) -> str:
+    key = getattr(op, "name", None)
+    key = {"max": "maximum", "min": "minimum", "sum": "add"}.get(key, key)
+    if key not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduce op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {op!r}")
+    return key
+
+
+def _accumulate(core, name: str, engine_name: str, partials: np.ndarray, reduce_op, reduce_res, cmd,
+                init=None, negate: bool = False) -> None:
+    """The engine's per-partition accumulator registers (``reduce_cmd``), written to ``reduce_res`` when given."""
+    key = _reduce_op(reduce_op, name)
+    registers = core.accumulators.setdefault(engine_name, {})
+    cmd = reduce_cmd(cmd)
+    p = partials.shape[0]
+    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce) or p not in registers.get("shape", ()):
+        if cmd == reduce_cmd.reduce and registers.get("shape") != (p,):
+            raise HardwareLimitError(f"{name}: reduce_cmd.reduce continues a reduction, but none over {p} partitions "
+                                     "was started (use reduce_cmd.reset_reduce first)")
+        registers["value"] = np.full(p, _REDUCE_IDENTITY[key], np.float32)
+        registers["shape"] = (p,)
+    if cmd == reduce_cmd.load_reduce:
+        if init is None:
+            raise ValueError(f"{name}: reduce_cmd.load_reduce needs reduce_init")
+        registers["value"] = np.broadcast_to(_f32(init), (p, 1)).reshape(p).astype(np.float32).copy()
+    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
+        reducer = _REDUCTIONS[key]
+        step = reducer(partials, axis=1).astype(np.float32)
+        registers["value"] = reducer(np.stack([registers["value"], step]), axis=0).astype(np.float32)
+    if reduce_res is not None:
+        res = _tile(reduce_res, "reduce_res", name)
+        if res.partitions != p or res.free_size != 1:
+            raise HardwareLimitError(f"{name}: reduce_res must be ({p}, 1), got {res.shape}")
+        value = -registers["value"] if negate else registers["value"]
+        if res.alloc.has_data:
+            _store(res, value.reshape(p, 1))
+
+
+def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
+               name=None) -> None:
+    """``dst = op(data * scale + bias)`` on the Scalar Engine; ``bias``/``scale`` are numbers or ``(P, 1)`` tiles.
+    With ``reduce_op`` the results are also reduced along the free dims into the accumulator / ``reduce_res``."""
+    label = "activation"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    _same_shape(label, dst, "dst", data, "data")
     if op not in nl.ACTIVATION_FUNCTIONS.values():
-        raise ValueError(f"{name}: op must be one of {sorted('nl.' + k for k in nl.ACTIVATION_FUNCTIONS)}, got {op!r}")
-    scale = _operand(scale, data, name, "scale")
-    bias = None if bias is None else _operand(bias, data, name, "bias")
+        raise ValueError(f"{label}: op must be one of {sorted('nl.' + k for k in nl.ACTIVATION_FUNCTIONS)}, got "
+                         f"{op!r}")
+    scale = _operand(scale, data, label, "scale")
+    bias = None if bias is None else _operand(bias, data, label, "bias")
     if _computes(dst, data, scale, bias):
         x = _f32(data) * _f32(scale)
         if bias is not None:
             x = x + _f32(bias)
-        _store(dst, op(x))
-    _account("scalar", name, data, dst)
+        y = np.asarray(op(x), dtype=np.float32)
+        _store(dst, y)
+        if reduce_op is not None:
+            _accumulate(current_core(), label, "scalar", y, reduce_op, reduce_res,
+                        reduce_cmd if reduce_cmd != reduce_cmd.idle else reduce_cmd.reset_reduce)
+    elif reduce_op is not None and reduce_res is not None:
+        _tile(reduce_res, "reduce_res", label)
+    _account("scalar", label, data, dst)
 
 
-def tensor_tensor(dst, data1, data2, op) -> None:
-    """``dst = data1 <op> data2`` elementwise on the Vector Engine."""
-    name = "tensor_tensor"
-    dst, data1, data2 = (_tile(t, r, name) for t, r in ((dst, "dst"), (data1, "data1"), (data2, "data2")))
-    _same_shape(name, data1, "data1", data2, "data2")
-    _same_shape(name, dst, "dst", data1, "data1")
-    _check_alu(name, op)
+def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None) -> None:
+    """``activation`` plus a free-dim reduction of its result into ``reduce_res`` ``(P, 1)``."""
+    activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
+               reduce_cmd=reduce_cmd.reset_reduce)
+
+
+def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
+    """``dst = data1 <op> data2`` elementwise on the Vector Engine (or GpSimd)."""
+    label = "tensor_tensor"
+    on = _engine(engine, "vector", ("vector", "gpsimd"), label)
+    dst, data1, data2 = (_tile(t, r, label) for t, r in ((dst, "dst"), (data1, "data1"), (data2, "data2")))
+    _same_shape(label, data1, "data1", data2, "data2")
+    _same_shape(label, dst, "dst", data1, "data1")
+    _check_alu(label, op)
     if _computes(dst, data1, data2):
-        _store(dst, op(_f32(data1), _f32(data2)))
-    _account("vector", name, data1, data2, dst)
+        _store(dst, _alu(op, data1, data2))
+    _account(on, label, data1, data2, dst)
+
+
+def _alu(op, a, b):
+    """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers."""
+    if op.name in nl.INTEGER_ALU_OPS:
+        return op(_ints(a), _ints(b))
+    return op(_f32(a), _f32(b))
+
+
+def _ints(value):
+    if isinstance(value, NkiTensor):
+        return value.data.astype(np.int64).reshape(value.partitions, value.free_size)
+    return np.int64(value)
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, operand1=None,
-                  reverse1: bool = False, engine: str = "vector") -> None:
+                  reverse1: bool = False, engine=None, name=None) -> None:
     """``dst = (data <op0> operand0) <op1> operand1`` with per-partition or constant operands (``reverse`` swaps
     an operation's sides)."""
-    name = "tensor_scalar"
-    dst, data = _tile(dst, "dst", name), _tile(data, "data", name)
-    _same_shape(name, dst, "dst", data, "data")
-    _check_alu(name, op0)
-    _check_engine(name, engine)
-    operand0 = _operand(operand0, data, name, "operand0")
+    label = "tensor_scalar"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    _same_shape(label, dst, "dst", data, "data")
+    _check_alu(label, op0)
+    on = _engine(engine, "vector", op=label)
+    operand0 = _operand(operand0, data, label, "operand0")
     if op1 is not None:
-        _check_alu(name, op1)
-        operand1 = _operand(operand1, data, name, "operand1")
+        _check_alu(label, op1)
+        operand1 = _operand(operand1, data, label, "operand1")
     if _computes(dst, data, operand0, operand1):
-        x = _f32(data)
-        x = op0(_f32(operand0), x) if reverse0 else op0(x, _f32(operand0))
-        if op1 is not None:
-            x = op1(_f32(operand1), x) if reverse1 else op1(x, _f32(operand1))
-        _store(dst, x)
-    _account(engine, name, data, dst)
+        _store(dst, _scalar_steps(data, op0, operand0, reverse0, op1, operand1, reverse1))
+    _account(on, label, data, dst)
 
 
-def scalar_tensor_tensor(dst, data, op0, operand0, op1, data1) -> None:
-    """``dst = (data <op0> operand0) <op1> data1``: a per-partition scalar step, then an elementwise one."""
-    name = "scalar_tensor_tensor"
-    dst, data, data1 = (_tile(t, r, name) for t, r in ((dst, "dst"), (data, "data"), (data1, "data1")))
-    _same_shape(name, data, "data", data1, "data1")
-    _same_shape(name, dst, "dst", data, "data")
-    _check_alu(name, op0)
-    _check_alu(name, op1)
-    operand0 = _operand(operand0, data, name, "operand0")
-    if _computes(dst, data, operand0, data1):
-        _store(dst, op1(op0(_f32(data), _f32(operand0)), _f32(data1)))
-    _account("vector", name, data, data1, dst)
+def _scalar_steps(data, op0, operand0, reverse0, op1=None, operand1=None, reverse1=False):
+    x = _alu(op0, operand0, data) if reverse0 else _alu(op0, data, operand0)
+    if op1 is not None:
+        x = _alu(op1, operand1, x) if reverse1 else _alu(op1, x, operand1)
+    return x
 
 
-_REDUCTIONS = {"add": np.sum, "maximum": np.max, "minimum": np.min}
+def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0: bool = False, reverse1: bool = False,
+                         name=None) -> None:
+    """``dst = (data <op0> operand0) <op1> operand1``: a per-partition scalar step, then an elementwise one with the
+    tile ``operand1`` (``reverse`` swaps an operation's sides)."""
+    label = "scalar_tensor_tensor"
+    dst, data, operand1 = (_tile(t, r, label) for t, r in ((dst, "dst"), (data, "data"), (operand1, "operand1")))
+    _same_shape(label, data, "data", operand1, "operand1")
+    _same_shape(label, dst, "dst", data, "data")
+    _check_alu(label, op0)
+    _check_alu(label, op1)
+    operand0 = _operand(operand0, data, label, "operand0")
+    if _computes(dst, data, operand0, operand1):
+        x = _alu(op0, operand0, data) if reverse0 else _alu(op0, data, operand0)
+        _store(dst, op1(_f32(operand1), x) if reverse1 else op1(x, _f32(operand1)))
+    _account("vector", label, data, operand1, dst)
 
 
-def tensor_reduce(dst, op, data, axis, keepdims: bool = False) -> None:
-    """Reduce ``data`` over free axes (never the partition axis) with ``nl.add`` / ``nl.maximum`` / ``nl.minimum``."""
-    name = "tensor_reduce"
-    dst, data = _tile(dst, "dst", name), _tile(data, "data", name)
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+def tensor_reduce(dst, op, data, axis, negate: bool = False, keepdims: bool = False, name=None) -> None:
+    """Reduce ``data`` over free axes (never the partition axis) with ``nl.add`` / ``nl.multiply`` /
+    ``nl.maximum`` / ``nl.minimum``; ``negate`` negates the result."""
+    label = "tensor_reduce"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    axes = tuple(a % len(data.shape) if a < 0 else a for a in axes)
     if not axes or any(a < 1 or a >= len(data.shape) for a in axes):
-        raise HardwareLimitError(f"{name}: axis {axis} must name free axes of data {data.shape} (1..."
+        raise HardwareLimitError(f"{label}: axis {axis} must name free axes of data {data.shape} (1..."
                                  f"{len(data.shape) - 1}); the partition axis cannot be reduced here")
-    if getattr(op, "name", None) not in _REDUCTIONS:
-        raise ValueError(f"{name}: op must be nl.add, nl.maximum or nl.minimum, got {op!r}")
-    expected = tuple(1 if d in axes else n for d, n in enumerate(data.shape)) if keepdims else tuple(
-        n for d, n in enumerate(data.shape) if d not in axes)
-    if dst.shape != expected:
-        raise HardwareLimitError(f"{name}: dst shape {dst.shape} must be {expected}")
+    key = _reduce_op(op, label)
+    kept = tuple(1 if d in axes else n for d, n in enumerate(data.shape))
+    if dst.partitions != data.partitions or dst.free_size != int(np.prod(kept[1:])):
+        raise HardwareLimitError(f"{label}: dst shape {dst.shape} must hold "
+                                 f"{kept if keepdims else tuple(n for d, n in enumerate(data.shape) if d not in axes)}")
     if _computes(dst, data):
-        reducer = _REDUCTIONS[op.name]
-        source = data.data if is_integer(data.dtype) and is_integer(dst.dtype) else _f32(data)
-        _store(dst, reducer(source, axis=axes, keepdims=keepdims))
-    _account("vector", name, data, dst)
+        reducer = _REDUCTIONS[key]
+        source = data.data if is_integer(data.dtype) and is_integer(dst.dtype) else data.data.astype(np.float32)
+        result = reducer(source, axis=axes, keepdims=True)
+        _store(dst, -result if negate else result)
+    _account("vector", label, data, dst)
 
 
-def tensor_copy(dst, src, engine: str = "vector") -> None:
-    """Copy on an engine, converting to ``dst``'s dtype (how PSUM is evacuated to SBUF)."""
-    name = "tensor_copy"
-    dst, src = _tile(dst, "dst", name), _tile(src, "src", name)
-    _same_shape(name, dst, "dst", src, "src")
-    _check_engine(name, engine)
+def tensor_copy(dst, src, engine=None, name=None) -> None:
+    """Copy on an engine, converting to ``dst``'s dtype (how PSUM is evacuated to SBUF); bit-exact when the dtypes
+    match. GpSimd cannot reach PSUM."""
+    label = "tensor_copy"
+    dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
+    _same_shape(label, dst, "dst", src, "src")
+    on = _engine(engine, "vector", op=label)
+    if on == "gpsimd" and Buffer.PSUM in (dst.buffer, src.buffer):
+        raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
     if _computes(dst, src):
-        _store(dst, src.data if is_integer(src.dtype) else _f32(src))
-    _account(engine, name, src, dst)
+        _store(dst, src.data if is_integer(src.dtype) or src.dtype == dst.dtype else _f32(src))
+    _account(on, label, src, dst)
 
 
-def memset(dst, value) -> None:
-    name = "memset"
-    dst = _tile(dst, "dst", name)
+def memset(dst, value, engine=None, name=None) -> None:
+    """Fill ``dst`` with a constant on the Vector Engine (or GpSimd)."""
+    label = "memset"
+    dst = _tile(dst, "dst", label)
+    on = _engine(engine, "vector", ("vector", "gpsimd"), label)
     if dst.alloc.has_data:
-        _store(dst, np.float32(value) if not is_integer(dst.dtype) else value)
-    _account("vector", name, dst)
+        if dst.dtype.names is not None:
+            if value != 0:
+                raise ValueError(f"{label}: packed x4 dtypes can only be set to 0, got {value}")
+            dst.data.view(np.uint8)[...] = 0
+        else:
+            _store(dst, np.float32(value) if not is_integer(dst.dtype) else value)
+    _account(on, label, dst)
 
 
 def _check_alu(name: str, op) -> None:
     if op not in nl.ALU_OPS.values():
         raise ValueError(f"{name}: op must be one of {sorted('nl.' + k for k in nl.ALU_OPS)}, got {op!r}")
-
-
-def _check_engine(name: str, engine: str) -> None:
-    if engine not in ("vector", "scalar", "gpsimd"):
-        raise ValueError(f"{name}: engine must be 'vector', 'scalar' or 'gpsimd', got {engine!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,33 +529,44 @@ def register_load(dst: VirtualRegister, src) -> None:
     dst.value = scalar_value(src)
 
 
+def register_store(dst, src) -> None:
+    """Write a register's value into a one-element integer tensor."""
+    if not isinstance(src, VirtualRegister):
+        raise TypeError(f"register_store: src must be a VirtualRegister, got {type(src).__name__}")
+    if not isinstance(dst, NkiTensor) or not is_integer(dst.dtype) or dst.size != 1:
+        raise TypeError(f"register_store: dst must be a one-element integer tensor, got {dst!r}")
+    check_alive(dst)
+    dst.data[...] = src.value
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # DMA
 
 
-def dma_copy(dst, src, oob_mode: str = oob_mode.error) -> None:
+def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=dge_mode.unknown, engine=None,
+             name=None) -> None:
     """Copy ``src`` to ``dst`` through the DMA queues (HBM <-> SBUF, HBM -> HBM, SBUF -> SBUF).
 
     Either side may be an :meth:`~nxd_moe.nki_kernels.machine.NkiTensor.ap` access pattern with dynamic offsets;
     rows whose dynamic address is out of bounds raise (``oob_mode.error``) or are not transferred
-    (``oob_mode.skip``: the destination rows keep their contents). Shapes must match, except that a transfer
-    without a vector offset may reshape its HBM side (read or written in row-major order). DMA copies bytes:
-    dtypes must match.
+    (``oob_mode.skip``: the destination rows keep their contents). The element counts must match; sides with the
+    same rows and elements per row move row by row (a vector offset gathers or scatters rows), others all at once in
+    row-major order (no vector offset then). Different dtypes convert through fp32 (NKI's documented DMA cast);
+    bytes are counted in the HBM side's dtype.
     """
     for side, role in ((dst, "dst"), (src, "src")):
         _check_dma_side(side, role, "dma_copy")
-    if dst.dtype != src.dtype:
-        raise TypeError(f"dma_copy: dtypes differ (dst {dst.dtype}, src {src.dtype}); DMA copies bytes, convert with "
-                        "tensor_copy")
     if oob_mode not in ("error", "skip"):
         raise ValueError(f"dma_copy: oob_mode must be oob_mode.error or oob_mode.skip, got {oob_mode!r}")
-    aligned = dst.shape == src.shape
+    if int(dge_mode) not in (0, 1, 2, 3):
+        raise ValueError(f"dma_copy: dge_mode must be a nisa.dge_mode member, got {dge_mode!r}")
+    rows_of = (lambda t: (t.shape[0], int(np.prod(t.shape[1:]))))
+    aligned = rows_of(dst) == rows_of(src)
     if not aligned:
         vector = any(isinstance(s, AccessPattern) and s.vector_offset is not None for s in (dst, src))
-        hbm_side = any(not s.buffer.on_chip for s in (dst, src))
-        if vector or not hbm_side or int(np.prod(dst.shape)) != int(np.prod(src.shape)):
-            raise HardwareLimitError(f"dma_copy: shapes differ (dst {dst.shape}, src {src.shape}); only an HBM side "
-                                     "without a vector offset may be reshaped, to the same number of elements")
+        if vector or int(np.prod(dst.shape)) != int(np.prod(src.shape)):
+            raise HardwareLimitError(f"dma_copy: shapes differ (dst {dst.shape}, src {src.shape}); they must hold the "
+                                     "same number of elements, and a vector-offset access the same rows")
     # Aligned transfers are row by row (a vector offset gathers or scatters rows); a reshaping one is all or nothing.
     valid = np.ones(dst.shape[0] if aligned else 1, dtype=bool)
     bases = {}
@@ -378,24 +588,26 @@ def dma_copy(dst, src, oob_mode: str = oob_mode.error) -> None:
     moved = int(valid.sum())
     if moved and _has_data(dst) and _has_data(src):
         if aligned:
-            _dma_write(dst, bases.get("dst"), valid, _dma_read(src, bases.get("src"), valid))
+            values = _dma_read(src, bases.get("src"), valid)
+            _dma_write(dst, bases.get("dst"), valid, _convert(values, dst.dtype))
         else:
             values = _dma_read(src, bases.get("src"), None).reshape(dst.shape)
-            _dma_write(dst, bases.get("dst"), None, values)
+            _dma_write(dst, bases.get("dst"), None, _convert(values, dst.dtype))
+    hbm = src if not src.buffer.on_chip else dst if not dst.buffer.on_chip else src
     if aligned:
         rows, moved_rows = dst.shape[0], moved
-        moved_bytes = moved * int(np.prod(dst.shape[1:])) * dst.dtype.itemsize
+        moved_bytes = moved * int(np.prod(dst.shape[1:])) * hbm.dtype.itemsize
     else:
         rows = next((s.shape[0] for s in (dst, src) if s.buffer.on_chip), dst.shape[0])
         moved_rows = rows * moved
-        moved_bytes = moved * int(np.prod(dst.shape)) * dst.dtype.itemsize
-    hbm = src if not src.buffer.on_chip else dst if not dst.buffer.on_chip else src
+        moved_bytes = moved * int(np.prod(dst.shape)) * hbm.dtype.itemsize
     current_core().accounting.record_dma(hbm.name, f"{src.buffer.kind}->{dst.buffer.kind}", DmaTraffic(
         bytes=moved_bytes, transfers=int(moved > 0), rows=moved_rows, skipped_rows=rows - moved_rows,
         skipped_transfers=int(moved == 0)))
 
 
-def dma_compute(dst, srcs, reduce_op=nl.add) -> None:
+def dma_compute(dst, srcs, reduce_op=nl.add, scales=None, unique_indices: bool = True, oob_mode: str = oob_mode.error,
+                name=None) -> None:
     """``dst = reduce_op(srcs...)`` elementwise, computed inside the DMA engines (how LNC2 kernels sum the two
     cores' partial outputs in HBM). Accounted as one read transfer per source and the write of ``dst``."""
     name = "dma_compute"
@@ -409,10 +621,13 @@ def dma_compute(dst, srcs, reduce_op=nl.add) -> None:
         if not isinstance(src, NkiTensor) or src.shape != dst.shape or src.dtype != dst.dtype:
             raise HardwareLimitError(f"{name}: srcs[{i}] must be a tensor of dst's shape {dst.shape} and dtype "
                                      f"{dst.dtype}, got {src!r}")
+    if scales is not None and len(scales) != len(srcs):
+        raise ValueError(f"{name}: scales must give one number per source ({len(srcs)}), got {scales!r}")
+    factors = [np.float32(1.0)] * len(srcs) if scales is None else [np.float32(v) for v in scales]
     if all(t.alloc.has_data for t in (dst, *srcs)):
-        result = _f32(srcs[0])
-        for src in srcs[1:]:
-            result = reduce_op(result, _f32(src))
+        result = _f32(srcs[0]) * factors[0]
+        for src, factor in zip(srcs[1:], factors[1:]):
+            result = reduce_op(result, _f32(src) * factor)
         _store(dst, result)
     accounting = current_core().accounting
     nbytes = int(np.prod(dst.shape)) * dst.dtype.itemsize
@@ -434,6 +649,14 @@ def _check_dma_side(side, role: str, op: str) -> None:
         check_alive(side)
 
 
+def _convert(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if values.dtype == dtype:
+        return values
+    if is_integer(dtype) and not is_integer(values.dtype):
+        return np.rint(values.astype(np.float32)).astype(dtype)
+    return values.astype(np.float32).astype(dtype)
+
+
 def _has_data(side) -> bool:
     return (side.tensor if isinstance(side, AccessPattern) else side).alloc.has_data
 
@@ -448,19 +671,22 @@ def _dma_read(side, base, valid) -> np.ndarray:
 def _dma_write(side, base, valid, values: np.ndarray) -> None:
     if isinstance(side, NkiTensor):
         if valid is None:
-            side.data[...] = values
+            side.data[...] = values.reshape(side.shape)
+        elif valid.all():
+            side.data[...] = values.reshape(side.shape)
         else:
-            side.data[valid] = values
+            side.data[valid] = values.reshape((-1,) + side.shape[1:])
         return
     flat = side.tensor.alloc.data.reshape(-1)
-    flat[side.addresses(base if valid is None else base[valid])] = values
+    addresses = side.addresses(base if valid is None else base[valid])
+    flat[addresses] = values.reshape(addresses.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # LNC2: the two cores of a logical NeuronCore
 
 
-def core_barrier(data, cores=(0, 1)) -> None:
+def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     """Wait until both cores of the logical core reach this point (both must have finished writing ``data``, a
     shared HBM tensor). A no-op when the kernel runs on one core."""
     if tuple(cores) != (0, 1):
@@ -475,7 +701,7 @@ def core_barrier(data, cores=(0, 1)) -> None:
     core.launch.barrier.wait(core.program_id)
 
 
-def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int) -> None:
+def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma_engine=None, name=None) -> None:
     """Send ``src`` (SBUF) to the peer core's ``dst`` while receiving the peer's ``src`` into this core's ``dst``."""
     name = "sendrecv"
     src, dst = _tile(src, "src", name, (Buffer.SBUF,)), _tile(dst, "dst", name, (Buffer.SBUF,))
