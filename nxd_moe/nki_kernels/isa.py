@@ -721,3 +721,317 @@ def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma
         dst.data[...] = received
     core.accounting.record_dma(src.name, "sbuf->sbuf", DmaTraffic(
         bytes=src.data.size * src.dtype.itemsize, transfers=1, rows=src.partitions))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# more Vector / GpSimd instructions
+
+
+def tensor_copy_predicated(dst, src, predicate, reverse_pred: bool = False, name=None) -> None:
+    """``dst = where(predicate, src, dst)`` on the Vector Engine: where the (unsigned integer) predicate is non-zero
+    (zero with ``reverse_pred``) copy ``src`` (a tile of dst's dtype, or a number); elsewhere ``dst`` keeps its
+    values."""
+    label = "tensor_copy_predicated"
+    dst, predicate = _tile(dst, "dst", label), _tile(predicate, "predicate", label)
+    _same_shape(label, dst, "dst", predicate, "predicate")
+    if predicate.dtype not in (nl.uint8, nl.uint16, nl.uint32):
+        raise TypeError(f"{label}: predicate must be uint8, uint16 or uint32, got {predicate.dtype}")
+    if isinstance(src, NkiTensor):
+        src = _tile(src, "src", label)
+        _same_shape(label, dst, "dst", src, "src")
+        if src.dtype != dst.dtype:
+            raise TypeError(f"{label}: src and dst must share a dtype ({src.dtype} vs {dst.dtype})")
+        if src.buffer is Buffer.PSUM and predicate.buffer is Buffer.PSUM:
+            raise HardwareLimitError(f"{label}: src and predicate cannot both be in PSUM")
+    if _computes(dst, predicate, src):
+        mask = predicate.data.reshape(dst.partitions, dst.free_size) != 0
+        if reverse_pred:
+            mask = ~mask
+        current = dst.data.reshape(dst.partitions, dst.free_size).copy()
+        values = (src.data.reshape(current.shape) if isinstance(src, NkiTensor)
+                  else np.asarray(src).astype(dst.dtype))
+        _store(dst, np.where(mask, values, current))
+    _account("vector", label, dst, predicate)
+
+
+def iota(dst, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) -> None:
+    """``dst[p, w, z, y, x] = offset + p * channel_multiplier + w*step_w + z*step_z + y*step_y + x*step_x`` on
+    GpSimd: ``pattern`` is up to 4 ``[step, count]`` pairs whose counts multiply to dst's elements per partition;
+    computed in int32, then cast to dst's dtype. dst must be in SBUF."""
+    label = "iota"
+    dst = _tile(dst, "dst", label, (Buffer.SBUF,))
+    pairs = [(int(step), int(count)) for step, count in pattern]
+    if not 1 <= len(pairs) <= 4 or any(count < 1 for _, count in pairs):
+        raise HardwareLimitError(f"{label}: pattern must be 1 to 4 [step, count] pairs with counts >= 1, got {pattern}")
+    if int(np.prod([c for _, c in pairs])) != dst.free_size:
+        raise HardwareLimitError(f"{label}: pattern {pattern} generates {int(np.prod([c for _, c in pairs]))} "
+                                 f"elements per partition; dst {dst.shape} has {dst.free_size}")
+    if dst.alloc.has_data:
+        values = np.full((dst.partitions, 1), int(offset), np.int64) + \
+            np.arange(dst.partitions, dtype=np.int64)[:, None] * int(channel_multiplier)
+        grid = np.zeros([c for _, c in pairs], np.int64)
+        for d, (step, count) in enumerate(pairs):
+            shape = [1] * len(pairs)
+            shape[d] = count
+            grid = grid + (np.arange(count, dtype=np.int64) * step).reshape(shape)
+        result = (values + grid.reshape(1, -1)).astype(np.int32)
+        _store(dst, result if is_integer(dst.dtype) else result.astype(np.float32))
+    _account("gpsimd", label, dst)
+
+
+def reciprocal(dst, data, name=None) -> None:
+    """``dst = 1 / data`` elementwise on the Vector Engine, in fp32."""
+    label = "reciprocal"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    _same_shape(label, dst, "dst", data, "data")
+    if _computes(dst, data):
+        with np.errstate(divide="ignore"):
+            _store(dst, np.float32(1.0) / _f32(data))
+    _account("vector", label, data, dst)
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0: bool = False,
+                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate: bool = False,
+                         name=None) -> None:
+    """``dst = data <op0> operand0`` (as ``tensor_scalar``) and a reduction of ``dst`` over all free dims into the
+    Vector Engine's accumulator and ``reduce_res`` ``(P, 1)`` (``reduce_cmd`` as documented)."""
+    label = "tensor_scalar_reduce"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    _same_shape(label, dst, "dst", data, "data")
+    _check_alu(label, op0)
+    operand0 = _operand(operand0, data, label, "operand0")
+    _reduce_op(reduce_op, label)
+    if reduce_init is not None and reduce_cmd != reduce_cmd.load_reduce:
+        raise ValueError(f"{label}: reduce_init is only used with reduce_cmd.load_reduce")
+    if _computes(dst, data, operand0):
+        result = np.asarray(_scalar_steps(data, op0, operand0, reverse0), dtype=np.float32)
+        _store(dst, result)
+        _accumulate(current_core(), label, "vector", result, reduce_op, reduce_res, reduce_cmd, reduce_init,
+                    reduce_res_negate)
+    _account("vector", label, data, dst)
+
+
+BN_STATS_FMAX = 512
+
+
+def bn_stats(dst, data, name=None) -> None:
+    """Per partition: ``(count, mean, variance * count)`` of the even-indexed and of the odd-indexed elements of
+    ``data`` (at most 512 per partition), in fp32 on the Vector Engine; dst has 6 elements per partition."""
+    label = "bn_stats"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    if data.free_size > BN_STATS_FMAX:
+        raise HardwareLimitError(f"{label}: data has {data.free_size} elements per partition; at most "
+                                 f"nl.tile_size.bn_stats_fmax = {BN_STATS_FMAX}")
+    if dst.partitions != data.partitions or dst.free_size != 6:
+        raise HardwareLimitError(f"{label}: dst must be ({data.partitions}, 6), got {dst.shape}")
+    if _computes(dst, data):
+        x = _f32(data)
+        parts = []
+        for half in (x[:, 0::2], x[:, 1::2]):
+            count = np.float32(half.shape[1])
+            mean = half.mean(axis=1) if half.shape[1] else np.zeros(x.shape[0], np.float32)
+            m2 = ((half - mean[:, None]) ** 2).sum(axis=1)
+            parts += [np.full(x.shape[0], count, np.float32), mean, m2]
+        _store(dst, np.stack(parts, axis=1))
+    _account("vector", label, data, dst)
+
+
+def bn_aggr(dst, data, name=None) -> None:
+    """Combine ``(count, mean, variance * count)`` triples (``bn_stats`` outputs) into ``(mean, variance)`` per
+    partition, in fp32 on the Vector Engine."""
+    label = "bn_aggr"
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    if data.free_size % 3:
+        raise HardwareLimitError(f"{label}: data must hold (count, mean, variance*count) triples; "
+                                 f"{data.free_size} elements per partition is not a multiple of 3")
+    if dst.partitions != data.partitions or dst.free_size != 2:
+        raise HardwareLimitError(f"{label}: dst must be ({data.partitions}, 2), got {dst.shape}")
+    if _computes(dst, data):
+        triples = _f32(data).reshape(data.partitions, -1, 3)
+        count, mean, m2 = triples[..., 0], triples[..., 1], triples[..., 2]
+        total = count.sum(axis=1)
+        safe = np.where(total > 0, total, 1)
+        grand = (count * mean).sum(axis=1) / safe
+        var = (m2 + count * (mean - grand[:, None]) ** 2).sum(axis=1) / safe
+        _store(dst, np.stack([grand, var], axis=1))
+    _account("vector", label, data, dst)
+
+
+def nc_stream_shuffle(dst, src, shuffle_mask, name=None) -> None:
+    """Cross-partition moves inside each quadrant of 32 partitions on the Vector Engine: output partition ``i`` of a
+    quadrant takes input partition ``shuffle_mask[i]`` of the same quadrant; 255 leaves it unmodified. The
+    quadrants' start partitions follow the documented rules (0 for 96/128 active partitions, 0/64 for 64,
+    0/32/64/96 for 32)."""
+    label = "nc_stream_shuffle"
+    dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
+    mask = [int(m) for m in shuffle_mask]
+    if len(mask) != 32 or any(not (0 <= m < 32 or m == 255) for m in mask):
+        raise HardwareLimitError(f"{label}: shuffle_mask must list 32 source partitions (0..31, or 255 to keep), "
+                                 f"got {shuffle_mask}")
+    if dst.dtype != src.dtype:
+        raise TypeError(f"{label}: dst and src dtypes differ ({dst.dtype}, {src.dtype})")
+    if dst.free_size != src.free_size:
+        raise HardwareLimitError(f"{label}: dst and src must have the same elements per partition "
+                                 f"({dst.free_size} vs {src.free_size})")
+    active = -(-max(dst.partitions, src.partitions) // 32) * 32
+    allowed = {32: (0, 32, 64, 96), 64: (0, 64)}.get(active, (0,))
+    starts = {}
+    for t, role in ((src, "src"), (dst, "dst")):
+        start = _start_partition(t)
+        if start not in allowed:
+            raise HardwareLimitError(f"{label}: {role} starts at partition {start}; with {active} active partitions "
+                                     f"it must start at one of {allowed}")
+        starts[role] = start
+    if dst.partitions > 32 and dst.partitions != src.partitions:
+        raise HardwareLimitError(f"{label}: across quadrants src and dst must span the same partitions")
+    if _computes(dst, src):
+        values = src.data.reshape(src.partitions, src.free_size)
+        out = dst.data.reshape(dst.partitions, dst.free_size).copy()
+        for q0 in range(0, dst.partitions, 32):
+            for i in range(min(32, dst.partitions - q0)):
+                j = mask[i]
+                if j != 255:
+                    if q0 + j >= src.partitions:
+                        raise HardwareLimitError(f"{label}: shuffle_mask[{i}] = {j} reads past src's "
+                                                 f"{src.partitions} partitions")
+                    out[q0 + i] = values[q0 + j]
+        dst.data[...] = out.reshape(dst.shape)
+    _account("vector", label, src, dst)
+
+
+def _start_partition(t: NkiTensor) -> int:
+    """The first partition a view of an on-chip tensor reads or writes."""
+    row = t.alloc.bytes_per_partition // t.dtype.itemsize
+    return (t.offset // row) if row else 0
+
+
+def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_indices=None, name=None) -> None:
+    """Gather within groups of 16 partitions on GpSimd: each of the 8 cores flattens its 16-partition slice of
+    ``index`` (uint16, partition-major), and for each index ``i`` copies ``num_elem_per_idx`` contiguous elements
+    from partition ``i`` of its slice of ``src_buffer`` (the element offset advancing with each repeated index of the
+    same partition, as in the documented example); results fill its 16 partitions of ``dst`` in order."""
+    label = "local_gather"
+    dst, src_buffer, index = (_tile(t, r, label) for t, r in ((dst, "dst"), (src_buffer, "src_buffer"),
+                                                                (index, "index")))
+    if index.dtype != nl.uint16:
+        raise TypeError(f"{label}: index must be uint16, got {index.dtype}")
+    if src_buffer.partitions != index.partitions or src_buffer.partitions % 16:
+        raise HardwareLimitError(f"{label}: src_buffer and index must have the same partitions, a multiple of 16 "
+                                 f"({src_buffer.partitions}, {index.partitions})")
+    if num_elem_per_idx not in (1, 2, 4, 8, 16, 32):
+        raise HardwareLimitError(f"{label}: num_elem_per_idx must be 1, 2, 4, 8, 16 or 32, got {num_elem_per_idx}")
+    if dst.dtype != src_buffer.dtype:
+        raise TypeError(f"{label}: dst keeps src_buffer's dtype ({src_buffer.dtype}), got {dst.dtype}")
+    per_core = 16 * index.free_size if num_valid_indices is None else int(num_valid_indices)
+    if per_core > 16 * index.free_size or per_core > 4096:
+        raise HardwareLimitError(f"{label}: {per_core} indices per core exceeds the index slice "
+                                 f"({16 * index.free_size}) or 4096")
+    if dst.partitions != src_buffer.partitions or dst.free_size * 16 < per_core * num_elem_per_idx:
+        raise HardwareLimitError(f"{label}: dst {dst.shape} cannot hold {per_core} x {num_elem_per_idx} gathered "
+                                 "elements per 16 partitions")
+    if _computes(dst, src_buffer, index):
+        src = src_buffer.data.reshape(src_buffer.partitions, -1)
+        out = dst.data.reshape(dst.partitions, -1).copy()
+        idx = index.data.reshape(index.partitions, -1)
+        for c in range(0, src.shape[0], 16):
+            flat = idx[c:c + 16].T.reshape(-1)[:per_core].astype(np.int64)
+            if (flat >= 16).any():
+                raise HardwareLimitError(f"{label}: index {int(flat.max())} is outside the core's 16 partitions "
+                                         "(undefined on hardware)")
+            seen = {}
+            gathered = []
+            for i in flat:
+                k = seen.get(int(i), 0)
+                seen[int(i)] = k + 1
+                gathered.append(src[c + i, k * num_elem_per_idx:(k + 1) * num_elem_per_idx])
+            values = np.concatenate(gathered).reshape(-1)
+            block = out[c:c + 16].reshape(-1)
+            block[:values.size] = values
+            out[c:c + 16] = block.reshape(16, -1)
+        dst.data[...] = out.reshape(dst.shape)
+    _account("gpsimd", label, dst)
+
+
+def nonzero_with_count(dst, src, index_offset: int = 0, padding_val: int = -1, name=None) -> None:
+    """On GpSimd, for partitions 0, 16, ..., 112 only: the indices (+ ``index_offset``) of ``src``'s non-zero
+    elements, then ``padding_val`` up to ``src``'s length, then the count; dst has one more element per partition
+    than src; other partitions are not modified."""
+    label = "nonzero_with_count"
+    dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
+    if dst.partitions != src.partitions or dst.free_size != src.free_size + 1:
+        raise HardwareLimitError(f"{label}: dst must be ({src.partitions}, {src.free_size + 1}), got {dst.shape}")
+    if _computes(dst, src):
+        values = src.data.reshape(src.partitions, -1)
+        out = dst.data.reshape(dst.partitions, -1).copy()
+        for p in range(0, src.partitions, 16):
+            nz = np.flatnonzero(values[p].astype(np.float32) != 0)
+            row = np.full(src.free_size + 1, padding_val, np.int64)
+            row[:nz.size] = nz + int(index_offset)
+            row[-1] = nz.size
+            out[p] = row.astype(dst.dtype) if is_integer(dst.dtype) else row.astype(np.float32)
+        dst.data[...] = out.reshape(dst.shape)
+    _account("gpsimd", label, src, dst)
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode: str = oob_mode.error,
+                  name=None) -> None:
+    """``dst = src`` permuted by the DMA engines: ``[1, 0]`` for 2-D, ``[2, 1, 0]`` for 3-D, ``[3, 1, 2, 0]`` for
+    4-D (or ``axes``). ``src`` may gather rows with a vector offset (``oob_mode.skip`` leaves skipped columns);
+    with ``dge_mode.hwdge`` the documented hardware limits apply (2-byte dtype, last dim <= 128)."""
+    label = "dma_transpose"
+    for side, role in ((dst, "dst"), (src, "src")):
+        _check_dma_side(side, role, label)
+    ndim = len(src.shape)
+    axes = tuple(axes) if axes is not None else {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}.get(ndim)
+    if axes is None or sorted(axes) != list(range(ndim)):
+        raise HardwareLimitError(f"{label}: src must be 2-D to 4-D (or give axes), got {src.shape} / axes {axes}")
+    expected = tuple(src.shape[a] for a in axes)
+    if int(np.prod(expected)) != int(np.prod(dst.shape)) or expected[0] != dst.shape[0]:
+        raise HardwareLimitError(f"{label}: dst {dst.shape} must be src {src.shape} permuted by {axes} = {expected}")
+    if src.dtype != dst.dtype:
+        raise TypeError(f"{label}: src and dst dtypes differ ({src.dtype}, {dst.dtype})")
+    if dge_mode == 2:  # hwdge
+        if src.dtype.itemsize != 2 or src.shape[-1] > 128:
+            raise HardwareLimitError(f"{label}: a hardware-DGE transpose needs a 2-byte dtype and src.shape[-1] <= 128,"
+                                     f" got {src.dtype} {src.shape}")
+    valid = None
+    if isinstance(src, AccessPattern):
+        base, valid, index = src.rows()
+        if not valid.all() and oob_mode == "error":
+            first = int(np.argmin(valid))
+            raise OutOfBoundsError(f"{label}: src {src.name!r} dynamic index {int(index[first])} is out of bounds "
+                                   "(oob_mode=error)")
+        values = None
+        if src.tensor.alloc.has_data and valid.any():
+            values = src.tensor.alloc.data.reshape(-1)[src.addresses(base)]
+    else:
+        values = src.data if src.alloc.has_data else None
+    if isinstance(dst, AccessPattern):
+        raise NotImplementedError(f"{label}: a dynamic destination is not simulated")
+    if values is not None and dst.alloc.has_data:
+        moved = np.transpose(values, axes)
+        if valid is None or valid.all():
+            dst.data[...] = moved.reshape(dst.shape)
+        else:
+            current = np.transpose(dst.data.reshape(expected), np.argsort(axes)).copy()
+            current[valid] = values[valid]
+            dst.data[...] = np.transpose(current, axes).reshape(dst.shape)
+    moved_rows = int(src.shape[0] if valid is None else valid.sum())
+    hbm = src if not src.buffer.on_chip else dst
+    nbytes = moved_rows * int(np.prod(src.shape[1:])) * hbm.dtype.itemsize
+    current_core().accounting.record_dma(hbm.name, f"{src.buffer.kind}->{dst.buffer.kind}", DmaTraffic(
+        bytes=nbytes, transfers=int(moved_rows > 0), rows=moved_rows, skipped_rows=int(src.shape[0]) - moved_rows,
+        skipped_transfers=int(moved_rows == 0)))
+
+
+def quantize_mx(dst, src, dst_scale, name=None) -> None:
+    """MX quantization: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
+    raise HardwareLimitError("quantize_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
+                             "(nisa.get_nc_version() == nc_version.gen3)")
+
+
+def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
+                 accumulate=None, name=None) -> None:
+    """MX matmul: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
+    raise HardwareLimitError("nc_matmul_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
+                             "(nisa.get_nc_version() == nc_version.gen3)")
