@@ -906,10 +906,11 @@ def _start_partition(t: NkiTensor) -> int:
 
 
 def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_indices=None, name=None) -> None:
-    """Gather within groups of 16 partitions on GpSimd: each of the 8 cores flattens its 16-partition slice of
-    ``index`` (uint16, partition-major), and for each index ``i`` copies ``num_elem_per_idx`` contiguous elements
-    from partition ``i`` of its slice of ``src_buffer`` (the element offset advancing with each repeated index of the
-    same partition, as in the documented example); results fill its 16 partitions of ``dst`` in order."""
+    """Gather within each partition on GpSimd, per core of 16 partitions (NKI's NumPy semantics): the core flattens
+    its 16-partition slice of ``index`` (uint16) partition-first and keeps the first ``num_valid_indices``; every
+    partition ``p`` of the core then reads, for each index ``i``, the ``num_elem_per_idx`` contiguous elements of
+    ``src_buffer[p]`` starting at element ``i`` into ``dst[p]`` in order. An index past the partition raises
+    (undefined on hardware)."""
     label = "local_gather"
     dst, src_buffer, index = (_tile(t, r, label) for t, r in ((dst, "dst"), (src_buffer, "src_buffer"),
                                                                 (index, "index")))
@@ -926,28 +927,21 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_in
     if per_core > 16 * index.free_size or per_core > 4096:
         raise HardwareLimitError(f"{label}: {per_core} indices per core exceeds the index slice "
                                  f"({16 * index.free_size}) or 4096")
-    if dst.partitions != src_buffer.partitions or dst.free_size * 16 < per_core * num_elem_per_idx:
+    if dst.partitions != src_buffer.partitions or dst.free_size < per_core * num_elem_per_idx:
         raise HardwareLimitError(f"{label}: dst {dst.shape} cannot hold {per_core} x {num_elem_per_idx} gathered "
-                                 "elements per 16 partitions")
+                                 "elements per partition")
     if _computes(dst, src_buffer, index):
         src = src_buffer.data.reshape(src_buffer.partitions, -1)
         out = dst.data.reshape(dst.partitions, -1).copy()
         idx = index.data.reshape(index.partitions, -1)
+        span = np.arange(num_elem_per_idx)
         for c in range(0, src.shape[0], 16):
-            flat = idx[c:c + 16].T.reshape(-1)[:per_core].astype(np.int64)
-            if (flat >= 16).any():
-                raise HardwareLimitError(f"{label}: index {int(flat.max())} is outside the core's 16 partitions "
-                                         "(undefined on hardware)")
-            seen = {}
-            gathered = []
-            for i in flat:
-                k = seen.get(int(i), 0)
-                seen[int(i)] = k + 1
-                gathered.append(src[c + i, k * num_elem_per_idx:(k + 1) * num_elem_per_idx])
-            values = np.concatenate(gathered).reshape(-1)
-            block = out[c:c + 16].reshape(-1)
-            block[:values.size] = values
-            out[c:c + 16] = block.reshape(16, -1)
+            flat = idx[c:c + 16].reshape(16, -1).flatten(order="F")[:per_core].astype(np.int64)
+            columns = (flat[:, None] + span[None, :]).reshape(-1)
+            if columns.size and columns.max() >= src.shape[1]:
+                raise HardwareLimitError(f"{label}: index {int(flat.max())} reads past the {src.shape[1]} elements "
+                                         "of a partition (undefined on hardware)")
+            out[c:c + 16, :columns.size] = src[c:c + 16][:, columns]
         dst.data[...] = out.reshape(dst.shape)
     _account("gpsimd", label, dst)
 

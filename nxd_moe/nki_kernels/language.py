@@ -83,7 +83,17 @@ class tile_size:  # noqa: N801 -- NKI's name
 
 
 class NKIObject:
-    """Base class of NKI kernel dataclasses and configuration objects (plain Python objects here)."""
+    """Base class of NKI kernel dataclasses and configuration objects (plain Python objects here).
+
+    Annotated fields without a default default to ``None``: nki-library constructs ``@dataclass`` NKIObjects without
+    every field (``MLPTKGConstantsDimensionSizes`` misses ``remainderIFused``), which its own CPU simulator accepts.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("__annotations__", {}):
+            if name not in cls.__dict__:
+                setattr(cls, name, None)
 
     def __init__(self, **kwargs) -> None:
         for key, value in kwargs.items():

@@ -120,12 +120,14 @@ class KernelRun:
 
 
 def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
-             timeout_s: float = BARRIER_TIMEOUT_S, grid_ndim: int = 1) -> Callable[..., KernelRun]:
+             timeout_s: float = BARRIER_TIMEOUT_S, grid_ndim: int = 1,
+             free_unreferenced: bool = False) -> Callable[..., KernelRun]:
     """``simulate(kernel, lnc=2)(*args)`` runs ``kernel`` on ``lnc`` cores (NKI's ``kernel[2](...)``).
 
     NumPy array arguments are copied into shared HBM under their parameter names (which the accounting uses);
     other arguments pass through. ``numerics=False`` makes a counting run (see :mod:`nxd_moe.nki_kernels.machine`).
-    ``grid_ndim`` is what ``nl.program_ndim()`` reports (0 for NKI's plain ``kernel(...)`` call).
+    ``grid_ndim`` is what ``nl.program_ndim()`` reports (0 for NKI's plain ``kernel(...)`` call);
+    ``free_unreferenced`` also frees an on-chip tensor when Python drops its last reference (see ``Core``).
     """
     if lnc not in (1, 2):
         raise ValueError(f"lnc must be 1 or 2 (cores of a Trn2 logical NeuronCore), got {lnc!r}")
@@ -136,6 +138,7 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
             if isinstance(value, np.ndarray):
                 bound.arguments[name] = hbm_tensor(value, name, numerics)
         launch = Launch(lnc, numerics, timeout_s, grid_ndim)
+        launch.free_unreferenced = free_unreferenced
         cores = [Core(pid, lnc, numerics, launch) for pid in range(lnc)]
         results: list[Any] = [None] * lnc
         errors: list[BaseException | None] = [None] * lnc

@@ -21,6 +21,7 @@ import enum
 import functools
 import math
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Sequence
 
@@ -83,6 +84,7 @@ class Allocation:
         self.shape = shape
         self.owner = owner
         self.alive = True
+        self.release: Callable[[], None] = lambda: None
         self.has_data = numerics or is_integer(self.dtype)
         if self.has_data:
             fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
@@ -233,6 +235,8 @@ class NkiTensor:
                                 "vector_offset=...) or .select(dim, index_tensor)")
         if not shape:
             shape, strides = [1], [1]
+        if self.buffer.on_chip and len(shape) == 1:  # on-chip views stay at least 2-D
+            shape, strides = shape + [1], strides + [1]
         return self._view(shape, strides, offset)
 
     def __setitem__(self, key, value):
@@ -343,8 +347,10 @@ class NkiTensor:
             index = int(index) + n if index < 0 else int(index)
             if not 0 <= index < n:
                 raise IndexError(f"select: index {index} out of bounds for dim {dim} of size {n}")
-            return self._view(self.shape[:dim] + self.shape[dim + 1:] or (1,),
-                              self.strides[:dim] + self.strides[dim + 1:] or (1,), self.offset + self.strides[dim] * index)
+            shape, strides = self.shape[:dim] + self.shape[dim + 1:], self.strides[:dim] + self.strides[dim + 1:]
+            if len(shape) < (2 if self.buffer.on_chip else 1):
+                shape, strides = shape + (1,), strides + (1,)
+            return self._view(shape, strides, self.offset + self.strides[dim] * index)
         dim = self._check_dim(dim, "select")
         pattern = [list(p) for i, p in enumerate(self.get_pattern()) if i != dim]
         return AccessPattern(self, pattern, 0, index, None, dim, removed_dim=dim)
@@ -550,6 +556,20 @@ class VirtualRegister:
         return f"VirtualRegister({self.value})"
 
 
+class _Release:
+    """Gives an on-chip allocation's space back once (at the end of its scope, or when it is garbage)."""
+
+    def __init__(self, memory: "Memory", amount: int):
+        self.memory = memory
+        self.amount = amount
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.memory.release(self.amount)
+
+
 class Memory:
     """Capacity bookkeeping of one on-chip memory of one core (bytes per partition, or PSUM banks)."""
 
@@ -598,6 +618,9 @@ class Core:
         self.accounting = Accounting()
         self._scopes: list[list[Allocation]] = [[]]
         self._private_count = 0
+        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use; with
+        # free_unreferenced an on-chip tensor is also freed when Python drops its last reference (the compat front door).
+        self.free_unreferenced = bool(getattr(launch, "free_unreferenced", False))
         self.replays: dict[Hashable, Accounting] = {}
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
 
@@ -627,11 +650,16 @@ class Core:
                                      f"{shape[0]} exceeds nl.tile_size.pmax = {PMAX}")
         alloc = Allocation(label, buffer, dtype, shape, self.numerics, self.program_id)
         if buffer is Buffer.SBUF:
-            self.sbuf.reserve(alloc.bytes_per_partition, f"tensor {label!r} {shape} {alloc.dtype}")
+            memory, amount = self.sbuf, alloc.bytes_per_partition
         else:
-            banks = -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
-            self.psum.reserve(banks, f"tensor {label!r} {shape} {alloc.dtype}")
-        self._scopes[-1].append(alloc)
+            memory, amount = self.psum, -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
+        memory.reserve(amount, f"tensor {label!r} {shape} {alloc.dtype}")
+        alloc.release = _Release(memory, amount)
+        if self.free_unreferenced:
+            weakref.finalize(alloc, alloc.release)
+            self._scopes[-1].append(weakref.ref(alloc))
+        else:
+            self._scopes[-1].append(alloc)
         self.accounting.sbuf_high_water = self.sbuf.high_water
         self.accounting.psum_high_water_banks = self.psum.high_water
         return whole(alloc)
@@ -646,12 +674,12 @@ class Core:
             for alloc in self._scopes.pop():
                 self._free(alloc)
 
-    def _free(self, alloc: Allocation) -> None:
-        alloc.alive = False
-        if alloc.buffer is Buffer.SBUF:
-            self.sbuf.release(alloc.bytes_per_partition)
-        else:
-            self.psum.release(-(-alloc.bytes_per_partition // PSUM_BANK_BYTES))
+    @staticmethod
+    def _free(alloc) -> None:
+        alloc = alloc() if isinstance(alloc, weakref.ref) else alloc
+        if alloc is not None:
+            alloc.alive = False
+            alloc.release()
 
     def release_all(self) -> None:
         while self._scopes:
