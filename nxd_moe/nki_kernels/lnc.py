@@ -121,13 +121,14 @@ class KernelRun:
 
 def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
              timeout_s: float = BARRIER_TIMEOUT_S, grid_ndim: int = 1,
-             free_unreferenced: bool = False) -> Callable[..., KernelRun]:
+             liveness: bool = False) -> Callable[..., KernelRun]:
     """``simulate(kernel, lnc=2)(*args)`` runs ``kernel`` on ``lnc`` cores (NKI's ``kernel[2](...)``).
 
     NumPy array arguments are copied into shared HBM under their parameter names (which the accounting uses);
     other arguments pass through. ``numerics=False`` makes a counting run (see :mod:`nxd_moe.nki_kernels.machine`).
     ``grid_ndim`` is what ``nl.program_ndim()`` reports (0 for NKI's plain ``kernel(...)`` call);
-    ``free_unreferenced`` also frees an on-chip tensor when Python drops its last reference (see ``Core``).
+    ``liveness`` counts on-chip memory over the tensors' lifetimes (allocation to last use), as the NKI compiler
+    allocates it, instead of by loop scopes (see ``Core``) -- for kernels written for the real compiler.
     """
     if lnc not in (1, 2):
         raise ValueError(f"lnc must be 1 or 2 (cores of a Trn2 logical NeuronCore), got {lnc!r}")
@@ -138,7 +139,7 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
             if isinstance(value, np.ndarray):
                 bound.arguments[name] = hbm_tensor(value, name, numerics)
         launch = Launch(lnc, numerics, timeout_s, grid_ndim)
-        launch.free_unreferenced = free_unreferenced
+        launch.liveness = liveness
         cores = [Core(pid, lnc, numerics, launch) for pid in range(lnc)]
         results: list[Any] = [None] * lnc
         errors: list[BaseException | None] = [None] * lnc
@@ -148,6 +149,8 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
             try:
                 with core.activate():
                     results[core.program_id] = kernel(*bound.args, **bound.kwargs)
+                    if core.liveness:
+                        core.check_liveness()
                 failed = False
             except BaseException as e:  # re-raised by the launching thread
                 errors[core.program_id] = e

@@ -21,7 +21,6 @@ import enum
 import functools
 import math
 import threading
-import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Hashable, Sequence
 
@@ -85,6 +84,8 @@ class Allocation:
         self.owner = owner
         self.alive = True
         self.release: Callable[[], None] = lambda: None
+        self.born: int | None = None  # liveness: the core clock at allocation and at the last use
+        self.last_use: int | None = None
         self.has_data = numerics or is_integer(self.dtype)
         if self.has_data:
             fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
@@ -618,9 +619,12 @@ class Core:
         self.accounting = Accounting()
         self._scopes: list[list[Allocation]] = [[]]
         self._private_count = 0
-        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use; with
-        # free_unreferenced an on-chip tensor is also freed when Python drops its last reference (the compat front door).
-        self.free_unreferenced = bool(getattr(launch, "free_unreferenced", False))
+        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use. With liveness
+        # (the compat front door) on-chip tensors occupy memory from allocation to their last use by an instruction,
+        # and capacity is checked over those lifetimes when the kernel ends (check_liveness).
+        self.liveness = bool(getattr(launch, "liveness", False))
+        self.clock = 0
+        self._on_chip: list[Allocation] = []
         self.replays: dict[Hashable, Accounting] = {}
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
 
@@ -653,13 +657,13 @@ class Core:
             memory, amount = self.sbuf, alloc.bytes_per_partition
         else:
             memory, amount = self.psum, -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
+        if self.liveness:
+            alloc.born = alloc.last_use = self.tick()
+            self._on_chip.append(alloc)
+            return whole(alloc)
         memory.reserve(amount, f"tensor {label!r} {shape} {alloc.dtype}")
         alloc.release = _Release(memory, amount)
-        if self.free_unreferenced:
-            weakref.finalize(alloc, alloc.release)
-            self._scopes[-1].append(weakref.ref(alloc))
-        else:
-            self._scopes[-1].append(alloc)
+        self._scopes[-1].append(alloc)
         self.accounting.sbuf_high_water = self.sbuf.high_water
         self.accounting.psum_high_water_banks = self.psum.high_water
         return whole(alloc)
@@ -675,11 +679,40 @@ class Core:
                 self._free(alloc)
 
     @staticmethod
-    def _free(alloc) -> None:
-        alloc = alloc() if isinstance(alloc, weakref.ref) else alloc
-        if alloc is not None:
-            alloc.alive = False
-            alloc.release()
+    def _free(alloc: Allocation) -> None:
+        alloc.alive = False
+        alloc.release()
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def check_liveness(self) -> None:
+        """With liveness: the SBUF / PSUM high-water marks over the tensors' lifetimes (allocation to last use),
+        raising :class:`HardwareLimitError` when one exceeds its capacity."""
+        for memory, buffer in ((self.sbuf, Buffer.SBUF), (self.psum, Buffer.PSUM)):
+            allocs = [a for a in self._on_chip if a.buffer is buffer]
+            size = (lambda a: a.bytes_per_partition) if buffer is Buffer.SBUF else (
+                lambda a: -(-a.bytes_per_partition // PSUM_BANK_BYTES))
+            events = sorted([(a.born, 1, a) for a in allocs] + [(a.last_use, 2, a) for a in allocs],
+                            key=lambda e: (e[0], e[1]))
+            used, peak, live, at_peak = 0, 0, set(), []
+            for _, kind, a in events:
+                if kind == 1:
+                    used += size(a)
+                    live.add(a)
+                    if used > peak:
+                        peak, at_peak = used, list(live)
+                else:
+                    used -= size(a)
+                    live.discard(a)
+            memory.high_water = peak
+            if peak > memory.capacity:
+                names = ", ".join(sorted({a.name for a in at_peak})[:8])
+                raise HardwareLimitError(f"{memory.name} over capacity: {peak} {memory.unit} live at once (tensors "
+                                         f"{names}{', ...' if len(at_peak) > 8 else ''}) exceeds {memory.capacity}")
+        self.accounting.sbuf_high_water = self.sbuf.high_water
+        self.accounting.psum_high_water_banks = self.psum.high_water
 
     def release_all(self) -> None:
         while self._scopes:
@@ -729,7 +762,10 @@ def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
 
 
 def check_alive(*tensors) -> None:
+    """Every instruction passes its tensors here: a freed tensor raises; with liveness, the use is recorded."""
     for t in tensors:
+        if isinstance(t, NkiTensor) and t.alloc.born is not None:
+            t.alloc.last_use = current_core().tick()
         if isinstance(t, NkiTensor) and not t.alloc.alive:
             raise RuntimeError(f"tensor {t.name!r} is used after the loop iteration that allocated it ended; "
                                "allocate tensors that outlive an iteration before the loop")

@@ -100,7 +100,7 @@ def run(kernel, *args, numerics: bool = True, lnc: int | None = None, **kwargs) 
     cores = lnc if lnc is not None else kernel.lnc
     args = [to_numpy(a) for a in args]
     kwargs = {k: to_numpy(v) for k, v in kwargs.items()}
-    result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, free_unreferenced=True)(*args, **kwargs)
+    result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, liveness=True)(*args, **kwargs)
     _LAST.run = result
     return result
 

@@ -1,0 +1,297 @@
+"""Run AWS nki-library's MoE kernels unmodified on the nxd_moe NKI simulator; compare them with nki-library's own
+torch references and with our kernels on the same problems.
+
+    python benchmarks/nki_library.py PATH [--only NAME[,NAME]] [--out FILE]
+
+``PATH`` is a checkout of github.com/aws-neuron/nki-library (not vendored here; its ``src/`` and root go on
+``sys.path``). Each case builds one small MoE problem (routing and token->block mapping from nxd_moe's own
+``token_to_block_mapping``), runs the nki-library kernel through ``nki.simulate(kernel[lnc])`` after
+:func:`nxd_moe.nki_kernels.compat.install`, the nki-library torch reference (``moe_cte_torch_ref`` /
+``moe_tkg_torch_ref``), and our kernel on the same inputs, and reports in JSON: the max absolute difference to the
+reference (and nki-library's global-range criterion ``|a - b| <= atol + rtol * max|ref|``, rtol 2e-2, atol 1e-5),
+DMA bytes, matmul FLOPs and the Trn2 cost model's estimate for both kernels, or the error that stopped a kernel.
+
+nki-library's torch reference module imports ``neuron_dtypes`` (an unavailable Neuron package) for its MX paths
+only; a stand-in that refuses MX casts is registered for the run. MX (Trn3) kernels are not run: the simulated
+target is Trn2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import json
+import sys
+import time
+import traceback
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from nxd_moe.config import BlockShardStrategy, GLUType, SkipMode
+from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.experts.token_mapping import num_blocks, token_to_block_mapping
+from nxd_moe.nki_kernels import compat
+from nxd_moe.nki_kernels.cost_model import TRN2
+from nxd_moe.nki_kernels.kernels import (
+    bwmm_shard_on_block,
+    bwmm_shard_on_I,
+    moe_tkg_all_expert,
+    moe_tkg_selective_expert,
+)
+from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode
+from nxd_moe.nki_kernels.lnc import simulate
+
+RTOL, ATOL = 2e-2, 1e-5  # nki-library's MoE tolerances (reference section 3.3)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass
+class Problem:
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    block_size: int = 256
+    seed: int = 0
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def build(self) -> "Problem":
+        rng = np.random.default_rng(self.seed)
+        t, h, i, e, k = self.tokens, self.hidden, self.intermediate, self.experts, self.top_k
+        logits = rng.standard_normal((t, e))
+        index = np.argsort(-logits, axis=1)[:, :k]
+        chosen = np.take_along_axis(logits, index, axis=1)
+        weights = np.exp(chosen) / np.exp(chosen).sum(axis=1, keepdims=True)
+        affinities = np.zeros((t, e), np.float32)
+        np.put_along_axis(affinities, index, weights.astype(np.float32), axis=1)
+        self.arrays = {
+            "x": rng.standard_normal((t, h)).astype(BF16),
+            "gate_up": rng.uniform(-0.1, 0.1, (e, h, 2, i)).astype(BF16),
+            "down": rng.uniform(-0.1, 0.1, (e, i, h)).astype(BF16),
+            "affinities": affinities.astype(BF16),
+            "index": index.astype(np.int32),
+        }
+        return self
+
+    def mapping(self):
+        mask = torch.zeros(self.tokens, self.experts, dtype=torch.bool)
+        mask.scatter_(1, torch.from_numpy(self.arrays["index"]).long(), True)
+        blocks = num_blocks(self.tokens, self.top_k, self.experts, self.block_size, pad_to_even=True)
+        return token_to_block_mapping(mask, torch.from_numpy(self.arrays["index"]).long(), self.block_size, blocks)
+
+    def activation(self) -> ExpertActivation:
+        return ExpertActivation(hidden_act="silu", glu_mlp=True, glu_type=GLUType.GLU)
+
+
+def _torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == BF16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _counts(run) -> dict:
+    acc = run.accounting
+    return {"dma_bytes": acc.dma_bytes(), "matmul_flops": acc.matmul_flops,
+            "estimated_us": round(TRN2.estimate_run(run).total_ns / 1e3, 3),
+            "sbuf_high_water_bytes": acc.sbuf_high_water}
+
+
+def _compare(out: np.ndarray, ref: np.ndarray) -> dict:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    err = float(np.abs(out - ref).max())
+    bound = ATOL + RTOL * float(np.abs(ref).max())
+    return {"max_abs_error": err, "ref_max_abs": float(np.abs(ref).max()), "within_tolerance": err <= bound,
+            "nan": int(np.isnan(out).sum())}
+
+
+# ---------------------------------------------------------------------------------------------------------- TKG
+
+
+def tkg_case(lib, p: Problem, all_expert: bool, lnc: int) -> dict:
+    nki = sys.modules["nki"]
+    a = p.arrays
+    kw = {"is_all_expert": all_expert, "expert_affinities_scaling_mode": lib.ExpertAffinityScaleMode.POST_SCALE,
+          "activation_fn": lib.ActFnType.SiLU}
+    if all_expert:
+        kw["rank_id"] = np.zeros((1, 1), np.int32)
+    out = nki.simulate(nki.jit(lib.moe_tkg)[lnc])(a["x"], a["gate_up"], a["down"], a["affinities"], a["index"], **kw)
+    library_run = compat.last_run()
+    ref_kw = dict(kw, rank_id=torch.from_numpy(kw["rank_id"])) if all_expert else kw
+    ref = lib.moe_tkg_torch_ref(_torch(a["x"]), _torch(a["gate_up"]), _torch(a["down"]), _torch(a["affinities"]),
+                                torch.from_numpy(a["index"]), **ref_kw)
+    ref = (ref["out"] if isinstance(ref, dict) else ref).float().numpy()
+    ours_kernel = moe_tkg_all_expert if all_expert else moe_tkg_selective_expert
+    args = {"hidden_states": a["x"], "expert_affinities_masked": a["affinities"].reshape(-1, 1),
+            "gate_up_proj_weight": a["gate_up"], "down_proj_weight": a["down"], "activation": p.activation()}
+    if not all_expert:
+        args["expert_index"] = a["index"]
+    ours = simulate(ours_kernel, lnc)(**args)
+    return {"library": {**_compare(out, ref), **_counts(library_run)},
+            "ours": {"kernel": ours_kernel.__name__, **_compare(ours.outputs, ref), **_counts(ours)}}
+
+
+# ---------------------------------------------------------------------------------------------------------- CTE
+
+
+def _cte_inputs(p: Problem, skip_token: bool):
+    a, m = p.arrays, p.mapping()
+    t, e, h = p.tokens, p.experts, p.hidden
+    positions = m.token_position_to_id.numpy().astype(np.int32)
+    rows = t if skip_token else t + 1
+    hidden = np.zeros((rows, h), BF16)
+    hidden[:t] = a["x"]
+    affinities = np.zeros((rows, e), BF16)
+    affinities[:t] = a["affinities"]
+    if not skip_token:
+        positions = np.where(positions < 0, t, positions).astype(np.int32)
+    return {"hidden_states": hidden, "expert_affinities_masked": affinities.reshape(-1, 1),
+            "gate_up_proj_weight": a["gate_up"], "down_proj_weight": a["down"],
+            "token_position_to_id": positions,
+            "block_to_expert": m.block_to_expert.numpy().astype(np.int32).reshape(-1, 1)}, m
+
+
+def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False) -> dict:
+    nki = sys.modules["nki"]
+    inputs, mapping = _cte_inputs(p, skip_token)
+    n = len(inputs["block_to_expert"])
+    conditions = np.concatenate([mapping.conditions.numpy().astype(np.int32), np.zeros(1, np.int32)])
+    impl = lib.MoECTEImplementation[variant]
+    spec = lib.MoECTESpec(implementation=impl)
+    kw = {"block_size": p.block_size, "spec": spec, "skip_dma": lib.SkipMode(skip_token, False),
+          "is_tensor_update_accumulating": p.top_k > 1}
+    if variant == "shard_on_i_hybrid":
+        kw["conditions"] = conditions
+    out = nki.simulate(lib.moe_cte[lnc])(**inputs, **kw)
+    library_run = compat.last_run()
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    func = {"shard_on_block": "SHARD_ON_BLOCK", "shard_on_i_dropping": "SHARD_ON_INTERMEDIATE_DROPPING"}.get(
+        variant, "SHARD_ON_INTERMEDIATE")
+    ref = lib.moe_cte_torch_ref(
+        **{k: _torch(v) for k, v in inputs.items()}, block_size=p.block_size, bwmm_func=BWMMFunc[func],
+        lnc_degree=lnc, conditions=torch.from_numpy(conditions) if variant == "shard_on_i_hybrid" else None,
+        skip_dma=lib.SkipMode(skip_token, False), is_tensor_update_accumulating=p.top_k > 1, top_k=p.top_k)["output"]
+    ref = ref.float().numpy()
+    if out.ndim == 3:  # shard-on-block with accumulation: per-core slots, slot 0 holds the sum
+        out = out[:, 0] if variant == "shard_on_block" else out[0]
+        ref = ref[:, 0] if variant == "shard_on_block" else ref[0]
+    tokens = slice(0, p.tokens)
+    ours_kernel, ours_kw = ((bwmm_shard_on_block, {"block_sharding_strategy": BlockShardStrategy.PING_PONG})
+                            if variant == "shard_on_block" else (bwmm_shard_on_I, {}))
+    if variant == "shard_on_i_hybrid":
+        ours_kw = {"conditions": conditions, "num_static_block": max(0, n - p.experts)}
+    ours = simulate(ours_kernel, lnc)(**inputs, block_size=p.block_size, activation=p.activation(),
+                                      skip_dma=SkipMode(skip_token, False),
+                                      expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
+                                      is_tensor_update_accumulating=p.top_k > 1, **ours_kw)
+    ours_out = ours.outputs[:, 0] if ours.outputs.ndim == 3 else ours.outputs
+    return {"blocks": n,
+            "library": {**_compare(out[tokens], ref[tokens]), **_counts(library_run)},
+            "ours": {"kernel": ours_kernel.__name__, **_compare(ours_out[tokens], ref[tokens]), **_counts(ours)}}
+
+
+# ---------------------------------------------------------------------------------------------------------- driver
+
+
+_SELECTOR_MODULE = "test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common"
+
+
+class BWMMFunc(enum.Enum):
+    """The kernel variants nki-library's ``moe_cte_torch_ref`` distinguishes (its ``bwmm_func`` argument)."""
+
+    SHARD_ON_BLOCK = 1
+    SHARD_ON_HIDDEN = 2
+    SHARD_ON_INTERMEDIATE = 3
+    SHARD_ON_INTERMEDIATE_DROPPING = 6
+
+
+def load_library(path: str) -> types.SimpleNamespace:
+    """Import nki-library's MoE entry points and torch references from the checkout at ``path``."""
+    compat.install()
+    if "neuron_dtypes" not in sys.modules:
+        stand_in = types.ModuleType("neuron_dtypes", "stand-in: MX casts are Trn3-only and not simulated")
+
+        def static_cast(*args, **kwargs):
+            raise NotImplementedError("neuron_dtypes.static_cast (MX formats) is not available")
+
+        stand_in.static_cast = static_cast
+        stand_in.__getattr__ = lambda name: f"neuron_dtypes.{name} (stand-in)"  # dtype names its tables list
+        sys.modules["neuron_dtypes"] = stand_in
+    # moe_cte_torch_ref imports its kernel selector from nki-library's test suite, which needs scipy and the
+    # Neuron test harness; the selector's members are the ones that reference compares against.
+    selector = types.ModuleType(_SELECTOR_MODULE, "stand-in for nki-library's test-side BWMMFunc")
+    selector.BWMMFunc = BWMMFunc
+    sys.modules.setdefault(_SELECTOR_MODULE, selector)
+    sys.path[:0] = [f"{path}/src", path]
+    from nkilib_src.nkilib.core.moe.moe_cte.moe_cte import MoECTEImplementation, MoECTESpec, moe_cte
+    from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_torch import moe_cte_torch_ref
+    from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode as LibSkipMode
+    from nkilib_src.nkilib.core.moe.moe_tkg.moe_tkg import moe_tkg
+    from nkilib_src.nkilib.core.moe.moe_tkg.moe_tkg_torch import moe_tkg_torch_ref
+    from nkilib_src.nkilib.core.utils.common_types import ActFnType
+    from nkilib_src.nkilib.core.utils.common_types import ExpertAffinityScaleMode as LibScale
+
+    return types.SimpleNamespace(moe_cte=moe_cte, MoECTEImplementation=MoECTEImplementation, MoECTESpec=MoECTESpec,
+                                 moe_cte_torch_ref=moe_cte_torch_ref, SkipMode=LibSkipMode, moe_tkg=moe_tkg,
+                                 moe_tkg_torch_ref=moe_tkg_torch_ref, ActFnType=ActFnType,
+                                 ExpertAffinityScaleMode=LibScale)
+
+
+TKG_PROBLEM = dict(tokens=4, hidden=512, intermediate=128, experts=4, top_k=2)
+CTE_PROBLEM = dict(tokens=128, hidden=512, intermediate=256, experts=4, top_k=2, block_size=256)
+
+CASES: dict[str, tuple[Callable, dict, dict]] = {
+    "moe_tkg_selective_lnc1": (tkg_case, TKG_PROBLEM, {"all_expert": False, "lnc": 1}),
+    "moe_tkg_selective_lnc2": (tkg_case, TKG_PROBLEM, {"all_expert": False, "lnc": 2}),
+    "moe_tkg_all_expert_lnc1": (tkg_case, TKG_PROBLEM, {"all_expert": True, "lnc": 1}),
+    "moe_tkg_all_expert_lnc2": (tkg_case, TKG_PROBLEM, {"all_expert": True, "lnc": 2}),
+    "moe_cte_shard_on_block_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_block", "lnc": 2}),
+    "moe_cte_shard_on_block_skip_token_lnc2": (cte_case, CTE_PROBLEM,
+                                               {"variant": "shard_on_block", "lnc": 2, "skip_token": True}),
+    "moe_cte_shard_on_i_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i", "lnc": 2}),
+    "moe_cte_shard_on_i_hybrid_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i_hybrid", "lnc": 2}),
+    "moe_cte_shard_on_i_dropping_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i_dropping", "lnc": 2}),
+}
+
+
+def run_cases(path: str, only: list[str] | None = None) -> dict[str, Any]:
+    lib = load_library(path)
+    results: dict[str, Any] = {}
+    for name, (fn, shape, kw) in CASES.items():
+        if only and name not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # nki-library prints progress; stdout carries the JSON
+                results[name] = {"problem": shape, **fn(lib, Problem(**shape).build(), **kw)}
+        except Exception as e:  # a kernel that does not run is a result too
+            frames = traceback.extract_tb(e.__traceback__)
+            results[name] = {"problem": shape, "error": f"{type(e).__name__}: {e}",
+                             "at": [f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-4:]]}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", help="a checkout of aws-neuron/nki-library")
+    parser.add_argument("--only", help="comma-separated case names (default: all): " + ", ".join(CASES))
+    parser.add_argument("--out", help="write the JSON here as well as to stdout")
+    ns = parser.parse_args(argv)
+    results = run_cases(ns.path, ns.only.split(",") if ns.only else None)
+    text = json.dumps({"nki_library": ns.path, "rtol": RTOL, "atol": ATOL, "cases": results}, indent=2)
+    print(text)
+    if ns.out:
+        with open(ns.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
