@@ -245,6 +245,8 @@ def load_library(path: str) -> types.SimpleNamespace:
 
 TKG_PROBLEM = dict(tokens=4, hidden=512, intermediate=128, experts=4, top_k=2)
 CTE_PROBLEM = dict(tokens=128, hidden=512, intermediate=256, experts=4, top_k=2, block_size=256)
+# the dropping kernel computes one block per expert (block index = expert), with blocks of >= 1024 tokens
+DROPPING_PROBLEM = dict(tokens=512, hidden=512, intermediate=256, experts=2, top_k=1, block_size=1024)
 
 CASES: dict[str, tuple[Callable, dict, dict]] = {
     "moe_tkg_selective_lnc1": (tkg_case, TKG_PROBLEM, {"all_expert": False, "lnc": 1}),
@@ -256,7 +258,7 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
                                                {"variant": "shard_on_block", "lnc": 2, "skip_token": True}),
     "moe_cte_shard_on_i_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i", "lnc": 2}),
     "moe_cte_shard_on_i_hybrid_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i_hybrid", "lnc": 2}),
-    "moe_cte_shard_on_i_dropping_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i_dropping", "lnc": 2}),
+    "moe_cte_shard_on_i_dropping_lnc2": (cte_case, DROPPING_PROBLEM, {"variant": "shard_on_i_dropping", "lnc": 2}),
 }
 
 

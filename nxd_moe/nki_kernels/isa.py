@@ -691,8 +691,10 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     shared HBM tensor). A no-op when the kernel runs on one core."""
     if tuple(cores) != (0, 1):
         raise HardwareLimitError(f"core_barrier: only cores=(0, 1) is supported, got {cores}")
-    if not isinstance(data, NkiTensor) or data.buffer is not Buffer.SHARED_HBM:
-        raise TypeError(f"core_barrier: data must be a shared HBM tensor, got {data!r}")
+    # NKI documents data as "shared HBM"; nki-library also passes SBUF tiles (its hybrid kernel's block counter),
+    # which the compiler accepts: the barrier orders the cores whatever the tensor.
+    if not isinstance(data, NkiTensor):
+        raise TypeError(f"core_barrier: data must be a tensor, got {data!r}")
     core = current_core()
     if core.num_programs == 1:
         return
@@ -715,6 +717,9 @@ def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma
     for rank, role in ((send_to_rank, "send_to_rank"), (recv_from_rank, "recv_from_rank")):
         if rank not in (0, 1) or rank == core.program_id:
             raise HardwareLimitError(f"{name}: {role} must be the peer core ({1 - core.program_id}), got {rank}")
+    if dma_engine == 2 and src.free_size * src.dtype.itemsize > 1024 // (4 // min(4, src.dtype.itemsize)):
+        raise HardwareLimitError(f"{name}: dma_engine.gpsimd_dma moves at most 1024 / 512 / 256 bytes per partition "
+                                 f"for 4- / 2- / 1-byte types, got {src.free_size} x {src.dtype}")
     payload = src.data.copy() if src.alloc.has_data else None
     received = core.launch.exchange(core.program_id, payload, pipe_id, send_to_rank, recv_from_rank)
     if dst.alloc.has_data:
