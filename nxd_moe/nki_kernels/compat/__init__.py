@@ -77,16 +77,17 @@ def real_nki() -> str | None:
     """Where a real ``nki`` package would be imported from, or ``None`` (also for PyPI's placeholder)."""
     loaded = sys.modules.get("nki")
     if loaded is not None:
-        if loaded is frontend:
+        if loaded is frontend or getattr(loaded, "__file__", None) is None:  # ours, or a namespace package
             return None
-        return getattr(loaded, "__file__", None) or repr(loaded)
+        return loaded.__file__
     try:
         spec = importlib.util.find_spec("nki")
     except (ImportError, ValueError):
         return None
-    if spec is None or _placeholder(spec.origin):
+    # A namespace package (a directory named nki without __init__.py, e.g. a tests/nki folder on sys.path) is not it.
+    if spec is None or spec.origin in (None, "namespace") or _placeholder(spec.origin):
         return None
-    return spec.origin or "a namespace package"
+    return spec.origin
 
 
 def is_installed() -> bool:
