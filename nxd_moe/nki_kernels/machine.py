@@ -87,7 +87,9 @@ class Allocation:
         self.born: int | None = None  # liveness: the core clock at allocation and at the last use
         self.last_use: int | None = None
         self.has_data = numerics or is_integer(self.dtype)
-        if self.has_data:
+        if self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
+            self.data = np.full(shape + (self.dtype.itemsize,), 0xFF, np.uint8).view(self.dtype).reshape(shape)
+        elif self.has_data:
             fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
             self.data = np.full(shape, fill, dtype=self.dtype)
         else:

@@ -72,3 +72,26 @@ def test_transposes_by_strided_view_and_by_the_tensor_engine(nki_style, nki_comp
     np.testing.assert_array_equal(by_dma.view(np.uint16), x.T.view(np.uint16))
     np.testing.assert_array_equal(by_pe.view(np.uint16), x.T.view(np.uint16))
     assert compat.last_run().accounting.transposes == 1
+
+
+def test_on_chip_capacity_follows_tensor_lifetimes(nki_compat):
+    import nki.isa as nisa
+    import nki.language as nl
+
+    def psum_tiles(a, keep: bool):
+        sb = nl.ndarray((128, 128), nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=sb, src=a)
+        kept = []
+        for _ in range(12):  # a plain Python loop, as in nki-library: no loop scope frees anything
+            ps = nl.ndarray((128, 128), nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=ps, stationary=sb, moving=sb)
+            kept.append(ps)
+        if keep:  # a last use of every bank at the end keeps all twelve live at once
+            for ps in kept:
+                nisa.tensor_copy(dst=sb, src=ps)
+
+    a = np.ones((128, 128), ml_dtypes.bfloat16)
+    run = compat.run(psum_tiles, a, False)
+    assert run.accounting.psum_high_water_banks == 1  # each bank is dead after its matmul
+    with pytest.raises(ValueError, match="PSUM over capacity: 12 banks .* live at once"):
+        compat.run(psum_tiles, a, True)
