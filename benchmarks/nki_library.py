@@ -98,7 +98,8 @@ def _torch(a: np.ndarray) -> torch.Tensor:
 
 def _counts(run) -> dict:
     acc = run.accounting
-    return {"dma_bytes": acc.dma_bytes(), "matmul_flops": acc.matmul_flops,
+    return {"dma_bytes": acc.dma_bytes(), "dma_bytes_by_tensor": acc.summary()["dma_bytes_by_tensor"],
+            "matmul_flops": acc.matmul_flops,
             "estimated_us": round(TRN2.estimate_run(run).total_ns / 1e3, 3),
             "sbuf_high_water_bytes": acc.sbuf_high_water}
 

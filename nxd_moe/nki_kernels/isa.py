@@ -143,14 +143,23 @@ def _operand(value, data: NkiTensor, op: str, role: str):
 
 
 def _computes(dst: NkiTensor, *inputs) -> bool:
-    """Whether to do the arithmetic: always for integer results (they steer control flow), else if numerics."""
+    """Whether to do the arithmetic: when every input holds known values (always in a numeric run). In a counting
+    run a float result of data-less inputs is skipped and marked unknown; an integer one raises (it would steer
+    control flow)."""
     if not dst.alloc.has_data:
         return False
-    missing = [t.name for t in inputs if isinstance(t, NkiTensor) and not t.alloc.has_data]
-    if missing:
-        raise RuntimeError(f"counting run: integer tensor {dst.name!r} would be computed from float tensors "
-                           f"{missing} that hold no data; keep index arithmetic in integer tensors")
+    unknown = [t.name for t in inputs if isinstance(t, NkiTensor) and not t.alloc.known]
+    if unknown:
+        _mark_unknown(dst, unknown)
+        return False
     return True
+
+
+def _mark_unknown(dst: NkiTensor, sources) -> None:
+    if is_integer(dst.dtype):
+        raise RuntimeError(f"counting run: integer tensor {dst.name!r} would be computed from float tensors "
+                           f"{list(sources)} that hold no data; keep index arithmetic in integer tensors")
+    dst.alloc.known = False
 
 
 def _f32(value) -> np.ndarray | float:
@@ -586,7 +595,9 @@ def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=d
                 f"{side.indirect_dim} of size {side.tensor.shape[side.indirect_dim]} (oob_mode=error)")
         valid &= ok
     moved = int(valid.sum())
-    if moved and _has_data(dst) and _has_data(src):
+    if moved and _has_data(dst) and not _has_data(src):
+        _mark_unknown(_base(dst), [src.name])
+    elif moved and _has_data(dst):
         if aligned:
             values = _dma_read(src, bases.get("src"), valid)
             _dma_write(dst, bases.get("dst"), valid, _convert(values, dst.dtype))
@@ -624,7 +635,7 @@ def dma_compute(dst, srcs, reduce_op=nl.add, scales=None, unique_indices: bool =
     if scales is not None and len(scales) != len(srcs):
         raise ValueError(f"{name}: scales must give one number per source ({len(srcs)}), got {scales!r}")
     factors = [np.float32(1.0)] * len(srcs) if scales is None else [np.float32(v) for v in scales]
-    if all(t.alloc.has_data for t in (dst, *srcs)):
+    if _computes(dst, *srcs):
         result = _f32(srcs[0]) * factors[0]
         for src, factor in zip(srcs[1:], factors[1:]):
             result = reduce_op(result, _f32(src) * factor)
@@ -657,8 +668,14 @@ def _convert(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return values.astype(np.float32).astype(dtype)
 
 
+def _base(side) -> NkiTensor:
+    return side.tensor if isinstance(side, AccessPattern) else side
+
+
 def _has_data(side) -> bool:
-    return (side.tensor if isinstance(side, AccessPattern) else side).alloc.has_data
+    """Whether a DMA side holds real values (a known source, or a destination with storage)."""
+    alloc = _base(side).alloc
+    return alloc.has_data and alloc.known
 
 
 def _dma_read(side, base, valid) -> np.ndarray:
@@ -720,9 +737,11 @@ def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma
     if dma_engine == 2 and src.free_size * src.dtype.itemsize > 1024 // (4 // min(4, src.dtype.itemsize)):
         raise HardwareLimitError(f"{name}: dma_engine.gpsimd_dma moves at most 1024 / 512 / 256 bytes per partition "
                                  f"for 4- / 2- / 1-byte types, got {src.free_size} x {src.dtype}")
-    payload = src.data.copy() if src.alloc.has_data else None
+    payload = src.data.copy() if src.alloc.has_data and src.alloc.known else None
     received = core.launch.exchange(core.program_id, payload, pipe_id, send_to_rank, recv_from_rank)
-    if dst.alloc.has_data:
+    if received is None:
+        _mark_unknown(dst, [f"{src.name} (peer)"])
+    elif dst.alloc.has_data:
         dst.data[...] = received
     core.accounting.record_dma(src.name, "sbuf->sbuf", DmaTraffic(
         bytes=src.data.size * src.dtype.itemsize, transfers=1, rows=src.partitions))
@@ -1001,13 +1020,15 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
             raise OutOfBoundsError(f"{label}: src {src.name!r} dynamic index {int(index[first])} is out of bounds "
                                    "(oob_mode=error)")
         values = None
-        if src.tensor.alloc.has_data and valid.any():
+        if _has_data(src) and valid.any():
             values = src.tensor.alloc.data.reshape(-1)[src.addresses(base)]
     else:
-        values = src.data if src.alloc.has_data else None
+        values = src.data if _has_data(src) else None
     if isinstance(dst, AccessPattern):
         raise NotImplementedError(f"{label}: a dynamic destination is not simulated")
-    if values is not None and dst.alloc.has_data:
+    if values is None:
+        _mark_unknown(dst, [src.name])
+    elif dst.alloc.has_data:
         moved = np.transpose(values, axes)
         if valid is None or valid.all():
             dst.data[...] = moved.reshape(dst.shape)

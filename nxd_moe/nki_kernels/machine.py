@@ -86,7 +86,11 @@ class Allocation:
         self.release: Callable[[], None] = lambda: None
         self.born: int | None = None  # liveness: the core clock at allocation and at the last use
         self.last_use: int | None = None
-        self.has_data = numerics or is_integer(self.dtype)
+        # Counting runs keep real storage for integers (they steer control flow) and for on-chip tensors (bounded by
+        # SBUF / PSUM), so index arithmetic routed through float tiles (an int -> fp32 -> transpose -> int round
+        # trip) stays exact; ``known`` is False once a tensor holds values derived from data-less (HBM float) inputs.
+        self.has_data = numerics or is_integer(self.dtype) or buffer in (Buffer.SBUF, Buffer.PSUM)
+        self.known = self.has_data
         if self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
             self.data = np.full(shape + (self.dtype.itemsize,), 0xFF, np.uint8).view(self.dtype).reshape(shape)
         elif self.has_data:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from nxd_moe.nki_kernels import compat, isa, language
+from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 
 
 def _nki_modules() -> dict:
@@ -35,7 +36,7 @@ def test_install_aliases_the_nki_modules_and_uninstall_restores_sys_modules():
     assert "nki" not in sys.modules or not hasattr(sys.modules["nki"], "jit")
 
 
-def test_installed_context_manager_and_fixture(nki_compat):
+def test_installed_context_manager_and_fixture(nki_compat):  # noqa: F811
     import nki.language as nl
 
     assert nki_compat.language is nl
@@ -101,7 +102,7 @@ def test_python_dash_m_runs_a_script_with_nki_installed(tmp_path):
     assert result.stdout.split() == ["hello", "64.0"]
 
 
-def test_jit_launch_syntax_and_last_run(nki_compat):
+def test_jit_launch_syntax_and_last_run(nki_compat):  # noqa: F811
     import nki.isa as nisa
     import nki.language as nl
 
@@ -121,7 +122,7 @@ def test_jit_launch_syntax_and_last_run(nki_compat):
         who[4]
 
 
-def test_torch_in_torch_out_and_inputs_written_back(nki_compat):
+def test_torch_in_torch_out_and_inputs_written_back(nki_compat):  # noqa: F811
     import torch
 
     import nki.isa as nisa
@@ -143,6 +144,6 @@ def test_torch_in_torch_out_and_inputs_written_back(nki_compat):
     assert out.float().tolist() == (torch.arange(8).reshape(2, 4) * 3).float().tolist()
 
 
-def test_device_only_entry_points_explain_themselves(nki_compat):
+def test_device_only_entry_points_explain_themselves(nki_compat):  # noqa: F811
     with pytest.raises(RuntimeError, match="NeuronDevice"):
         nki_compat.benchmark(lambda: None)

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 from nxd_moe.nki_kernels import compat
+from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.machine import OutOfBoundsError
+
+STYLE_MODULE = "nki_style_kernels"
+
+
+@pytest.fixture
+def nki_style(nki_compat):  # noqa: F811 -- the fixture imported above
+    """The kernels of nki_style_kernels.py, imported (``import nki.language as nl``) while the API is installed."""
+    sys.modules.pop(STYLE_MODULE, None)
+    yield importlib.import_module(STYLE_MODULE)
+    sys.modules.pop(STYLE_MODULE, None)
 
 rng = np.random.default_rng(0)
 
@@ -74,7 +88,7 @@ def test_transposes_by_strided_view_and_by_the_tensor_engine(nki_style, nki_comp
     assert compat.last_run().accounting.transposes == 1
 
 
-def test_on_chip_capacity_follows_tensor_lifetimes(nki_compat):
+def test_on_chip_capacity_follows_tensor_lifetimes(nki_compat):  # noqa: F811
     import nki.isa as nisa
     import nki.language as nl
 
@@ -95,3 +109,44 @@ def test_on_chip_capacity_follows_tensor_lifetimes(nki_compat):
     assert run.accounting.psum_high_water_banks == 1  # each bank is dead after its matmul
     with pytest.raises(ValueError, match="PSUM over capacity: 12 banks .* live at once"):
         compat.run(psum_tiles, a, True)
+
+
+def test_counting_runs_count_what_numeric_runs_do(nki_style, nki_compat):  # noqa: F811
+    a_t = rng.standard_normal((256, 128)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((256, 512)).astype(ml_dtypes.bfloat16)
+    table = rng.standard_normal((10, 16)).astype(np.float32)
+    ids = np.array([3, -1, 9, 10], np.int32)
+    for kernel, args in ((nki_style.tiled_matmul, (a_t, b)), (nki_style.gather_rows, (table, ids))):
+        numeric = compat.run(kernel, *args).accounting.summary()
+        counting = compat.run(kernel, *args, numerics=False)
+        assert counting.outputs is None and counting.accounting.summary() == numeric
+
+
+def test_counting_runs_keep_index_arithmetic_through_float_tiles_exact(nki_compat):  # noqa: F811
+    import nki.isa as nisa
+    import nki.language as nl
+
+    def ids_through_the_pe(ids, weights):
+        """Token ids transposed on the Tensor Engine via fp32 (as nki-library's shard-on-I loads them), then used to
+        gather weight rows; and an id computed from float weights, which a counting run cannot know."""
+        row = nl.ndarray((1, 128), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=row, src=ids.reshape((1, 128)))
+        ps = nl.ndarray((128, 1), nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps, data=row)
+        col = nl.ndarray((128, 1), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=col, src=ps)
+        rows = nl.ndarray((128, 4), weights.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=rows, value=0.0)
+        nisa.dma_copy(dst=rows, src=weights.ap([[4, 128], [1, 4]], vector_offset=col), oob_mode=nisa.oob_mode.skip)
+        w = nl.ndarray((128, 4), weights.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w, src=weights[0:128])
+        bad = nl.ndarray((128, 4), nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=bad, src=w)
+
+    ids = np.where(np.arange(128) % 3 == 0, -1, np.arange(128) % 50).astype(np.int32)
+    weights = rng.standard_normal((200, 4)).astype(np.float32)
+    with pytest.raises(RuntimeError, match="integer tensor .* would be computed from float tensors"):
+        compat.run(ids_through_the_pe, ids, weights, numerics=False)
+    numeric = compat.run(ids_through_the_pe, ids, weights)
+    traffic = numeric.accounting.traffic("weights", "hbm->sbuf")
+    assert traffic.skipped_rows == int((ids < 0).sum())

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from nxd_moe.nki_kernels import compat
+from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.machine import HardwareLimitError, OutOfBoundsError
 
 rng = np.random.default_rng(1)
 
 
 @pytest.fixture
-def k(nki_compat):
+def k(nki_compat):  # noqa: F811
     """``(nl, nisa, run)``: ``run(body, *arrays)`` simulates ``body(*hbm_tensors)`` and returns its outputs."""
     import nki.isa as nisa
     import nki.language as nl
