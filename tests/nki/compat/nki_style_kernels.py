@@ -143,3 +143,19 @@ def transpose_through_views(x):
     nisa.tensor_copy(dst=back, src=ps)
     nisa.dma_copy(dst=by_pe, src=back)
     return by_dma, by_pe
+
+
+@nki.jit
+def block_rows_copy(hidden_states, token_position_to_id, block_to_expert, block_size):
+    """An external "blockwise" kernel for the planner: copies every block's token rows (gathered by id, 128 per
+    DMA) into ``out (N * B, H)`` -- the hidden-state traffic of a blockwise matmul, nothing else."""
+    rows, hidden = hidden_states.shape
+    (slots,) = token_position_to_id.shape
+    out = nl.ndarray((slots, hidden), hidden_states.dtype, buffer=nl.shared_hbm)
+    for start in range(0, slots, P):
+        ids = nl.ndarray((P, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ids, src=token_position_to_id[nl.ds(start, P)].reshape((P, 1)))
+        tile = nl.ndarray((P, hidden), hidden_states.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=hidden_states.ap([[hidden, P], [1, hidden]], vector_offset=ids))
+        nisa.dma_copy(dst=out[nl.ds(start, P), :], src=tile)
+    return out
