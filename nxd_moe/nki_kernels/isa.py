@@ -619,22 +619,24 @@ def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=d
 
 def dma_compute(dst, srcs, reduce_op=nl.add, scales=None, unique_indices: bool = True, oob_mode: str = oob_mode.error,
                 name=None) -> None:
-    """``dst = reduce_op(srcs...)`` elementwise, computed inside the DMA engines (how LNC2 kernels sum the two
-    cores' partial outputs in HBM). Accounted as one read transfer per source and the write of ``dst``."""
+    """``dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...)`` elementwise inside the DMA engines, in fp32
+    (sources cast to fp32, the result to dst's dtype) -- how LNC2 kernels sum the two cores' partial outputs. As NKI
+    documents, only ``nl.add`` and scales of 1.0 are supported. Accounted as one read transfer per source and the
+    write of ``dst``."""
     name = "dma_compute"
     _check_dma_side(dst, "dst", name)
     if not isinstance(dst, NkiTensor) or not srcs:
         raise TypeError(f"{name}: dst must be a tensor and srcs a non-empty list of tensors")
-    if reduce_op not in (nl.add, nl.maximum, nl.minimum):
-        raise ValueError(f"{name}: reduce_op must be nl.add, nl.maximum or nl.minimum, got {reduce_op!r}")
+    if reduce_op is not nl.add:
+        raise ValueError(f"{name}: only reduce_op=nl.add is supported, got {reduce_op!r}")
+    if scales is not None and (len(scales) != len(srcs) or any(float(v) != 1.0 for v in scales)):
+        raise ValueError(f"{name}: scales must be None or one 1.0 per source ({len(srcs)}), got {scales!r}")
     for i, src in enumerate(srcs):
         _check_dma_side(src, f"srcs[{i}]", name)
-        if not isinstance(src, NkiTensor) or src.shape != dst.shape or src.dtype != dst.dtype:
-            raise HardwareLimitError(f"{name}: srcs[{i}] must be a tensor of dst's shape {dst.shape} and dtype "
-                                     f"{dst.dtype}, got {src!r}")
-    if scales is not None and len(scales) != len(srcs):
-        raise ValueError(f"{name}: scales must give one number per source ({len(srcs)}), got {scales!r}")
-    factors = [np.float32(1.0)] * len(srcs) if scales is None else [np.float32(v) for v in scales]
+        if not isinstance(src, NkiTensor) or src.shape[0] != dst.shape[0] or src.size != dst.size:
+            raise HardwareLimitError(f"{name}: srcs[{i}] must be a tensor with dst's rows and elements "
+                                     f"({dst.shape}), got {src!r}")
+    factors = [np.float32(1.0)] * len(srcs)
     if _computes(dst, *srcs):
         result = _f32(srcs[0]) * factors[0]
         for src, factor in zip(srcs[1:], factors[1:]):

@@ -424,3 +424,20 @@ def test_nki_object_dataclasses_default_missing_fields_to_none(k):
 
     d = Dims(a=1)
     assert (d.a, d.b) == (1, None)
+
+
+def test_dma_compute_adds_in_fp32_and_only_adds(k):
+    nl, nisa, run = k
+    x = rng.standard_normal((8, 16)).astype(np.float32)
+    y = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)
+
+    def body(a, b):
+        out = nl.ndarray((8, 16), nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_compute(dst=out, srcs=[a, b], reduce_op=nl.add)
+        with pytest.raises(ValueError, match="only reduce_op=nl.add"):
+            nisa.dma_compute(dst=out, srcs=[a, b], reduce_op=nl.maximum)
+        with pytest.raises(ValueError, match="scales"):
+            nisa.dma_compute(dst=out, srcs=[a, b], reduce_op=nl.add, scales=[1.0, 2.0])
+        return out
+
+    np.testing.assert_array_equal(run(body, x, y), (x + y.astype(np.float32)).astype(ml_dtypes.bfloat16))
