@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import enum
 import json
+import subprocess
 import sys
 import time
 import traceback
@@ -40,6 +41,7 @@ from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.cost_model import TRN2
 from nxd_moe.nki_kernels.kernels import (
     bwmm_shard_on_block,
+    bwmm_shard_on_H,
     bwmm_shard_on_I,
     moe_tkg_all_expert,
     moe_tkg_selective_expert,
@@ -60,12 +62,14 @@ class Problem:
     top_k: int
     block_size: int = 256
     seed: int = 0
+    skew: float = 0.0  # added to expert 0's router logit: long runs of expert-0 blocks (weight skipping)
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     def build(self) -> "Problem":
         rng = np.random.default_rng(self.seed)
         t, h, i, e, k = self.tokens, self.hidden, self.intermediate, self.experts, self.top_k
         logits = rng.standard_normal((t, e))
+        logits[:, 0] += self.skew
         index = np.argsort(-logits, axis=1)[:, :k]
         chosen = np.take_along_axis(logits, index, axis=1)
         weights = np.exp(chosen) / np.exp(chosen).sum(axis=1, keepdims=True)
@@ -158,43 +162,85 @@ def _cte_inputs(p: Problem, skip_token: bool):
             "block_to_expert": m.block_to_expert.numpy().astype(np.int32).reshape(-1, 1)}, m
 
 
-def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False) -> dict:
+def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False, skip_weight: bool = False) -> dict:
     nki = sys.modules["nki"]
     inputs, mapping = _cte_inputs(p, skip_token)
     n = len(inputs["block_to_expert"])
     conditions = np.concatenate([mapping.conditions.numpy().astype(np.int32), np.zeros(1, np.int32)])
-    impl = lib.MoECTEImplementation[variant]
-    spec = lib.MoECTESpec(implementation=impl)
-    kw = {"block_size": p.block_size, "spec": spec, "skip_dma": lib.SkipMode(skip_token, False),
+    kw = {"block_size": p.block_size, "skip_dma": lib.SkipMode(skip_token, skip_weight),
           "is_tensor_update_accumulating": p.top_k > 1}
-    if variant == "shard_on_i_hybrid":
-        kw["conditions"] = conditions
-    out = nki.simulate(lib.moe_cte[lnc])(**inputs, **kw)
+    if variant == "shard_on_H":  # experimental in nki-library: not behind moe_cte
+        out = nki.simulate(lib.bwmm_shard_on_H[lnc])(**inputs, **kw)
+    else:
+        if variant == "shard_on_i_hybrid":
+            kw["conditions"] = conditions
+        spec = lib.MoECTESpec(implementation=lib.MoECTEImplementation[variant])
+        out = nki.simulate(lib.moe_cte[lnc])(**inputs, spec=spec, **kw)
     library_run = compat.last_run()
     out = out[0] if isinstance(out, (tuple, list)) else out
-    func = {"shard_on_block": "SHARD_ON_BLOCK", "shard_on_i_dropping": "SHARD_ON_INTERMEDIATE_DROPPING"}.get(
-        variant, "SHARD_ON_INTERMEDIATE")
+    func = {"shard_on_block": "SHARD_ON_BLOCK", "shard_on_i_dropping": "SHARD_ON_INTERMEDIATE_DROPPING",
+            "shard_on_H": "SHARD_ON_HIDDEN"}.get(variant, "SHARD_ON_INTERMEDIATE")
     ref = lib.moe_cte_torch_ref(
         **{k: _torch(v) for k, v in inputs.items()}, block_size=p.block_size, bwmm_func=BWMMFunc[func],
         lnc_degree=lnc, conditions=torch.from_numpy(conditions) if variant == "shard_on_i_hybrid" else None,
-        skip_dma=lib.SkipMode(skip_token, False), is_tensor_update_accumulating=p.top_k > 1, top_k=p.top_k)["output"]
+        skip_dma=lib.SkipMode(skip_token, skip_weight), is_tensor_update_accumulating=p.top_k > 1,
+        top_k=p.top_k)["output"]
     ref = ref.float().numpy()
     if out.ndim == 3:  # shard-on-block with accumulation: per-core slots, slot 0 holds the sum
         out = out[:, 0] if variant == "shard_on_block" else out[0]
         ref = ref[:, 0] if variant == "shard_on_block" else ref[0]
     tokens = slice(0, p.tokens)
-    ours_kernel, ours_kw = ((bwmm_shard_on_block, {"block_sharding_strategy": BlockShardStrategy.PING_PONG})
-                            if variant == "shard_on_block" else (bwmm_shard_on_I, {}))
+    ours_kernel, ours_kw = {
+        "shard_on_block": (bwmm_shard_on_block, {"block_sharding_strategy": BlockShardStrategy.PING_PONG}),
+        "shard_on_H": (bwmm_shard_on_H, {})}.get(variant, (bwmm_shard_on_I, {}))
     if variant == "shard_on_i_hybrid":
         ours_kw = {"conditions": conditions, "num_static_block": max(0, n - p.experts)}
     ours = simulate(ours_kernel, lnc)(**inputs, block_size=p.block_size, activation=p.activation(),
-                                      skip_dma=SkipMode(skip_token, False),
+                                      skip_dma=SkipMode(skip_token, skip_weight),
                                       expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
                                       is_tensor_update_accumulating=p.top_k > 1, **ours_kw)
     ours_out = ours.outputs[:, 0] if ours.outputs.ndim == 3 else ours.outputs
     return {"blocks": n,
             "library": {**_compare(out[tokens], ref[tokens]), **_counts(library_run)},
             "ours": {"kernel": ours_kernel.__name__, **_compare(ours_out[tokens], ref[tokens]), **_counts(ours)}}
+
+
+# ---------------------------------------------------------------------------------------------------------- index kernels
+
+
+def _exact(out, ref) -> dict:
+    out, ref = np.asarray(out), np.asarray(ref)
+    return {"equal": bool(out.shape == ref.shape and np.array_equal(out, ref)),
+            "mismatches": int((out != ref).sum()) if out.shape == ref.shape else None}
+
+
+def nonzero_case(lib, p: Problem, lnc: int) -> dict:
+    """nki-library's on-device token->expert index kernels (NxD's EP mapping path, reference section 2.3):
+    ``find_nonzero_indices`` over the ``(T, E)`` masked affinities, then ``indexed_flatten`` of its index rows into
+    blocks of ``B`` -- each against its torch reference (exact: these are integers)."""
+    nki = sys.modules["nki"]
+    affinities = p.arrays["affinities"].astype(np.float32)
+    indices, counts = nki.simulate(lib.find_nonzero_indices[lnc])(affinities)
+    find_run = compat.last_run()
+    ref = lib.find_nonzero_indices_torch_ref(torch.from_numpy(affinities))
+    f_len = 16
+    blocks = -(-np.asarray(counts, np.int64) // p.block_size)
+    offsets = (np.concatenate([[0], np.cumsum(blocks)[:-1]]) * (p.block_size // f_len)).astype(np.int32)
+    output_len = int(blocks.sum()) * p.block_size + p.tokens
+    output_len += -output_len % 128
+    flat = nki.simulate(lib.indexed_flatten[lnc])(np.asarray(indices, np.int32), f_len, output_len, offsets)
+    flat_run = compat.last_run()
+    flat_ref = lib.indexed_flatten_torch_ref(torch.from_numpy(np.asarray(ref["indices"], np.int32)), f_len,
+                                             output_len, torch.from_numpy(offsets))["flattened_array"]
+    # our torch mapping of the same routing: the same slots for the real blocks, then padding blocks of -1
+    mine = p.mapping().token_position_to_id.numpy()
+    real = int(blocks.sum()) * p.block_size
+    return {"find_nonzero_indices": {**_exact(indices, ref["indices"].numpy()),
+                                     "counts_equal": bool(np.array_equal(counts, ref["nonzero_counts"].numpy())),
+                                     **_counts(find_run)},
+            "indexed_flatten": {**_exact(flat, flat_ref.numpy()), **_counts(flat_run)},
+            "matches_nxd_moe_token_position_to_id": bool(np.array_equal(np.asarray(flat)[:real], mine[:real])
+                                                          and (mine[real:] == -1).all())}
 
 
 # ---------------------------------------------------------------------------------------------------------- driver
@@ -235,17 +281,28 @@ def load_library(path: str) -> types.SimpleNamespace:
     from nkilib_src.nkilib.core.moe.moe_cte.moe_cte_utils import SkipMode as LibSkipMode
     from nkilib_src.nkilib.core.moe.moe_tkg.moe_tkg import moe_tkg
     from nkilib_src.nkilib.core.moe.moe_tkg.moe_tkg_torch import moe_tkg_torch_ref
+    from nkilib_src.nkilib.core.subkernels.find_nonzero_indices import find_nonzero_indices
+    from nkilib_src.nkilib.core.subkernels.find_nonzero_indices_torch import find_nonzero_indices_torch_ref
+    from nkilib_src.nkilib.core.subkernels.indexed_flatten import indexed_flatten
+    from nkilib_src.nkilib.core.subkernels.indexed_flatten_torch import indexed_flatten_torch_ref
     from nkilib_src.nkilib.core.utils.common_types import ActFnType
+    from nkilib_src.nkilib.experimental.moe.forward.bwmm_shard_on_H import blockwise_mm_baseline_shard_hidden
     from nkilib_src.nkilib.core.utils.common_types import ExpertAffinityScaleMode as LibScale
 
     return types.SimpleNamespace(moe_cte=moe_cte, MoECTEImplementation=MoECTEImplementation, MoECTESpec=MoECTESpec,
                                  moe_cte_torch_ref=moe_cte_torch_ref, SkipMode=LibSkipMode, moe_tkg=moe_tkg,
                                  moe_tkg_torch_ref=moe_tkg_torch_ref, ActFnType=ActFnType,
-                                 ExpertAffinityScaleMode=LibScale)
+                                 ExpertAffinityScaleMode=LibScale, bwmm_shard_on_H=blockwise_mm_baseline_shard_hidden,
+                                 find_nonzero_indices=find_nonzero_indices,
+                                 find_nonzero_indices_torch_ref=find_nonzero_indices_torch_ref,
+                                 indexed_flatten=indexed_flatten, indexed_flatten_torch_ref=indexed_flatten_torch_ref)
 
 
 TKG_PROBLEM = dict(tokens=4, hidden=512, intermediate=128, experts=4, top_k=2)
 CTE_PROBLEM = dict(tokens=128, hidden=512, intermediate=256, experts=4, top_k=2, block_size=256)
+# expert 0 takes most tokens: runs of its blocks on each core, so weight skipping has loads to skip
+SKEWED_PROBLEM = dict(tokens=256, hidden=512, intermediate=256, experts=4, top_k=2, block_size=128, skew=3.0)
+INDEX_PROBLEM = dict(tokens=256, hidden=128, intermediate=128, experts=8, top_k=2, block_size=128)
 # the dropping kernel computes one block per expert (block index = expert), with blocks of >= 1024 tokens
 DROPPING_PROBLEM = dict(tokens=512, hidden=512, intermediate=256, experts=2, top_k=1, block_size=1024)
 
@@ -257,8 +314,15 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "moe_cte_shard_on_block_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_block", "lnc": 2}),
     "moe_cte_shard_on_block_skip_token_lnc2": (cte_case, CTE_PROBLEM,
                                                {"variant": "shard_on_block", "lnc": 2, "skip_token": True}),
+    "moe_cte_shard_on_block_skip_weight_lnc2": (cte_case, SKEWED_PROBLEM,
+                                                {"variant": "shard_on_block", "lnc": 2, "skip_weight": True}),
+    "moe_cte_shard_on_block_skip_token_weight_lnc2": (cte_case, SKEWED_PROBLEM,
+                                                      {"variant": "shard_on_block", "lnc": 2, "skip_token": True,
+                                                       "skip_weight": True}),
     "moe_cte_shard_on_i_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i", "lnc": 2}),
     "moe_cte_shard_on_i_hybrid_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_i_hybrid", "lnc": 2}),
+    "bwmm_shard_on_H_lnc2 (experimental)": (cte_case, CTE_PROBLEM, {"variant": "shard_on_H", "lnc": 2}),
+    "find_nonzero_indices + indexed_flatten lnc2": (nonzero_case, INDEX_PROBLEM, {"lnc": 2}),
     "moe_cte_shard_on_i_dropping_lnc2": (cte_case, DROPPING_PROBLEM, {"variant": "shard_on_i_dropping", "lnc": 2}),
 }
 
@@ -281,6 +345,14 @@ def run_cases(path: str, only: list[str] | None = None) -> dict[str, Any]:
     return results
 
 
+def _commit(path: str) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None  # an exported snapshot: say which in the results' name
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a checkout of aws-neuron/nki-library")
@@ -288,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the JSON here as well as to stdout")
     ns = parser.parse_args(argv)
     results = run_cases(ns.path, ns.only.split(",") if ns.only else None)
-    text = json.dumps({"nki_library": ns.path, "rtol": RTOL, "atol": ATOL, "cases": results}, indent=2)
+    text = json.dumps({"nki_library": ns.path, "nki_library_commit": _commit(ns.path), "rtol": RTOL, "atol": ATOL,
+                       "cases": results}, indent=2)
     print(text)
     if ns.out:
         with open(ns.out, "w") as f:

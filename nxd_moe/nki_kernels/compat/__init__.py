@@ -47,6 +47,7 @@ def _module(name: str, doc: str, **attributes) -> types.ModuleType:
 _constants = _module("nki.isa.constants", "NKI's instruction constants (nki.isa.constants).",
                      oob_mode=isa.oob_mode, dge_mode=isa.dge_mode, engine=isa.engine, nc_version=isa.nc_version,
                      reduce_cmd=isa.reduce_cmd, matmul_perf_mode=isa.matmul_perf_mode, dma_engine=isa.dma_engine)
+isa.constants = _constants  # `from nki.isa import constants` as well as `import nki.isa.constants`
 _typing = _module("nki.typing", "NKI's type names (nki.typing).", tensor=language.NkiTensor,
                   NkiTensor=language.NkiTensor)
 
