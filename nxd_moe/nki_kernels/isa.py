@@ -6,9 +6,13 @@ then it computes with NumPy -- engines in fp32, the result rounded to the destin
 itself in the core's :class:`~nxd_moe.nki_kernels.accounting.Accounting`. One call is one instruction, vectorised
 over its whole tile.
 
-Engines: ``nc_matmul`` / ``nc_transpose`` on the Tensor Engine; ``activation`` on the Scalar Engine;
-``tensor_tensor`` / ``tensor_scalar`` / ``scalar_tensor_tensor`` / ``tensor_reduce`` / ``tensor_copy`` / ``memset``
-on the Vector Engine; ``core_barrier`` on GpSimd; ``dma_copy`` / ``dma_compute`` / ``sendrecv`` on the DMA queues.
+Engines: ``nc_matmul`` / ``nc_transpose`` on the Tensor Engine; ``activation`` / ``activation_reduce`` on the
+Scalar Engine; ``tensor_tensor`` / ``tensor_scalar`` / ``scalar_tensor_tensor`` / ``tensor_reduce`` /
+``tensor_scalar_reduce`` / ``tensor_copy`` / ``tensor_copy_predicated`` / ``memset`` / ``reciprocal`` /
+``bn_stats`` / ``bn_aggr`` / ``nc_stream_shuffle`` on the Vector Engine (``engine=`` moves some to GpSimd or the
+Scalar Engine); ``iota`` / ``local_gather`` / ``nonzero_with_count`` / ``core_barrier`` on GpSimd; ``dma_copy`` /
+``dma_transpose`` / ``dma_compute`` / ``sendrecv`` on the DMA queues. Signatures, keyword names and defaults follow
+the NKI API reference, so :mod:`nxd_moe.nki_kernels.compat` can serve this module as ``nki.isa``.
 """
 
 from __future__ import annotations
@@ -200,10 +204,6 @@ def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str
     return name
 
 
-def _matrix(t: NkiTensor) -> np.ndarray:
-    return _f32(t)
-
-
 def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None, tile_position=(), tile_size=(),
               perf_mode=None, name=None) -> None:
@@ -268,13 +268,11 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
             product = stationary.data.reshape(k, m).T[:, :n]  # bit-accurate: NaN and Inf pass through
         else:
             # einsum's own loop, not BLAS: tiles are small, and BLAS threads oversubscribe an LNC2 launch's cores.
-            product = np.einsum("km,kn->mn", _matrix(stationary), _matrix(moving))
-        written = dst.written.reshape(m, n) if dst.written.flags.c_contiguous else dst.written.copy().reshape(m, n)
-        current = _f32(dst)
+            product = np.einsum("km,kn->mn", _f32(stationary), _f32(moving))
         if accumulate is False or is_transpose:
             _store(dst, product)
         else:
-            _store(dst, np.where(written, current + product, product))
+            _store(dst, np.where(dst.written.reshape(m, n), _f32(dst) + product, product))
     dst.written[...] = True
     if is_transpose:
         core.accounting.transposes += 1

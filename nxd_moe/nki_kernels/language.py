@@ -1,6 +1,7 @@
-"""``nl``: the ``nki.language`` subset the kernels use -- dtypes, buffers, ``ndarray``, program ids, loop ranges and
-the math / activation opcodes -- with NKI's names, so ``from nxd_moe.nki_kernels import language as nl`` reads like
-a kernel written for the real compiler.
+"""``nl``: ``nki.language`` -- dtypes, buffers, ``ndarray``, ``ds`` / ``par_dim``, program ids, loop ranges, tile
+sizes, ``NKIObject``, ``shared_identity_matrix`` and the ALU / activation opcodes -- with NKI's names, so ``from
+nxd_moe.nki_kernels import language as nl`` reads like a kernel written for the real compiler, and
+:mod:`nxd_moe.nki_kernels.compat` serves this module as ``nki.language`` itself.
 
 Loops: ``affine_range`` / ``sequential_range`` / ``static_range`` are compile-time loops (Python ranges, as in NKI
 now); ``dynamic_range(start, stop)`` is a hardware loop whose bounds may be registers read on the device. Every

@@ -25,7 +25,6 @@ import types
 from contextlib import contextmanager
 from typing import Iterator
 
-
 from nxd_moe.nki_kernels import isa, language
 from nxd_moe.nki_kernels.compat import frontend
 from nxd_moe.nki_kernels.compat.frontend import Kernel, jit, last_run, run, simulate
@@ -138,10 +137,3 @@ def installed(force: bool = False) -> Iterator[types.ModuleType]:
     finally:
         if not already:
             uninstall()
-
-
-def to_numpy(value):
-    """A torch tensor as a NumPy array (bfloat16 through ``ml_dtypes``); anything else unchanged."""
-    return frontend.to_numpy(value)
-
-
