@@ -58,6 +58,7 @@ def _packed(name: str) -> np.dtype:
 float8_e4m3fn_x4 = _packed("float8_e4m3fn_x4")
 float8_e5m2_x4 = _packed("float8_e5m2_x4")
 float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4")
+globals()["bool"] = bool_  # NKI's name (nki-library's resolve_dtype_to_nki returns nl.bool); not shadowing here
 
 sbuf = Buffer.SBUF
 psum = Buffer.PSUM
@@ -130,14 +131,7 @@ def ndarray(shape, dtype, buffer: Buffer = sbuf, name: str | None = None, addres
 
 def zeros(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
     """A new tensor filled with zeros (a ``memset`` on chip)."""
-    from nxd_moe.nki_kernels import isa  # a language helper built from an instruction, as in NKI
-
-    t = ndarray(shape, dtype, buffer, name)
-    if t.buffer.on_chip:
-        isa.memset(t, 0)
-    elif t.alloc.has_data:
-        t.data[...] = 0
-    return t
+    return full(shape, 0, dtype, buffer, name)
 
 
 def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) -> NkiTensor:
@@ -148,6 +142,38 @@ def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) ->
     if t.alloc.has_data:
         t.data[...] = np.eye(n, dtype=np.float32).astype(t.dtype)
     return t
+
+
+def full(shape, fill_value, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
+    """A new tensor filled with ``fill_value`` (a ``memset`` on chip)."""
+    from nxd_moe.nki_kernels import isa
+
+    t = ndarray(shape, dtype, buffer, name)
+    if t.buffer.on_chip:
+        isa.memset(t, fill_value)
+    elif t.alloc.has_data:
+        t.data[...] = fill_value
+    return t
+
+
+def ones(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
+    return full(shape, 1, dtype, buffer, name)
+
+
+def load(src: NkiTensor, dtype=None) -> NkiTensor:
+    """A new SBUF tile holding ``src`` (one ``dma_copy``, converting to ``dtype`` if given)."""
+    from nxd_moe.nki_kernels import isa
+
+    t = ndarray(src.shape, src.dtype if dtype is None else dtype, sbuf)
+    isa.dma_copy(t, src)
+    return t
+
+
+def store(dst: NkiTensor, value: NkiTensor) -> None:
+    """Write an SBUF tile to device memory (one ``dma_copy``)."""
+    from nxd_moe.nki_kernels import isa
+
+    isa.dma_copy(dst, value)
 
 
 def program_id(axis: int = 0) -> int:
@@ -211,7 +237,7 @@ def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     int. The induction variable is a register (usable as a ``scalar_offset``)."""
     if stop is None:
         start, stop = 0, start
-    if not isinstance(step, int) or isinstance(step, bool) or step == 0:
+    if type(step) is not int or step == 0:  # a plain int: this module's ``bool`` is NKI's dtype
         raise TypeError(f"dynamic_range step must be a non-zero compile-time int, got {step!r}")
     core = current_core()
     first, last = (b.value if isinstance(b, VirtualRegister) else int(b) for b in (start, stop))

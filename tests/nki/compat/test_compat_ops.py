@@ -441,3 +441,52 @@ def test_dma_compute_adds_in_fp32_and_only_adds(k):
         return out
 
     np.testing.assert_array_equal(run(body, x, y), (x + y.astype(np.float32)).astype(ml_dtypes.bfloat16))
+
+
+# The nki / nl / nisa names AWS nki-library's MoE CTE / TKG kernels and the modules they import use (measured on
+# nki-library d2ad3a5 with an import-closure scan): all must resolve.
+NKI_LIBRARY_MOE_NAMES = """
+nisa.activation nisa.core_barrier nisa.dge_mode.hwdge nisa.dge_mode.swdge nisa.dma_compute nisa.dma_copy
+nisa.dma_transpose nisa.engine.scalar nisa.get_nc_version nisa.gpsimd_engine nisa.iota nisa.local_gather nisa.memset
+nisa.nc_matmul nisa.nc_matmul_mx nisa.nc_stream_shuffle nisa.nc_transpose nisa.nc_version.gen2 nisa.nc_version.gen3
+nisa.nc_version.gen4 nisa.nonzero_with_count nisa.oob_mode.skip nisa.quantize_mx nisa.register_alloc
+nisa.register_load nisa.scalar_engine nisa.scalar_tensor_tensor nisa.sendrecv nisa.tensor_copy
+nisa.tensor_copy_predicated nisa.tensor_reduce nisa.tensor_scalar nisa.tensor_tensor nisa.vector_engine nki.dtype
+nki.isa.constants nki.isa.nc_version.gen4 nki.isa.vector_engine nki.jit nl.NKIObject nl.add nl.affine_range
+nl.bfloat16 nl.bool nl.copy nl.ds nl.dynamic_range nl.equal nl.float16 nl.float32 nl.float4_e2m1fn_x4 nl.float8_e4m3
+nl.float8_e4m3fn nl.float8_e4m3fn_x4 nl.float8_e5m2 nl.float8_e5m2_x4 nl.gelu nl.gelu_apprx_sigmoid nl.gelu_apprx_tanh
+nl.hbm nl.int16 nl.int32 nl.int8 nl.less nl.load nl.maximum nl.minimum nl.multiply nl.ndarray nl.num_programs
+nl.private_hbm nl.program_id nl.program_ndim nl.psum nl.rsqrt nl.sbuf nl.sequential_range nl.shared_hbm
+nl.shared_identity_matrix nl.silu nl.square nl.subtract nl.tensor nl.tile_size.gemm_moving_fmax nl.tile_size.pmax
+nl.tile_size.psum_fmax nl.tile_size.total_available_sbuf_size nl.uint16 nl.uint32 nl.uint8
+""".split()
+
+
+def test_every_name_nki_library_moe_kernels_use_resolves(nki_compat):  # noqa: F811
+    import nki.isa as nisa
+    import nki.language as nl
+    from nki.isa import constants  # noqa: F401 -- both import forms
+    from nki.isa.constants import dge_mode, oob_mode  # noqa: F401
+
+    roots = {"nki": nki_compat, "nl": nl, "nisa": nisa}
+    for name in NKI_LIBRARY_MOE_NAMES:
+        obj = roots[name.split(".")[0]]
+        for part in name.split(".")[1:]:
+            obj = getattr(obj, part)
+
+
+def test_language_helpers_load_store_full(k):
+    nl, nisa, run = k
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+
+    def body(a):
+        t = nl.load(a, dtype=nl.bfloat16)
+        out = nl.ndarray((4, 6), nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, t)
+        f = nl.full((4, 3), 2.5, nl.float32)
+        assert nl.bool == nl.bool_ and nl.ones((2, 2), nl.int32).data.sum() == 4
+        return out, _store(nl, nisa, f)
+
+    out, f = run(body, x)
+    np.testing.assert_array_equal(out, x.astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(f, np.full((4, 3), 2.5))
