@@ -63,6 +63,9 @@ class Problem:
     block_size: int = 256
     seed: int = 0
     skew: float = 0.0  # added to expert 0's router logit: long runs of expert-0 blocks (weight skipping)
+    act: str = "silu"  # or "gelu" (exact)
+    bias: bool = False  # gate/up bias (E, 2, I) and down bias (E, H)
+    clamp: float | None = None  # GPT-OSS style: gate clamped above at clamp, up to [-clamp, clamp]
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
     def build(self) -> "Problem":
@@ -82,7 +85,26 @@ class Problem:
             "affinities": affinities.astype(BF16),
             "index": index.astype(np.int32),
         }
+        if self.bias:
+            self.arrays["gate_up_bias"] = rng.uniform(-0.5, 0.5, (e, 2, i)).astype(BF16)
+            self.arrays["down_bias"] = rng.uniform(-0.5, 0.5, (e, h)).astype(BF16)
         return self
+
+    def library_options(self, lib, tkg: bool) -> dict:
+        """The activation, clamp and bias arguments in nki-library's names (TKG and CTE name them differently)."""
+        act = {"silu": lib.ActFnType.SiLU, "gelu": lib.ActFnType.GELU}[self.act]
+        out = {"activation_fn" if tkg else "activation_function": act}
+        if self.clamp is not None:
+            # (moe_tkg_torch_ref ignores a gate lower limit, so none is set)
+            out.update(gate_clamp_upper_limit=self.clamp, up_clamp_upper_limit=self.clamp,
+                       up_clamp_lower_limit=-self.clamp)
+        if self.bias:
+            out.update({"expert_gate_up_bias" if tkg else "gate_and_up_proj_bias": self.arrays["gate_up_bias"],
+                        "expert_down_bias" if tkg else "down_proj_bias": self.arrays["down_bias"]})
+        return out
+
+    def our_biases(self) -> dict:
+        return {"gate_and_up_proj_bias": self.arrays.get("gate_up_bias"), "down_proj_bias": self.arrays.get("down_bias")}
 
     def mapping(self):
         mask = torch.zeros(self.tokens, self.experts, dtype=torch.bool)
@@ -91,7 +113,9 @@ class Problem:
         return token_to_block_mapping(mask, torch.from_numpy(self.arrays["index"]).long(), self.block_size, blocks)
 
     def activation(self) -> ExpertActivation:
-        return ExpertActivation(hidden_act="silu", glu_mlp=True, glu_type=GLUType.GLU)
+        limit = self.clamp
+        return ExpertActivation(hidden_act=self.act, glu_mlp=True, glu_type=GLUType.GLU, gate_upper=limit,
+                                up_lower=None if limit is None else -limit, up_upper=limit)
 
 
 def _torch(a: np.ndarray) -> torch.Tensor:
@@ -123,18 +147,20 @@ def tkg_case(lib, p: Problem, all_expert: bool, lnc: int) -> dict:
     nki = sys.modules["nki"]
     a = p.arrays
     kw = {"is_all_expert": all_expert, "expert_affinities_scaling_mode": lib.ExpertAffinityScaleMode.POST_SCALE,
-          "activation_fn": lib.ActFnType.SiLU}
+          **p.library_options(lib, tkg=True)}
     if all_expert:
         kw["rank_id"] = np.zeros((1, 1), np.int32)
     out = nki.simulate(nki.jit(lib.moe_tkg)[lnc])(a["x"], a["gate_up"], a["down"], a["affinities"], a["index"], **kw)
     library_run = compat.last_run()
-    ref_kw = dict(kw, rank_id=torch.from_numpy(kw["rank_id"])) if all_expert else kw
+    ref_kw = {k: torch.from_numpy(v) if k == "rank_id" else _torch(v) if isinstance(v, np.ndarray) else v
+              for k, v in kw.items()}
     ref = lib.moe_tkg_torch_ref(_torch(a["x"]), _torch(a["gate_up"]), _torch(a["down"]), _torch(a["affinities"]),
                                 torch.from_numpy(a["index"]), **ref_kw)
     ref = (ref["out"] if isinstance(ref, dict) else ref).float().numpy()
     ours_kernel = moe_tkg_all_expert if all_expert else moe_tkg_selective_expert
     args = {"hidden_states": a["x"], "expert_affinities_masked": a["affinities"].reshape(-1, 1),
-            "gate_up_proj_weight": a["gate_up"], "down_proj_weight": a["down"], "activation": p.activation()}
+            "gate_up_proj_weight": a["gate_up"], "down_proj_weight": a["down"], "activation": p.activation(),
+            **p.our_biases()}
     if not all_expert:
         args["expert_index"] = a["index"]
     ours = simulate(ours_kernel, lnc)(**args)
@@ -169,13 +195,14 @@ def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False, 
     conditions = np.concatenate([mapping.conditions.numpy().astype(np.int32), np.zeros(1, np.int32)])
     kw = {"block_size": p.block_size, "skip_dma": lib.SkipMode(skip_token, skip_weight),
           "is_tensor_update_accumulating": p.top_k > 1}
+    options = p.library_options(lib, tkg=False)
     if variant == "shard_on_H":  # experimental in nki-library: not behind moe_cte
-        out = nki.simulate(lib.bwmm_shard_on_H[lnc])(**inputs, **kw)
+        out = nki.simulate(lib.bwmm_shard_on_H[lnc])(**inputs, **kw)  # SiLU, no bias: its only options
     else:
         if variant == "shard_on_i_hybrid":
             kw["conditions"] = conditions
         spec = lib.MoECTESpec(implementation=lib.MoECTEImplementation[variant])
-        out = nki.simulate(lib.moe_cte[lnc])(**inputs, spec=spec, **kw)
+        out = nki.simulate(lib.moe_cte[lnc])(**inputs, spec=spec, **kw, **options)
     library_run = compat.last_run()
     out = out[0] if isinstance(out, (tuple, list)) else out
     func = {"shard_on_block": "SHARD_ON_BLOCK", "shard_on_i_dropping": "SHARD_ON_INTERMEDIATE_DROPPING",
@@ -184,7 +211,7 @@ def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False, 
         **{k: _torch(v) for k, v in inputs.items()}, block_size=p.block_size, bwmm_func=BWMMFunc[func],
         lnc_degree=lnc, conditions=torch.from_numpy(conditions) if variant == "shard_on_i_hybrid" else None,
         skip_dma=lib.SkipMode(skip_token, skip_weight), is_tensor_update_accumulating=p.top_k > 1,
-        top_k=p.top_k)["output"]
+        top_k=p.top_k, **{k: _torch(v) if isinstance(v, np.ndarray) else v for k, v in options.items()})["output"]
     ref = ref.float().numpy()
     if out.ndim == 3:  # shard-on-block with accumulation: per-core slots, slot 0 holds the sum
         out = out[:, 0] if variant == "shard_on_block" else out[0]
@@ -198,7 +225,7 @@ def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False, 
     ours = simulate(ours_kernel, lnc)(**inputs, block_size=p.block_size, activation=p.activation(),
                                       skip_dma=SkipMode(skip_token, skip_weight),
                                       expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-                                      is_tensor_update_accumulating=p.top_k > 1, **ours_kw)
+                                      is_tensor_update_accumulating=p.top_k > 1, **p.our_biases(), **ours_kw)
     ours_out = ours.outputs[:, 0] if ours.outputs.ndim == 3 else ours.outputs
     return {"blocks": n,
             "library": {**_compare(out[tokens], ref[tokens]), **_counts(library_run)},
@@ -302,6 +329,11 @@ TKG_PROBLEM = dict(tokens=4, hidden=512, intermediate=128, experts=4, top_k=2)
 CTE_PROBLEM = dict(tokens=128, hidden=512, intermediate=256, experts=4, top_k=2, block_size=256)
 # expert 0 takes most tokens: runs of its blocks on each core, so weight skipping has loads to skip
 SKEWED_PROBLEM = dict(tokens=256, hidden=512, intermediate=256, experts=4, top_k=2, block_size=128, skew=3.0)
+VARIANT_PROBLEM = dict(CTE_PROBLEM, bias=True, clamp=1.0)
+# moe_cte's intermediate step handles SiLU and Swish only: with GELU it leaves the activations unwritten, which the
+# simulator's NaN-filled fresh memory shows (an nki-library limitation this case documents)
+GELU_PROBLEM = dict(CTE_PROBLEM, act="gelu")
+TKG_VARIANT_PROBLEM = dict(TKG_PROBLEM, act="gelu", bias=True, clamp=1.0)
 INDEX_PROBLEM = dict(tokens=256, hidden=128, intermediate=128, experts=8, top_k=2, block_size=128)
 # the dropping kernel computes one block per expert (block index = expert), with blocks of >= 1024 tokens
 DROPPING_PROBLEM = dict(tokens=512, hidden=512, intermediate=256, experts=2, top_k=1, block_size=1024)
@@ -311,7 +343,12 @@ CASES: dict[str, tuple[Callable, dict, dict]] = {
     "moe_tkg_selective_lnc2": (tkg_case, TKG_PROBLEM, {"all_expert": False, "lnc": 2}),
     "moe_tkg_all_expert_lnc1": (tkg_case, TKG_PROBLEM, {"all_expert": True, "lnc": 1}),
     "moe_tkg_all_expert_lnc2": (tkg_case, TKG_PROBLEM, {"all_expert": True, "lnc": 2}),
+    "moe_tkg_selective_gelu_bias_clamp_lnc1": (tkg_case, TKG_VARIANT_PROBLEM, {"all_expert": False, "lnc": 1}),
+    "moe_tkg_all_expert_gelu_bias_clamp_lnc2": (tkg_case, TKG_VARIANT_PROBLEM, {"all_expert": True, "lnc": 2}),
     "moe_cte_shard_on_block_lnc2": (cte_case, CTE_PROBLEM, {"variant": "shard_on_block", "lnc": 2}),
+    "moe_cte_shard_on_block_bias_clamp_lnc2": (cte_case, VARIANT_PROBLEM, {"variant": "shard_on_block", "lnc": 2}),
+    "moe_cte_shard_on_i_bias_clamp_lnc2": (cte_case, VARIANT_PROBLEM, {"variant": "shard_on_i", "lnc": 2}),
+    "moe_cte_shard_on_block_gelu_lnc2": (cte_case, GELU_PROBLEM, {"variant": "shard_on_block", "lnc": 2}),
     "moe_cte_shard_on_block_skip_token_lnc2": (cte_case, CTE_PROBLEM,
                                                {"variant": "shard_on_block", "lnc": 2, "skip_token": True}),
     "moe_cte_shard_on_block_skip_weight_lnc2": (cte_case, SKEWED_PROBLEM,
