@@ -13,6 +13,7 @@ written back to the caller's arrays, as the NKI simulator does.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from typing import Any, Callable
 
@@ -111,8 +112,6 @@ def simulate(kernel) -> Callable[..., Any]:
     kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
 
     def call(*args, **kwargs):
-        import inspect
-
         torch_in = any(type(a).__module__.startswith("torch") for a in (*args, *kwargs.values()))
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
         result = run(kernel, *args, **kwargs)
