@@ -1008,10 +1008,17 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         raise HardwareLimitError(f"{label}: dst {dst.shape} must be src {src.shape} permuted by {axes} = {expected}")
     if src.dtype != dst.dtype:
         raise TypeError(f"{label}: src and dst dtypes differ ({src.dtype}, {dst.dtype})")
-    if dge_mode == 2:  # hwdge
-        if src.dtype.itemsize != 2 or src.shape[-1] > 128:
-            raise HardwareLimitError(f"{label}: a hardware-DGE transpose needs a 2-byte dtype and src.shape[-1] <= 128,"
-                                     f" got {src.dtype} {src.shape}")
+    if dge_mode == 2:  # hwdge: the documented direct-transpose limits
+        lead_ok = src.shape[0] == 16 if ndim == 2 else (src.shape[0] in (1, 2, 4, 8, 16)
+                                                        and src.shape[0] * src.shape[-2] % 16 == 0)
+        if src.dtype.itemsize != 2 or src.shape[-1] > 128 or not lead_ok:
+            raise HardwareLimitError(f"{label}: a hardware-DGE transpose needs a 2-byte dtype, src.shape[-1] <= 128 and "
+                                     "src.shape[0] == 16 (2-D) or in {1, 2, 4, 8, 16} with shape[0] * shape[-2] a "
+                                     f"multiple of 16 (3-D / 4-D); got {src.dtype} {src.shape}")
+    if isinstance(src, AccessPattern) and src.vector_offset is not None and (
+            src.dtype.itemsize != 2 or src.shape[-1] > 128 or dge_mode == 2):
+        raise HardwareLimitError(f"{label}: a gather-transpose (software DGE) needs a 2-byte dtype and "
+                                 f"src.shape[-1] <= 128; got {src.dtype} {src.shape}, dge_mode {dge_mode!r}")
     valid = None
     if isinstance(src, AccessPattern):
         base, valid, index = src.rows()

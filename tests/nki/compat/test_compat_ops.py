@@ -137,6 +137,8 @@ def test_dma_transpose_permutes_2d_and_4d(k):
             nisa.dma_transpose(dst=u, src=b, dge_mode=nisa.dge_mode.hwdge)
         with pytest.raises(HardwareLimitError, match="permuted"):
             nisa.dma_transpose(dst=t[0:16, 0:16], src=a[:, 0:24])
+        with pytest.raises(HardwareLimitError, match="src.shape\\[0\\] == 16"):
+            nisa.dma_transpose(dst=t[0:24, 0:8], src=a[0:8, :], dge_mode=nisa.dge_mode.hwdge)
         return _store(nl, nisa, t), _store(nl, nisa, u)
 
     t, u = run(body, x, y)
