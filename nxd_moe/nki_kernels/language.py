@@ -16,7 +16,6 @@ from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
-import torch
 
 from nxd_moe.nki_kernels.machine import (
     GEMM_MOVING_FMAX,
@@ -276,9 +275,18 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return (0.5 * (1.0 + np.tanh(0.5 * x))).astype(np.float32)
 
 
+_ERF = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf by the C library, element by element (NumPy has none). Not torch's: its result for the same input varied
+    with the state of torch's thread pool after LNC2 launches had called it from two threads, which made
+    fp32 gelu kernels differ from run to run by ~3e-5."""
+    return _ERF(np.asarray(x, dtype=np.float64)).astype(np.float32)
+
+
 def _gelu(x: np.ndarray) -> np.ndarray:
-    erf = torch.special.erf(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32) / math.sqrt(2.0))).numpy()
-    return (0.5 * x * (1.0 + erf)).astype(np.float32)
+    return (0.5 * x * (1.0 + _erf(np.asarray(x, dtype=np.float32) / np.float32(math.sqrt(2.0))))).astype(np.float32)
 
 
 divide = Op("divide", np.divide)
@@ -324,7 +332,7 @@ softplus = Op("softplus", lambda x: np.logaddexp(np.float32(0.0), x).astype(np.f
 mish = Op("mish", lambda x: (x * np.tanh(np.logaddexp(np.float32(0.0), x))).astype(np.float32))
 sin = Op("sin", np.sin)
 cos = Op("cos", np.cos)
-erf = Op("erf", lambda x: torch.special.erf(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))).numpy())
+erf = Op("erf", _erf)
 
 ACTIVATION_FUNCTIONS = {op.name: op for op in (
     copy, silu, gelu, relu, sigmoid, tanh, leaky_relu, gelu_apprx_sigmoid, gelu_apprx_tanh, exp, log, sqrt, rsqrt,
