@@ -39,6 +39,8 @@ from nxd_moe.nki_kernels.kernels import (
     moe_tkg_selective_expert,
     shard_conditions,
 )
+from nxd_moe.nki_kernels.compat.frontend import Kernel
+from nxd_moe.nki_kernels.compat.frontend import run as run_nki
 from nxd_moe.nki_kernels.lnc import KernelRun, simulate
 
 SUPPORTED_DTYPES = {torch.float32: nl.float32, torch.bfloat16: nl.bfloat16, torch.float16: nl.float16}
@@ -76,6 +78,8 @@ class KernelCall:
     args: dict[str, Any]
 
     def run(self, numerics: bool = True) -> KernelRun:
+        if isinstance(self.kernel, Kernel):  # an @nki.jit kernel written for the real compiler
+            return run_nki(self.kernel, lnc=self.lnc, numerics=numerics, **self.args)
         return simulate(self.kernel, self.lnc, numerics)(**self.args)
 
 

@@ -1,6 +1,7 @@
-"""``nl``: the ``nki.language`` subset the kernels use -- dtypes, buffers, ``ndarray``, program ids, loop ranges and
-the math / activation opcodes -- with NKI's names, so ``from nxd_moe.nki_kernels import language as nl`` reads like
-a kernel written for the real compiler.
+"""``nl``: ``nki.language`` -- dtypes, buffers, ``ndarray``, ``ds`` / ``par_dim``, program ids, loop ranges, tile
+sizes, ``NKIObject``, ``shared_identity_matrix`` and the ALU / activation opcodes -- with NKI's names, so ``from
+nxd_moe.nki_kernels import language as nl`` reads like a kernel written for the real compiler, and
+:mod:`nxd_moe.nki_kernels.compat` serves this module as ``nki.language`` itself.
 
 Loops: ``affine_range`` / ``sequential_range`` / ``static_range`` are compile-time loops (Python ranges, as in NKI
 now); ``dynamic_range(start, stop)`` is a hardware loop whose bounds may be registers read on the device. Every
@@ -15,14 +16,17 @@ from typing import Callable, Iterator
 
 import ml_dtypes
 import numpy as np
-import torch
 
 from nxd_moe.nki_kernels.machine import (
     GEMM_MOVING_FMAX,
     GEMM_STATIONARY_FMAX,
     PMAX,
     PSUM_FMAX,
+    PSUM_BANK_BYTES,
+    PSUM_NUM_BANKS,
+    SBUF_PARTITION_BYTES,
     Buffer,
+    DynSlice,
     NkiTensor,
     VirtualRegister,
     current_core,
@@ -34,6 +38,26 @@ float32 = np.dtype(np.float32)
 float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
 int32 = np.dtype(np.int32)
 uint8 = np.dtype(np.uint8)
+int8 = np.dtype(np.int8)
+int16 = np.dtype(np.int16)
+uint16 = np.dtype(np.uint16)
+uint32 = np.dtype(np.uint32)
+bool_ = np.dtype(np.bool_)
+tfloat32 = float32  # fp32 storage; the Tensor Engine's tf32 rounding is not modelled
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)
+
+
+def _packed(name: str) -> np.dtype:
+    """A Trn3 (NeuronCore-v4) MX dtype packing four values into 4 bytes: storage only (bytes), no arithmetic."""
+    return np.dtype([(name, np.uint8, (4,))])
+
+
+float8_e4m3fn_x4 = _packed("float8_e4m3fn_x4")
+float8_e5m2_x4 = _packed("float8_e5m2_x4")
+float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4")
+globals()["bool"] = bool_  # NKI's name (nki-library's resolve_dtype_to_nki returns nl.bool); not shadowing here
 
 sbuf = Buffer.SBUF
 psum = Buffer.PSUM
@@ -45,13 +69,110 @@ hbm = Buffer.SHARED_HBM
 class tile_size:  # noqa: N801 -- NKI's name
     pmax = PMAX
     psum_fmax = PSUM_FMAX
+    psum_bank_fmax = PSUM_FMAX
+    psum_bank_fmax_bytes = PSUM_BANK_BYTES
+    psum_num_banks = PSUM_NUM_BANKS
     gemm_stationary_fmax = GEMM_STATIONARY_FMAX
     gemm_moving_fmax = GEMM_MOVING_FMAX
+    bn_stats_fmax = 512
+    psum_min_align = 4
+    sbuf_min_align = 4
+    sbuf_size_bytes = PMAX * SBUF_PARTITION_BYTES
+    sbuf_fmax_bytes = SBUF_PARTITION_BYTES
+    sbuf_fmax = SBUF_PARTITION_BYTES // 4
+    total_available_sbuf_size = SBUF_PARTITION_BYTES  # deprecated NKI name: bytes per partition
 
 
-def ndarray(shape, dtype, buffer: Buffer = sbuf, name: str | None = None) -> NkiTensor:
-    """A new tensor, NaN-filled (4 for integers). ``shared_hbm`` tensors are the same tensor on both cores."""
-    return current_core().allocate(shape, dtype, buffer, name)
+class NKIObject:
+    """Base class of NKI kernel dataclasses and configuration objects (plain Python objects here).
+
+    Annotated fields without a default default to ``None``: nki-library constructs ``@dataclass`` NKIObjects without
+    every field (``MLPTKGConstantsDimensionSizes`` misses ``remainderIFused``), which its own CPU simulator accepts.
+    """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("__annotations__", {}):
+            if name not in cls.__dict__:
+                setattr(cls, name, None)
+
+    def __init__(self, **kwargs) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+
+tensor = NkiTensor
+
+
+class par_dim(int):  # noqa: N801 -- NKI's name
+    """Marks the partition dimension in a shape: ``(nl.par_dim(128), 512)``. Only the first dimension may be it."""
+
+
+def ds(start, size) -> DynSlice:
+    """``size`` elements from ``start``: ``t[nl.ds(i * 128, 128)]`` is ``t[i * 128:(i + 1) * 128]``."""
+    return DynSlice(start, size)
+
+
+def _plain_shape(shape) -> tuple[int, ...]:
+    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    if any(isinstance(n, par_dim) for n in shape[1:]):
+        raise NotImplementedError(f"shape {shape}: nl.par_dim after dim 0 (leading block dims) is not simulated; "
+                                  "put the partition dim first")
+    return tuple(int(n) for n in shape)
+
+
+def ndarray(shape, dtype, buffer: Buffer = sbuf, name: str | None = None, address=None) -> NkiTensor:
+    """A new tensor, NaN-filled (4 for integers). ``shared_hbm`` tensors are the same tensor on both cores.
+    ``address`` (a fixed ``(partition, byte)`` placement) is accepted and ignored: every tensor gets its own
+    memory, and capacity is counted."""
+    return current_core().allocate(_plain_shape(shape), np.dtype(dtype), buffer, name or None)
+
+
+def zeros(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
+    """A new tensor filled with zeros (a ``memset`` on chip)."""
+    return full(shape, 0, dtype, buffer, name)
+
+
+def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) -> NkiTensor:
+    """An ``(n, n)`` identity matrix in SBUF (a constant the compiler loads once)."""
+    t = ndarray((n, n), dtype, sbuf, "identity") if dst is None else dst
+    if t.shape != (n, n):
+        raise ValueError(f"shared_identity_matrix: dst must be ({n}, {n}), got {t.shape}")
+    if t.alloc.has_data:
+        t.data[...] = np.eye(n, dtype=np.float32).astype(t.dtype)
+    return t
+
+
+def full(shape, fill_value, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
+    """A new tensor filled with ``fill_value`` (a ``memset`` on chip)."""
+    from nxd_moe.nki_kernels import isa
+
+    t = ndarray(shape, dtype, buffer, name)
+    if t.buffer.on_chip:
+        isa.memset(t, fill_value)
+    elif t.alloc.has_data:
+        t.data[...] = fill_value
+    return t
+
+
+def ones(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
+    return full(shape, 1, dtype, buffer, name)
+
+
+def load(src: NkiTensor, dtype=None) -> NkiTensor:
+    """A new SBUF tile holding ``src`` (one ``dma_copy``, converting to ``dtype`` if given)."""
+    from nxd_moe.nki_kernels import isa
+
+    t = ndarray(src.shape, src.dtype if dtype is None else dtype, sbuf)
+    isa.dma_copy(t, src)
+    return t
+
+
+def store(dst: NkiTensor, value: NkiTensor) -> None:
+    """Write an SBUF tile to device memory (one ``dma_copy``)."""
+    from nxd_moe.nki_kernels import isa
+
+    isa.dma_copy(dst, value)
 
 
 def program_id(axis: int = 0) -> int:
@@ -59,9 +180,35 @@ def program_id(axis: int = 0) -> int:
     return current_core().program_id
 
 
-def num_programs(axis: int = 0) -> int:
-    _check_axis(axis)
+def num_programs(axes: int = 0, axis: int | None = None) -> int:
+    _check_axis(axes if axis is None else axis)
     return current_core().num_programs
+
+
+def program_ndim() -> int:
+    """Dimensions of the launch grid: 1 for ``kernel[n](...)``, 0 for a plain ``kernel(...)`` call."""
+    return current_core().launch.grid_ndim
+
+
+def device_print(print_prefix: str, tensor: NkiTensor) -> None:
+    """Print a tensor's values from inside the kernel (simulation only, as in NKI)."""
+    print(print_prefix, tensor.data)
+
+
+def is_hbm(buffer) -> bool:
+    return not Buffer(buffer).on_chip
+
+
+def is_sbuf(buffer) -> bool:
+    return Buffer(buffer) is Buffer.SBUF
+
+
+def is_psum(buffer) -> bool:
+    return Buffer(buffer) is Buffer.PSUM
+
+
+def is_on_chip(buffer) -> bool:
+    return Buffer(buffer).on_chip
 
 
 def _check_axis(axis: int) -> None:
@@ -89,7 +236,7 @@ def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     int. The induction variable is a register (usable as a ``scalar_offset``)."""
     if stop is None:
         start, stop = 0, start
-    if not isinstance(step, int) or isinstance(step, bool) or step == 0:
+    if type(step) is not int or step == 0:  # a plain int: this module's ``bool`` is NKI's dtype
         raise TypeError(f"dynamic_range step must be a non-zero compile-time int, got {step!r}")
     core = current_core()
     first, last = (b.value if isinstance(b, VirtualRegister) else int(b) for b in (start, stop))
@@ -128,10 +275,38 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return (0.5 * (1.0 + np.tanh(0.5 * x))).astype(np.float32)
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    erf = torch.special.erf(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32) / math.sqrt(2.0))).numpy()
-    return (0.5 * x * (1.0 + erf)).astype(np.float32)
+_ERF = np.frompyfunc(math.erf, 1, 1)
 
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf by the C library, element by element (NumPy has none). Not torch's: its result for the same input varied
+    with the state of torch's thread pool after LNC2 launches had called it from two threads, which made
+    fp32 gelu kernels differ from run to run by ~3e-5."""
+    return _ERF(np.asarray(x, dtype=np.float64)).astype(np.float32)
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return (0.5 * x * (1.0 + _erf(np.asarray(x, dtype=np.float32) / np.float32(math.sqrt(2.0))))).astype(np.float32)
+
+
+divide = Op("divide", np.divide)
+power = Op("power", np.power)
+less = Op("less", lambda a, b: (a < b).astype(np.float32))
+less_equal = Op("less_equal", lambda a, b: (a <= b).astype(np.float32))
+greater = Op("greater", lambda a, b: (a > b).astype(np.float32))
+greater_equal = Op("greater_equal", lambda a, b: (a >= b).astype(np.float32))
+abs_max = Op("abs_max", lambda a, b: np.maximum(np.abs(a), np.abs(b)))
+abs_min = Op("abs_min", lambda a, b: np.minimum(np.abs(a), np.abs(b)))
+logical_and = Op("logical_and", lambda a, b: np.logical_and(a, b).astype(np.float32))
+logical_or = Op("logical_or", lambda a, b: np.logical_or(a, b).astype(np.float32))
+logical_xor = Op("logical_xor", lambda a, b: np.logical_xor(a, b).astype(np.float32))
+bitwise_and = Op("bitwise_and", np.bitwise_and)
+bitwise_or = Op("bitwise_or", np.bitwise_or)
+bitwise_xor = Op("bitwise_xor", np.bitwise_xor)
+left_shift = Op("left_shift", np.left_shift)
+right_shift = Op("right_shift", np.right_shift)
+mod = Op("mod", np.mod)
+fmod = Op("fmod", np.fmod)
 
 copy = Op("copy", lambda x: x)
 silu = Op("silu", lambda x: x * _sigmoid(x))
@@ -140,6 +315,30 @@ relu = Op("relu", lambda x: np.maximum(x, np.float32(0.0)))
 sigmoid = Op("sigmoid", _sigmoid)
 tanh = Op("tanh", np.tanh)
 leaky_relu = Op("leaky_relu", lambda x: np.where(x >= 0, x, np.float32(0.01) * x))
+# gelu approximations as documented: x * sigmoid(1.702 x), and the tanh form
+gelu_apprx_sigmoid = Op("gelu_apprx_sigmoid", lambda x: x * _sigmoid(np.float32(1.702) * x))
+gelu_apprx_tanh = Op("gelu_apprx_tanh", lambda x: (0.5 * x * (1.0 + np.tanh(
+    np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))).astype(np.float32))
+exp = Op("exp", np.exp)
+log = Op("log", np.log)
+sqrt = Op("sqrt", np.sqrt)
+rsqrt = Op("rsqrt", lambda x: (1.0 / np.sqrt(x)).astype(np.float32))
+reciprocal = Op("reciprocal", lambda x: (1.0 / x).astype(np.float32))
+square = Op("square", np.square)
+abs = Op("abs", np.abs)  # noqa: A001 -- NKI's name
+negative = Op("negative", np.negative)
+sign = Op("sign", np.sign)
+softplus = Op("softplus", lambda x: np.logaddexp(np.float32(0.0), x).astype(np.float32))
+mish = Op("mish", lambda x: (x * np.tanh(np.logaddexp(np.float32(0.0), x))).astype(np.float32))
+sin = Op("sin", np.sin)
+cos = Op("cos", np.cos)
+erf = Op("erf", _erf)
 
-ACTIVATION_FUNCTIONS = {op.name: op for op in (copy, silu, gelu, relu, sigmoid, tanh, leaky_relu)}
-ALU_OPS = {op.name: op for op in (add, subtract, multiply, maximum, minimum, equal, not_equal)}
+ACTIVATION_FUNCTIONS = {op.name: op for op in (
+    copy, silu, gelu, relu, sigmoid, tanh, leaky_relu, gelu_apprx_sigmoid, gelu_apprx_tanh, exp, log, sqrt, rsqrt,
+    reciprocal, square, abs, negative, sign, softplus, mish, sin, cos, erf)}
+ALU_OPS = {op.name: op for op in (
+    add, subtract, multiply, maximum, minimum, equal, not_equal, divide, power, less, less_equal, greater,
+    greater_equal, abs_max, abs_min, logical_and, logical_or, logical_xor, bitwise_and, bitwise_or, bitwise_xor,
+    left_shift, right_shift, mod, fmod)}
+INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift")

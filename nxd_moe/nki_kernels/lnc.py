@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -66,8 +66,9 @@ class CoreBarrier:
 class Launch:
     """What the cores of one launch share: HBM allocations, the barrier and the sendrecv pipes."""
 
-    def __init__(self, num_programs: int, numerics: bool, timeout_s: float):
+    def __init__(self, num_programs: int, numerics: bool, timeout_s: float, grid_ndim: int = 1):
         self.num_programs = num_programs
+        self.grid_ndim = grid_ndim
         self.numerics = numerics
         self.barrier = CoreBarrier(num_programs, timeout_s)
         self._lock = threading.Lock()
@@ -111,6 +112,7 @@ class KernelRun:
     outputs: Any
     cores: list[Accounting]
     lnc: int
+    arguments: dict[str, Any] = field(default_factory=dict)  # the HBM copies of array arguments, as the kernel left them
 
     @property
     def accounting(self) -> Accounting:
@@ -118,11 +120,15 @@ class KernelRun:
 
 
 def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
-             timeout_s: float = BARRIER_TIMEOUT_S) -> Callable[..., KernelRun]:
+             timeout_s: float = BARRIER_TIMEOUT_S, grid_ndim: int = 1,
+             liveness: bool = False) -> Callable[..., KernelRun]:
     """``simulate(kernel, lnc=2)(*args)`` runs ``kernel`` on ``lnc`` cores (NKI's ``kernel[2](...)``).
 
     NumPy array arguments are copied into shared HBM under their parameter names (which the accounting uses);
     other arguments pass through. ``numerics=False`` makes a counting run (see :mod:`nxd_moe.nki_kernels.machine`).
+    ``grid_ndim`` is what ``nl.program_ndim()`` reports (0 for NKI's plain ``kernel(...)`` call);
+    ``liveness`` counts on-chip memory over the tensors' lifetimes (allocation to last use), as the NKI compiler
+    allocates it, instead of by loop scopes (see ``Core``) -- for kernels written for the real compiler.
     """
     if lnc not in (1, 2):
         raise ValueError(f"lnc must be 1 or 2 (cores of a Trn2 logical NeuronCore), got {lnc!r}")
@@ -132,7 +138,8 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
         for name, value in bound.arguments.items():
             if isinstance(value, np.ndarray):
                 bound.arguments[name] = hbm_tensor(value, name, numerics)
-        launch = Launch(lnc, numerics, timeout_s)
+        launch = Launch(lnc, numerics, timeout_s, grid_ndim)
+        launch.liveness = liveness
         cores = [Core(pid, lnc, numerics, launch) for pid in range(lnc)]
         results: list[Any] = [None] * lnc
         errors: list[BaseException | None] = [None] * lnc
@@ -142,6 +149,8 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
             try:
                 with core.activate():
                     results[core.program_id] = kernel(*bound.args, **bound.kwargs)
+                    if core.liveness:
+                        core.check_liveness()
                 failed = False
             except BaseException as e:  # re-raised by the launching thread
                 errors[core.program_id] = e
@@ -161,7 +170,9 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True,
         primary = [e for e in errors if e is not None and not isinstance(e, CoreDivergenceError)]
         if primary or any(errors):
             raise (primary or [e for e in errors if e is not None])[0]
-        return KernelRun(_to_numpy(results[0]), [core.accounting for core in cores], lnc)
+        arguments = {name: _to_numpy(value) for name, value in bound.arguments.items()
+                     if isinstance(value, NkiTensor)}
+        return KernelRun(_to_numpy(results[0]), [core.accounting for core in cores], lnc, arguments)
 
     return run
 

@@ -83,8 +83,17 @@ class Allocation:
         self.shape = shape
         self.owner = owner
         self.alive = True
-        self.has_data = numerics or is_integer(self.dtype)
-        if self.has_data:
+        self.release: Callable[[], None] = lambda: None
+        self.born: int | None = None  # liveness: the core clock at allocation and at the last use
+        self.last_use: int | None = None
+        # Counting runs keep real storage for integers (they steer control flow) and for on-chip tensors (bounded by
+        # SBUF / PSUM), so index arithmetic routed through float tiles (an int -> fp32 -> transpose -> int round
+        # trip) stays exact; ``known`` is False once a tensor holds values derived from data-less (HBM float) inputs.
+        self.has_data = numerics or is_integer(self.dtype) or buffer in (Buffer.SBUF, Buffer.PSUM)
+        self.known = self.has_data
+        if self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
+            self.data = np.full(shape + (self.dtype.itemsize,), 0xFF, np.uint8).view(self.dtype).reshape(shape)
+        elif self.has_data:
             fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
             self.data = np.full(shape, fill, dtype=self.dtype)
         else:
@@ -99,26 +108,63 @@ class Allocation:
         return math.prod(self.shape)
 
 
-class NkiTensor:
-    """A tensor or a rectangular view of one (NumPy basic indexing: ints and slices).
+class DynSlice:
+    """``nl.ds(start, size)``: ``size`` elements from ``start`` -- a slice whose length is fixed at trace time."""
 
-    On-chip tensors keep the partition dimension first, so it may only be sliced, never indexed away.
+    __slots__ = ("start", "size", "step")
+
+    def __init__(self, start, size, step: int = 1):
+        if isinstance(start, bool) or not isinstance(start, (int, np.integer)):
+            raise TypeError(f"nl.ds start must be an int here (a runtime start goes through .ap(scalar_offset=...) or "
+                            f".select(dim, index_tensor)), got {type(start).__name__}")
+        if int(size) < 1:
+            raise ValueError(f"nl.ds size must be >= 1, got {size}")
+        self.start, self.size, self.step = int(start), int(size), int(step)
+
+    def __repr__(self) -> str:
+        return f"nl.ds({self.start}, {self.size})"
+
+
+class NkiTensor:
+    """A tensor, or a strided view of one: ``shape``, ``strides`` and ``offset`` in elements over the allocation's
+    row-major storage (NKI's ``NkiTensor``). Views share storage; nothing is copied.
+
+    On-chip tensors keep the partition dimension first: an integer index on dim 0 keeps it as a size-1 dimension, and
+    the view methods refuse to move or merge it.
     """
 
-    __slots__ = ("alloc", "data", "written")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "data", "written")
 
-    def __init__(self, alloc: Allocation, data: np.ndarray, written: np.ndarray | None):
+    def __init__(self, alloc: Allocation, shape, strides, offset: int = 0, dtype=None):
         self.alloc = alloc
-        self.data = data
-        self.written = written
+        self.shape = tuple(int(n) for n in shape)
+        self.strides = tuple(int(s) for s in strides)
+        self.offset = int(offset)
+        self.dtype = alloc.dtype if dtype is None else np.dtype(dtype)
+        if any(n < 1 for n in self.shape):
+            raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {self.shape} selects an empty region")
+        lo, hi = self._extent()
+        limit = alloc.size * alloc.dtype.itemsize // self.dtype.itemsize
+        if lo < 0 or hi >= limit:
+            raise HardwareLimitError(f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside tensor "
+                                     f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
+        self.data = self._strided(alloc.data, alloc.has_data)
+        self.written = None if alloc.matmul_written is None else self._strided(alloc.matmul_written, True)
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.data.shape
+    def _extent(self) -> tuple[int, int]:
+        lo = self.offset + sum(min(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
+        hi = self.offset + sum(max(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
+        return lo, hi
 
-    @property
-    def dtype(self) -> np.dtype:
-        return self.alloc.dtype
+    def _strided(self, storage: np.ndarray, real: bool) -> np.ndarray:
+        if not real:
+            return _dummy(self.shape, self.dtype)
+        flat = storage.reshape(-1)
+        if storage is self.alloc.data and self.dtype != self.alloc.dtype:
+            flat = flat.view(np.uint8).view(self.dtype)
+        item = flat.itemsize
+        return np.lib.stride_tricks.as_strided(flat[self.offset:], shape=self.shape,
+                                               strides=tuple(s * item for s in self.strides))
 
     @property
     def buffer(self) -> Buffer:
@@ -129,6 +175,14 @@ class NkiTensor:
         return self.alloc.name
 
     @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def partitions(self) -> int:
         return self.shape[0] if self.shape else 1
 
@@ -137,46 +191,264 @@ class NkiTensor:
         """Elements per partition."""
         return math.prod(self.shape[1:]) if len(self.shape) > 1 else 1
 
+    def _view(self, shape, strides, offset=None, dtype=None) -> "NkiTensor":
+        return NkiTensor(self.alloc, shape, strides, self.offset if offset is None else offset,
+                         self.dtype if dtype is None else dtype)
+
+    def _row_elements(self) -> int:
+        """Elements of one partition of the allocation, in this view's dtype."""
+        return self.alloc.bytes_per_partition // self.dtype.itemsize
+
+    # ------------------------------------------------------------------------------------------------ indexing
+
     def __getitem__(self, key) -> "NkiTensor":
-        key = key if isinstance(key, tuple) else (key,)
-        for k in key:
-            if not isinstance(k, (int, np.integer, slice)) or isinstance(k, bool):
-                raise TypeError(f"tensor {self.name!r}: index with ints and slices only (got {type(k).__name__}); "
-                                "dynamic addressing goes through .ap(scalar_offset=..., vector_offset=...)")
-        if self.buffer.on_chip and key and not isinstance(key[0], slice):
-            raise TypeError(f"tensor {self.name!r} lives in {self.buffer.value}: slice its partition dimension "
-                            "(dim 0), do not index it away")
-        data = self.data[key]
-        if any(n == 0 for n in data.shape):
-            raise HardwareLimitError(f"tensor {self.name!r}: index {key} selects an empty region of shape "
-                                     f"{self.shape}")
-        written = None if self.written is None else self.written[key]
-        return NkiTensor(self.alloc, data, written)
+        key = list(key) if isinstance(key, tuple) else [key]
+        if sum(k is Ellipsis for k in key) > 1:
+            raise IndexError(f"tensor {self.name!r}: at most one Ellipsis in an index")
+        if Ellipsis in key:
+            i = key.index(Ellipsis)
+            key[i:i + 1] = [slice(None)] * (self.ndim - len(key) + 1)
+        if len(key) > self.ndim:
+            raise IndexError(f"tensor {self.name!r} of shape {self.shape}: {len(key)} indices for {self.ndim} dims")
+        key += [slice(None)] * (self.ndim - len(key))
+        shape, strides, offset = [], [], self.offset
+        for dim, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
+            if isinstance(k, DynSlice):
+                k = slice(k.start, k.start + k.size * k.step, k.step)
+                if k.stop > n:
+                    raise IndexError(f"tensor {self.name!r}: nl.ds reaches {k.stop} past dim {dim} of size {n}")
+            if isinstance(k, slice):
+                start, stop, step = k.indices(n)
+                if step < 1:
+                    raise IndexError(f"tensor {self.name!r}: slice steps must be positive, got {step}")
+                count = len(range(start, stop, step))
+                if count == 0:
+                    raise HardwareLimitError(f"tensor {self.name!r}: index {tuple(key)} selects an empty region of "
+                                             f"shape {self.shape}")
+                shape.append(count)
+                strides.append(s * step)
+                offset += s * start
+            elif isinstance(k, (int, np.integer)) and not isinstance(k, bool):
+                k = int(k) + n if k < 0 else int(k)
+                if not 0 <= k < n:
+                    raise IndexError(f"tensor {self.name!r}: index {k} is out of bounds for dim {dim} of size {n}")
+                offset += s * k
+                if dim == 0 and self.buffer.on_chip:  # the partition dimension stays, as size 1
+                    shape.append(1)
+                    strides.append(s)
+            else:
+                raise TypeError(f"tensor {self.name!r}: index with ints, slices, Ellipsis or nl.ds (got "
+                                f"{type(k).__name__}); dynamic addressing goes through .ap(scalar_offset=..., "
+                                "vector_offset=...) or .select(dim, index_tensor)")
+        if not shape:
+            shape, strides = [1], [1]
+        if self.buffer.on_chip and len(shape) == 1:  # on-chip views stay at least 2-D
+            shape, strides = shape + [1], strides + [1]
+        return self._view(shape, strides, offset)
 
-    def ap(self, pattern: Sequence[Sequence[int]], offset: int = 0, scalar_offset=None, vector_offset=None,
-           indirect_dim: int = 0) -> "AccessPattern":
-        """A DMA access pattern over this HBM tensor's elements in row-major order (NKI's ``.ap``).
+    def __setitem__(self, key, value):
+        raise TypeError(f"tensor {self.name!r}: NKI tensors are written by instructions (nisa.*), not by assignment")
 
-        ``pattern`` lists ``[stride, count]`` pairs (outermost first) and gives the accessed shape; ``offset`` is
-        in elements. ``scalar_offset`` (an int32 ``(1, 1)`` tensor or a register) adds ``value *
-        prod(shape[indirect_dim+1:])``. ``vector_offset`` (an int32 ``(P, 1)`` SBUF tensor, ``P`` the first count)
-        replaces the first dimension's index by a row of ``indirect_dim=0`` -- a gather/scatter of rows.
+    # ------------------------------------------------------------------------------------------------ views
+
+    def get_pattern(self) -> list[list[int]]:
+        return [[s, n] for s, n in zip(self.strides, self.shape)]
+
+    def is_contiguous(self) -> bool:
+        dims = range(1 if self.buffer.on_chip else 0, self.ndim)
+        expected = 1
+        for d in reversed(dims):
+            if self.shape[d] != 1 and self.strides[d] != expected:
+                return False
+            expected *= self.shape[d]
+        return True
+
+    def is_indirect(self) -> bool:
+        return False
+
+    def _check_dim(self, dim: int, what: str, allow_partition: bool = False) -> int:
+        if not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"{what}: dim {dim} out of range for the {self.ndim}-D tensor {self.name!r}")
+        dim %= self.ndim
+        if dim == 0 and self.buffer.on_chip and not allow_partition:
+            raise HardwareLimitError(f"{what}: tensor {self.name!r} is in {self.buffer.value}; its partition dim "
+                                     "(dim 0) cannot be changed")
+        return dim
+
+    def permute(self, dims) -> "NkiTensor":
+        dims = tuple(int(d) for d in dims)
+        if sorted(dims) != list(range(self.ndim)):
+            raise ValueError(f"permute: {dims} is not a permutation of range({self.ndim})")
+        if self.buffer.on_chip and dims[0] != 0:
+            raise HardwareLimitError(f"permute: tensor {self.name!r} is on chip; dims[0] must stay 0, got {dims}")
+        return self._view([self.shape[d] for d in dims], [self.strides[d] for d in dims])
+
+    def broadcast(self, dim: int, size: int) -> "NkiTensor":
+        dim = self._check_dim(dim, "broadcast")
+        if self.shape[dim] != 1:
+            raise ValueError(f"broadcast: dim {dim} of {self.name!r} has size {self.shape[dim]}, not 1")
+        shape, strides = list(self.shape), list(self.strides)
+        shape[dim], strides[dim] = int(size), 0
+        return self._view(shape, strides)
+
+    def expand_dim(self, dim: int) -> "NkiTensor":
+        if not 0 <= dim <= self.ndim or (dim == 0 and self.buffer.on_chip):
+            raise HardwareLimitError(f"expand_dim: dim {dim} is not a free position of {self.name!r} {self.shape}")
+        return self._view(self.shape[:dim] + (1,) + self.shape[dim:], self.strides[:dim] + (1,) + self.strides[dim:])
+
+    def squeeze_dim(self, dim: int) -> "NkiTensor":
+        dim = self._check_dim(dim, "squeeze_dim")
+        if self.shape[dim] != 1:
+            raise ValueError(f"squeeze_dim: dim {dim} of {self.name!r} has size {self.shape[dim]}, not 1")
+        return self._view(self.shape[:dim] + self.shape[dim + 1:], self.strides[:dim] + self.strides[dim + 1:])
+
+    def reshape_dim(self, dim: int, shape) -> "NkiTensor":
+        parts = _infer_shape(shape, self.shape[self._check_dim(dim, "reshape_dim", allow_partition=True)])
+        dim %= self.ndim
+        if dim == 0 and self.buffer.on_chip and len(parts) != 1:
+            raise HardwareLimitError(f"reshape_dim: the partition dim of on-chip tensor {self.name!r} cannot be split")
+        inner = [self.strides[dim] * math.prod(parts[i + 1:]) for i in range(len(parts))]
+        return self._view(self.shape[:dim] + tuple(parts) + self.shape[dim + 1:],
+                          self.strides[:dim] + tuple(inner) + self.strides[dim + 1:])
+
+    def flatten_dims(self, start_dim: int, end_dim: int) -> "NkiTensor":
+        start_dim, end_dim = start_dim % self.ndim, end_dim % self.ndim
+        if start_dim == 0 and self.buffer.on_chip:
+            raise HardwareLimitError(f"flatten_dims: the partition dim of on-chip tensor {self.name!r} cannot merge")
+        for d in range(start_dim, end_dim):
+            if self.shape[d + 1] != 1 and self.shape[d] != 1 and self.strides[d] != self.strides[d + 1] * self.shape[d + 1]:
+                raise HardwareLimitError(f"flatten_dims: dims {start_dim}..{end_dim} of {self.name!r} are not "
+                                         "contiguous in memory")
+        merged = math.prod(self.shape[start_dim:end_dim + 1])
+        return self._view(self.shape[:start_dim] + (merged,) + self.shape[end_dim + 1:],
+                          self.strides[:start_dim] + (self.strides[end_dim],) + self.strides[end_dim + 1:])
+
+    def reshape(self, shape) -> "NkiTensor":
+        """A view of another shape with the same elements; the layout must allow it (contiguous free dims)."""
+        shape = _infer_shape(shape, self.size)
+        if self.buffer.on_chip:
+            if shape[0] != self.shape[0]:
+                raise HardwareLimitError(f"reshape: on-chip tensor {self.name!r} keeps its partition dim "
+                                         f"{self.shape[0]}, got {tuple(shape)}")
+            if not self.is_contiguous():
+                raise HardwareLimitError(f"reshape: the free dims of {self.name!r} are not contiguous")
+            return self._view(shape, (self.strides[0],) + _row_major(shape[1:]))
+        if not self.is_contiguous():
+            raise HardwareLimitError(f"reshape: {self.name!r} is not contiguous; reshape needs a contiguous view")
+        return self._view(shape, _row_major(shape))
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "NkiTensor":
+        dim = self._check_dim(dim, "slice", allow_partition=True)
+        if not 0 <= start < end <= self.shape[dim] or step < 1:
+            raise IndexError(f"slice: need 0 <= start < end <= {self.shape[dim]} and step >= 1 on dim {dim} of "
+                             f"{self.name!r}, got ({start}, {end}, {step})")
+        key = [slice(None)] * self.ndim
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim: int, index) -> "NkiTensor | AccessPattern":
+        """Pick one index of ``dim`` (dropping it); a one-element integer tensor or register picks it at run time."""
+        if isinstance(index, (int, np.integer)):
+            dim = self._check_dim(dim, "select", allow_partition=not self.buffer.on_chip)
+            n = self.shape[dim]
+            index = int(index) + n if index < 0 else int(index)
+            if not 0 <= index < n:
+                raise IndexError(f"select: index {index} out of bounds for dim {dim} of size {n}")
+            shape, strides = self.shape[:dim] + self.shape[dim + 1:], self.strides[:dim] + self.strides[dim + 1:]
+            if len(shape) < (2 if self.buffer.on_chip else 1):
+                shape, strides = shape + (1,), strides + (1,)
+            return self._view(shape, strides, self.offset + self.strides[dim] * index)
+        dim = self._check_dim(dim, "select")
+        pattern = [list(p) for i, p in enumerate(self.get_pattern()) if i != dim]
+        return AccessPattern(self, pattern, 0, index, None, dim, removed_dim=dim)
+
+    def vector_select(self, dim: int, vector_offset) -> "AccessPattern":
+        if dim != 0:
+            raise HardwareLimitError(f"vector_select: dim must be 0, got {dim}")
+        pattern = [[self.strides[0], vector_offset.shape[0]]] + self.get_pattern()[1:]
+        return AccessPattern(self, pattern, 0, None, vector_offset, 0)
+
+    def ap(self, pattern: Sequence[Sequence[int]], offset: int | None = None, scalar_offset=None, vector_offset=None,
+           indirect_dim: int = 0, dtype=None) -> "NkiTensor | AccessPattern":
+        """An explicit access pattern over this tensor's storage (NKI's ``.ap``, like ``torch.as_strided``).
+
+        ``pattern`` lists ``[stride, count]`` pairs (outermost first, in elements of ``dtype``, default the tensor's)
+        and gives the accessed shape; ``offset`` (elements) is added to the view's own offset. On chip the first pair
+        steps over partitions (a whole partition is the allocation's free size). Without dynamic offsets the result
+        is a view; ``scalar_offset`` (an int32 ``(1, 1)`` tensor or a register) moves the access by
+        ``value * stride of indirect_dim`` (for a whole tensor: ``prod(shape[indirect_dim+1:])``), and
+        ``vector_offset`` (an int32 ``(P, 1)`` SBUF tensor) replaces dim 0's index per partition -- both resolved
+        (and bounds-checked) when the DMA runs.
         """
-        return AccessPattern(self, pattern, offset, scalar_offset, vector_offset, indirect_dim)
+        dtype = self.dtype if dtype is None else np.dtype(dtype)
+        ratio = self.dtype.itemsize / dtype.itemsize
+        base = int(self.offset * ratio) + (0 if offset is None else int(offset))
+        pattern = [(int(stride), int(count)) for stride, count in pattern]
+        if not pattern or any(count < 1 for _, count in pattern):
+            raise HardwareLimitError(f"access pattern {pattern} on {self.name!r}: every count must be >= 1")
+        if scalar_offset is not None or vector_offset is not None:
+            if dtype != self.dtype:
+                raise NotImplementedError(f".ap on {self.name!r}: a dtype reinterpretation with a dynamic offset is "
+                                          "not simulated")
+            return AccessPattern(self, pattern, base - self.offset, scalar_offset, vector_offset, indirect_dim)
+        if self.buffer.on_chip and len(pattern) > 1:
+            row = self.alloc.bytes_per_partition // dtype.itemsize
+            if pattern[0][0] % row and pattern[0][1] > 1:
+                raise HardwareLimitError(f".ap on on-chip tensor {self.name!r}: the partition step {pattern[0][0]} "
+                                         f"must be a multiple of the partition size {row} (elements of {dtype})")
+        return NkiTensor(self.alloc, [c for _, c in pattern], [s for s, _ in pattern], base, dtype)
+
+    def view(self, dtype) -> "NkiTensor":
+        """The same bytes as another dtype; the last dim scales by the size ratio and must be contiguous."""
+        dtype = np.dtype(dtype)
+        old, new = self.dtype.itemsize, dtype.itemsize
+        if old == new:
+            return self._view(self.shape, self.strides, dtype=dtype)
+        if self.strides[-1] != 1:
+            raise HardwareLimitError(f"view: the last dim of {self.name!r} must be contiguous to reinterpret it")
+        if new > old:
+            r = new // old
+            if self.shape[-1] % r or self.offset % r or any(s % r for s in self.strides[:-1]):
+                raise HardwareLimitError(f"view: {self.name!r} {self.shape} {self.dtype} cannot be read as {dtype}")
+            return self._view(self.shape[:-1] + (self.shape[-1] // r,), tuple(s // r for s in self.strides[:-1]) + (1,),
+                              self.offset // r, dtype)
+        r = old // new
+        return self._view(self.shape[:-1] + (self.shape[-1] * r,), tuple(s * r for s in self.strides[:-1]) + (1,),
+                          self.offset * r, dtype)
+
+    reinterpret_cast = view
 
     def __repr__(self) -> str:
         return f"NkiTensor({self.name!r}, {self.buffer.value}, {self.dtype}, {self.shape})"
 
 
-class AccessPattern:
-    """An HBM access described by strides, resolved (and bounds-checked) when a DMA runs."""
+def _row_major(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
 
-    def __init__(self, tensor: NkiTensor, pattern, offset: int, scalar_offset, vector_offset, indirect_dim: int):
-        if tensor.buffer.on_chip:
-            raise TypeError(f".ap() describes an HBM access; tensor {tensor.name!r} is in {tensor.buffer.value}")
-        if tensor.shape != tensor.alloc.shape:
-            raise TypeError(f".ap() addresses the whole tensor {tensor.name!r}: call it on the tensor, not a view "
-                            "(put the view's start into offset)")
+
+def _infer_shape(shape, total: int) -> tuple[int, ...]:
+    shape = [int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,))]
+    if shape.count(-1) > 1:
+        raise ValueError(f"reshape: at most one -1 in {tuple(shape)}")
+    if -1 in shape:
+        known = math.prod(n for n in shape if n != -1)
+        shape[shape.index(-1)] = total // known if known else 0
+    if math.prod(shape) != total:
+        raise ValueError(f"reshape: {tuple(shape)} does not hold {total} elements")
+    return tuple(shape)
+
+
+class AccessPattern:
+    """A DMA access with a runtime (scalar or per-partition vector) offset, resolved and bounds-checked when the DMA
+    runs. ``offset`` is relative to the view ``tensor`` it was made from; the dynamic index steps by that view's
+    stride of ``indirect_dim`` and must lie inside that dim."""
+
+    def __init__(self, tensor: NkiTensor, pattern, offset: int, scalar_offset, vector_offset, indirect_dim: int,
+                 removed_dim: int | None = None):
         pattern = [(int(stride), int(count)) for stride, count in pattern]
         if not pattern or any(count < 1 for _, count in pattern):
             raise HardwareLimitError(f"access pattern {pattern} on {tensor.name!r}: every count must be >= 1")
@@ -187,13 +459,16 @@ class AccessPattern:
                 raise TypeError("an access pattern takes scalar_offset or vector_offset, not both")
             if indirect_dim != 0:
                 raise HardwareLimitError("vector_offset indirection is only supported on indirect_dim=0")
+            if tensor.buffer.on_chip:
+                raise HardwareLimitError(f"vector_offset indirection reads or writes HBM; {tensor.name!r} is in "
+                                         f"{tensor.buffer.value}")
             if (not isinstance(vector_offset, NkiTensor) or vector_offset.buffer is not Buffer.SBUF
                     or not is_integer(vector_offset.dtype) or vector_offset.shape != (pattern[0][1], 1)):
                 raise TypeError(f"vector_offset must be an integer SBUF tensor of shape ({pattern[0][1]}, 1), got "
                                 f"{vector_offset!r}")
         self.tensor = tensor
         self.pattern = pattern
-        self.offset = int(offset)
+        self.offset = tensor.offset + int(offset)
         self.scalar_offset = scalar_offset
         self.vector_offset = vector_offset
         self.indirect_dim = indirect_dim
@@ -219,7 +494,10 @@ class AccessPattern:
         return self.scalar_offset is not None or self.vector_offset is not None
 
     def row_stride(self) -> int:
-        return math.prod(self.tensor.shape[self.indirect_dim + 1:])
+        return self.tensor.strides[self.indirect_dim]
+
+    def is_indirect(self) -> bool:
+        return True
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row_base (P,), row_valid (P,), dynamic_index (P,))``: the element address each first-dimension index
@@ -285,6 +563,20 @@ class VirtualRegister:
         return f"VirtualRegister({self.value})"
 
 
+class _Release:
+    """Gives an on-chip allocation's space back once (at the end of its scope, or when it is garbage)."""
+
+    def __init__(self, memory: "Memory", amount: int):
+        self.memory = memory
+        self.amount = amount
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self.memory.release(self.amount)
+
+
 class Memory:
     """Capacity bookkeeping of one on-chip memory of one core (bytes per partition, or PSUM banks)."""
 
@@ -333,7 +625,14 @@ class Core:
         self.accounting = Accounting()
         self._scopes: list[list[Allocation]] = [[]]
         self._private_count = 0
+        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use. With liveness
+        # (the compat front door) on-chip tensors occupy memory from allocation to their last use by an instruction,
+        # and capacity is checked over those lifetimes when the kernel ends (check_liveness).
+        self.liveness = bool(getattr(launch, "liveness", False))
+        self.clock = 0
+        self._on_chip: list[Allocation] = []
         self.replays: dict[Hashable, Accounting] = {}
+        self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
 
     @contextmanager
     def activate(self):
@@ -361,10 +660,15 @@ class Core:
                                      f"{shape[0]} exceeds nl.tile_size.pmax = {PMAX}")
         alloc = Allocation(label, buffer, dtype, shape, self.numerics, self.program_id)
         if buffer is Buffer.SBUF:
-            self.sbuf.reserve(alloc.bytes_per_partition, f"tensor {label!r} {shape} {alloc.dtype}")
+            memory, amount = self.sbuf, alloc.bytes_per_partition
         else:
-            banks = -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
-            self.psum.reserve(banks, f"tensor {label!r} {shape} {alloc.dtype}")
+            memory, amount = self.psum, -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
+        if self.liveness:
+            alloc.born = alloc.last_use = self.tick()
+            self._on_chip.append(alloc)
+            return whole(alloc)
+        memory.reserve(amount, f"tensor {label!r} {shape} {alloc.dtype}")
+        alloc.release = _Release(memory, amount)
         self._scopes[-1].append(alloc)
         self.accounting.sbuf_high_water = self.sbuf.high_water
         self.accounting.psum_high_water_banks = self.psum.high_water
@@ -380,12 +684,41 @@ class Core:
             for alloc in self._scopes.pop():
                 self._free(alloc)
 
-    def _free(self, alloc: Allocation) -> None:
+    @staticmethod
+    def _free(alloc: Allocation) -> None:
         alloc.alive = False
-        if alloc.buffer is Buffer.SBUF:
-            self.sbuf.release(alloc.bytes_per_partition)
-        else:
-            self.psum.release(-(-alloc.bytes_per_partition // PSUM_BANK_BYTES))
+        alloc.release()
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def check_liveness(self) -> None:
+        """With liveness: the SBUF / PSUM high-water marks over the tensors' lifetimes (allocation to last use),
+        raising :class:`HardwareLimitError` when one exceeds its capacity."""
+        for memory, buffer in ((self.sbuf, Buffer.SBUF), (self.psum, Buffer.PSUM)):
+            allocs = [a for a in self._on_chip if a.buffer is buffer]
+            size = (lambda a: a.bytes_per_partition) if buffer is Buffer.SBUF else (
+                lambda a: -(-a.bytes_per_partition // PSUM_BANK_BYTES))
+            events = sorted([(a.born, 1, a) for a in allocs] + [(a.last_use, 2, a) for a in allocs],
+                            key=lambda e: (e[0], e[1]))
+            used, peak, live, at_peak = 0, 0, set(), []
+            for _, kind, a in events:
+                if kind == 1:
+                    used += size(a)
+                    live.add(a)
+                    if used > peak:
+                        peak, at_peak = used, list(live)
+                else:
+                    used -= size(a)
+                    live.discard(a)
+            memory.high_water = peak
+            if peak > memory.capacity:
+                names = ", ".join(sorted({a.name for a in at_peak})[:8])
+                raise HardwareLimitError(f"{memory.name} over capacity: {peak} {memory.unit} live at once (tensors "
+                                         f"{names}{', ...' if len(at_peak) > 8 else ''}) exceeds {memory.capacity}")
+        self.accounting.sbuf_high_water = self.sbuf.high_water
+        self.accounting.psum_high_water_banks = self.psum.high_water
 
     def release_all(self) -> None:
         while self._scopes:
@@ -423,7 +756,7 @@ def counted_once_per_signature(signature: Callable[..., Hashable]):
 
 
 def whole(alloc: Allocation) -> NkiTensor:
-    return NkiTensor(alloc, alloc.data, alloc.matmul_written)
+    return NkiTensor(alloc, alloc.shape, _row_major(alloc.shape))
 
 
 def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
@@ -435,7 +768,10 @@ def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
 
 
 def check_alive(*tensors) -> None:
+    """Every instruction passes its tensors here: a freed tensor raises; with liveness, the use is recorded."""
     for t in tensors:
+        if isinstance(t, NkiTensor) and t.alloc.born is not None:
+            t.alloc.last_use = current_core().tick()
         if isinstance(t, NkiTensor) and not t.alloc.alive:
             raise RuntimeError(f"tensor {t.name!r} is used after the loop iteration that allocated it ended; "
                                "allocate tensors that outlive an iteration before the loop")

@@ -9,7 +9,9 @@ routing (every expert gets ``T * k / E`` tokens), it reports:
   core, at that block size with both DMA skips on;
 - the four DMA skip modes with the fastest strategy;
 - decode: selective loading vs all-experts for ``--decode-batch`` sequences, and which one NxD's rule picks;
-- TP vs EP: the deep dive's advice, and every ``TP x EP`` split of the same number of ranks simulated.
+- TP vs EP: the deep dive's advice, and every ``TP x EP`` split of the same number of ranks simulated;
+- external kernels (``--kernel module:function``, any ``@nki.jit`` kernel taking the blockwise-matmul arguments by
+  NxD's names, e.g. nki-library's ``bwmm_shard_on_block``) on the same prefill problem, next to ours.
 
 Every candidate runs the real kernel in a counting run at full size (float data are not materialised; blocks
 with the same signature are simulated once and their counts multiplied -- exact, see ``docs/nki.md``); times
@@ -20,7 +22,10 @@ PSUM at this size is reported as such.
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
+import sys
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -37,6 +42,7 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.token_mapping import num_blocks, num_static_blocks, token_to_block_mapping
 from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.backend import KernelCall, blockwise_call, pads_token_rows
 from nxd_moe.nki_kernels.cost_model import TRN2
 from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode, moe_tkg_all_expert, moe_tkg_selective_expert
@@ -149,18 +155,23 @@ class Candidate:
 
 
 def _simulate(section: str, label: str, call: KernelCall) -> Candidate:
+    # Ours fail only on limits and bad sizes; an external kernel may fail any way (its asserts, its index errors).
+    expected = Exception if isinstance(call.kernel, compat.Kernel) else (HardwareLimitError, ValueError)
     try:
         run = call.run(numerics=False)
-    except (HardwareLimitError, ValueError) as e:
-        return Candidate(section, label, call.name, call.lnc, error=str(e))
+    except expected as e:
+        return Candidate(section, label, call.name, call.lnc,
+                         error=str(e) if isinstance(e, HardwareLimitError) else f"{type(e).__name__}: {e}")
     estimate = TRN2.estimate_run(run)
     accounting = run.accounting
     return Candidate(section, label, call.name, call.lnc, accounting.dma_bytes(), accounting.matmul_flops,
                      estimate.total_ns / 1e3, estimate.bound, accounting.sbuf_high_water / 1024)
 
 
-def prefill_candidate(problem: RankProblem, config: BlockwiseMatmulConfig, section: str, label: str) -> Candidate:
-    """Simulate the BWMM kernel ``config`` selects on the rank's balanced prefill."""
+def prefill_candidate(problem: RankProblem, config: BlockwiseMatmulConfig, section: str, label: str,
+                      intercept=None) -> Candidate:
+    """Simulate the BWMM kernel ``config`` selects on the rank's balanced prefill (``intercept(call)``: hand the
+    prepared call over instead, and return an empty candidate)."""
     mask = local_expert_mask(problem)
     blocks = num_blocks(problem.tokens, problem.top_k, problem.experts, config.block_size)
     # optimized=False scatters from the (T, E/EP) mask alone: rank 0 does not know the other ranks' experts.
@@ -180,7 +191,40 @@ def prefill_candidate(problem: RankProblem, config: BlockwiseMatmulConfig, secti
                               accumulate=problem.top_k > 1 or problem.ep > 1)
     except ValueError as e:
         return Candidate(section, label, error=str(e))
+    if intercept is not None:
+        intercept(call)
+        return Candidate(section, label)
     return _simulate(section, label, call)
+
+
+# The blockwise-matmul inputs an external kernel may take, by NxD's / nki-library's argument names. Options whose
+# types are the kernel's own (skip modes, scaling-mode enums, dtypes) are left at the kernel's defaults.
+EXTERNAL_ARGUMENTS = ("hidden_states", "expert_affinities_masked", "gate_up_proj_weight", "down_proj_weight",
+                      "token_position_to_id", "block_to_expert", "block_size", "conditions", "gate_and_up_proj_bias",
+                      "down_proj_bias", "is_tensor_update_accumulating")
+
+
+def external_call(kernel, lnc: int, label: str, call: KernelCall) -> KernelCall:
+    """``call``'s problem handed to an external ``@nki.jit`` kernel: the arguments of :data:`EXTERNAL_ARGUMENTS`
+    its signature names (``conditions`` only with a trailing 0, as NxD passes it)."""
+    kernel = kernel if isinstance(kernel, compat.Kernel) else compat.Kernel(kernel)
+    accepted = inspect.signature(kernel.fn).parameters
+    args = {name: call.args[name] for name in EXTERNAL_ARGUMENTS if name in accepted and name in call.args
+            and not (name == "conditions" and call.args[name] is None)}
+    return KernelCall(kernel.fn.__name__, kernel, lnc, args)
+
+
+def external_candidate(problem: RankProblem, config: BlockwiseMatmulConfig, kernel, lnc: int, section: str,
+                       label: str) -> Candidate:
+    """An external kernel on the rank's balanced prefill: NxD's augmented inputs (padding slots hold ``T``, a zero
+    row ``T``; no DMA skipping unless the kernel's own defaults skip), an even block count, a counting run."""
+    config = _variant(config, skip_dma_token=False, skip_dma_weight=False, use_block_parallel=True,
+                      logical_nc_config=lnc)
+    captured: list[KernelCall] = []
+    ours = prefill_candidate(problem, config, section, label, captured.append)
+    if not captured:
+        return ours
+    return _simulate(section, label, external_call(kernel, lnc, label, captured[0]))
 
 
 def decode_candidate(problem: RankProblem, batch: int, mode: ExpertsMode, lnc: int, section: str) -> Candidate:
@@ -247,8 +291,9 @@ def tp_ep_advice(model: MoEModelConfig, splits: list[tuple[int, int]]) -> list[s
 
 
 def plan(model: MoEModelConfig, tokens: int, tp: int = 1, ep: int = 1, decode_batch: int = DEFAULT_DECODE_BATCH,
-         aif_target: float = DEFAULT_AIF_TARGET) -> dict:
-    """The whole report as plain data (what ``--json`` prints)."""
+         aif_target: float = DEFAULT_AIF_TARGET, external: dict | None = None) -> dict:
+    """The whole report as plain data (what ``--json`` prints). ``external``: ``{label: (kernel, lnc)}`` of
+    ``@nki.jit`` kernels to simulate on the prefill problem too (section "prefill external kernels")."""
     problem = rank_problem(model, tokens, tp, ep)
     check_int("decode_batch", decode_batch, minimum=1)
     base = model.blockwise_config(logical_nc_config=2)
@@ -264,6 +309,8 @@ def plan(model: MoEModelConfig, tokens: int, tp: int = 1, ep: int = 1, decode_ba
     strategies.append(prefill_candidate(problem, _variant(tuned, logical_nc_config=1), "prefill LNC2 strategy",
                                         "one core (LNC1), shard-on-H"))
     candidates += strategies
+    for label, (kernel, lnc) in (external or {}).items():
+        candidates.append(external_candidate(problem, tuned, kernel, lnc, "prefill external kernels", label))
     best = _fastest(strategies[:-1])
     if best is not None:
         flags = LNC2_STRATEGIES[best.label]
@@ -407,16 +454,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sequences in a decode step (default {DEFAULT_DECODE_BATCH})")
     parser.add_argument("--aif-target", type=float, default=DEFAULT_AIF_TARGET,
                         help=f"arithmetic-intensity target of the block-size rule (default {DEFAULT_AIF_TARGET:.0f})")
+    parser.add_argument("--kernel", action="append", default=[], metavar="MODULE:FUNCTION[@LNC]",
+                        help="also simulate this @nki.jit kernel on the prefill problem (repeatable; LNC default 2); "
+                             "its module is imported with `nki` resolving to the simulator")
+    parser.add_argument("--kernel-path", action="append", default=[], metavar="DIR",
+                        help="prepend DIR to sys.path for --kernel (e.g. an nki-library checkout's src/)")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also draw the estimates into this PNG file")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+
+
+def load_kernels(specs: list[str], paths: list[str]) -> dict:
+    """``{spec: (kernel, lnc)}`` for ``module:function[@lnc]`` specs, imported with the ``nki`` API installed."""
+    if not specs:
+        return {}
+    compat.install()
+    sys.path[:0] = list(paths)
+    kernels = {}
+    for spec in specs:
+        target, _, lnc = spec.partition("@")
+        module, sep, attr = target.partition(":")
+        if not sep or not attr:
+            raise ValueError(f"--kernel must be MODULE:FUNCTION[@LNC], got {spec!r}")
+        if lnc not in ("", "1", "2"):
+            raise ValueError(f"--kernel {spec!r}: LNC must be 1 or 2")
+        try:
+            kernel = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--kernel {spec!r}: {e}") from None
+        kernels[f"{attr}@{lnc or 2} ({module})"] = (kernel, int(lnc or 2))
+    return kernels
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         if args.plot:
             _pyplot()  # fail before simulating, not after
+        external = load_kernels(args.kernel, args.kernel_path)
         report = plan(load_model_config(args.config), args.tokens, args.tp, args.ep, args.decode_batch,
-                      args.aif_target)
+                      args.aif_target, external)
         if args.plot:
             plot_plan(report, args.plot)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:

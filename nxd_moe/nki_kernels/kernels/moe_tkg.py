@@ -162,7 +162,8 @@ def _expert_pass(e: int, tokens: int, x, x_t, scale, combine, acc, weights, gate
     ``scale`` holds the affinities: the input is scaled and re-transposed for this expert)."""
     dtype = x.dtype
     token_tiles = tiles(0, tokens, PMAX)
-    d_bias = None if down_proj_bias is None else load_down_bias(down_proj_bias, e, shard, dtype)
+    # broadcast onto the partitions the token tiles use, not all 128 (a broadcast DMA reads the row per partition)
+    d_bias = None if down_proj_bias is None else load_down_bias(down_proj_bias, e, shard, dtype, min(tokens, PMAX))
     x_e = x_t
     if scale is not None:
         scaled = nl.ndarray(x.shape, dtype, name="scaled_hidden_sb")
