@@ -25,12 +25,18 @@ from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping
+from nxd_moe.quantization import QUANTIZATION_CHOICES
 
 
 class ExpertsBackend(abc.ABC):
-    """One implementation of the four expert algorithms."""
+    """One implementation of the four expert algorithms.
+
+    ``supported_formats``: the weight formats (:data:`nxd_moe.quantization.QUANTIZATION_CHOICES`) whose
+    :class:`ExpertWeights` the backend computes with; ``ExpertMLPsV2`` refuses any other at construction.
+    """
 
     name: str
+    supported_formats: frozenset[str] = frozenset({"bf16"})
 
     @abc.abstractmethod
     def blockwise(self, hidden_states: torch.Tensor, routing: Routing, mapping: BlockMapping,
@@ -59,6 +65,7 @@ class TorchBackend(ExpertsBackend):
     """
 
     name = "torch"
+    supported_formats = frozenset(QUANTIZATION_CHOICES)
 
     def __init__(self, matmul: str = "auto"):
         if matmul not in MATMUL_IMPLS:
@@ -98,3 +105,11 @@ def get_backend(backend: str | ExpertsBackend) -> ExpertsBackend:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} or an ExpertsBackend, got {backend!r}")
     module_name, class_name = BACKENDS[backend].split(":")
     return getattr(importlib.import_module(module_name), class_name)()
+
+
+def check_backend_supports(backend: ExpertsBackend, quantization: str) -> None:
+    """Raise unless ``backend`` computes with expert weights stored as ``quantization``."""
+    if quantization not in backend.supported_formats:
+        raise ValueError(f"backend {backend.name!r} does not support quantization={quantization!r}; it supports "
+                         f"{sorted(backend.supported_formats)} (the 'torch' backend supports "
+                         f"{list(QUANTIZATION_CHOICES)})")
