@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_moe import parallel_state
-from nxd_moe.build import build_moe
+from nxd_moe.build import build_moe, scaled_model
 from nxd_moe.config import (
     EXPERT_PARALLEL_DISPATCHES,
     ExpertParallelConfig,
@@ -35,6 +35,8 @@ from nxd_moe.config import (
 )
 from nxd_moe.experts.backends import BACKENDS
 from nxd_moe.parallel.sharding import load_full_state_dict
+from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
 
 MIN_AUTO_SCALE = 16
@@ -102,14 +104,19 @@ def _progress(total: int, enabled: bool):
         bar.close()
 
 
-def _step(moe, x: torch.Tensor, repeats: int) -> dict:
+def _step(moe, x: torch.Tensor, repeats: int, unquantized=None) -> dict:
+    """One timed step with its error against the float64 reference of the layer's own (for a quantized layer:
+    dequantized) weights and, given the ``unquantized`` layer, the quantization error against its output."""
     with torch.inference_mode():
         (output, stats), ms = _timed_ms(lambda: moe(x, return_stats=True), repeats)
         reference = reference_for_moe(moe, x, capacity=stats.capacity)
+        original = None if unquantized is None else unquantized(x)[0]
     summary = stats.summary()
     summary["ms"] = ms
     summary["max_abs_err"] = float((output.double() - reference).abs().max())
     summary["max_abs_ref"] = float(reference.abs().max())
+    if original is not None:
+        summary["max_abs_err_vs_unquantized"] = float((output.double() - original.double()).abs().max())
     return summary
 
 
@@ -119,6 +126,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         overrides["block_size"] = args.block_size
     if args.capacity_factor is not None:
         overrides["capacity_factor"] = args.capacity_factor
+    if getattr(args, "quantization", None) is not None:
+        overrides["quantization"] = args.quantization
     return overrides
 
 
@@ -150,6 +159,8 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
         "intermediate_size": cfg.intermediate_size,
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
+        "quantization": cfg.quantization,
+        "expert_weight_bytes": expert_weight_bytes(moe.expert_mlps),
         "shared_experts": moe.shared_experts is not None,
         "router": type(moe.router).__name__,
         "threads": torch.get_num_threads(),
@@ -169,17 +180,21 @@ def run(args: argparse.Namespace) -> dict | None:
     with _progress(total=3, enabled=not args.no_progress) as bar:
         bar.set_description("build", refresh=False)
         moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, **overrides)
-        bar.update()
         cfg = moe.expert_mlps.routed_experts_mlp_config
+        unquantized = None
+        if cfg.quantization != "bf16":  # the same random weights before quantization, to report its error
+            shapes = scaled_model(model, scale, cfg.quantization)
+            unquantized = build_moe(shapes, dtype=dtype, seed=args.seed, **{**overrides, "quantization": "bf16"})
+        bar.update()
         generator = torch.Generator().manual_seed(args.seed + 1)
         bar.set_description("prefill", refresh=False)
         prefill_x = torch.randn(1, args.tokens, cfg.hidden_size, generator=generator).to(dtype)
-        prefill = _step(moe, prefill_x, args.repeats)
+        prefill = _step(moe, prefill_x, args.repeats, unquantized)
         prefill["tokens"] = args.tokens
         bar.update()
         bar.set_description("decode", refresh=False)
         decode_x = torch.randn(args.decode_batch, 1, cfg.hidden_size, generator=generator).to(dtype)
-        decode = _step(moe, decode_x, args.repeats)
+        decode = _step(moe, decode_x, args.repeats, unquantized)
         decode["batch"] = args.decode_batch
         bar.update()
     return _report(args, model, scale, dtype, moe, prefill, decode)
@@ -283,6 +298,7 @@ def format_report(report: dict) -> str:
         f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}, "
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
         f"backend {report['backend']}, {report['threads']} threads)",
+        f"experts  weights {report['quantization']}: {report['expert_weight_bytes'] / 2**20:.2f} MiB",
         f"prefill  {p['tokens']} tokens -> {p['mode']}",
     ]
     if p["num_blocks"] is not None:
@@ -301,6 +317,9 @@ def format_report(report: dict) -> str:
         f"decode   batch {d['batch']} -> {d['mode']}: {d['ms']:.2f} ms/step, "
         f"max |err| {d['max_abs_err']:.2e} (max |ref| {d['max_abs_ref']:.2e})"
     )
+    if "max_abs_err_vs_unquantized" in p:
+        lines.append(f"quantization error vs the unquantized layer: prefill max |err| "
+                     f"{p['max_abs_err_vs_unquantized']:.2e}, decode {d['max_abs_err_vs_unquantized']:.2e}")
     par = report.get("parallel")
     if par is not None:
         (ptp, pep), (dtp, dep) = par["moe_prefill"], par["moe_decode"]
@@ -334,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--capacity-factor", type=_positive_float, default=None,
                        help="drop tokens beyond this capacity factor (default: the config's, usually dropless)")
     run_p.add_argument("--backend", default="torch", choices=sorted(BACKENDS))
+    run_p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                       help="routed experts' weight format (default: the config's, bf16): fp8 = E4M3 per expert and "
+                            "channel, fp8_block = E4M3 with 128x128 block scales, mxfp4 = OCP MX FP4")
     run_p.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions per step (median)")
     run_p.add_argument("--seed", type=int, default=0)
     run_p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

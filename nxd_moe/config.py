@@ -534,17 +534,19 @@ class MoEModelConfig:
             return None
         return self.shared_experts.intermediate_size or self.intermediate_size
 
-    def scaled(self, scale: int) -> "MoEModelConfig":
+    def scaled(self, scale: int, multiple: int = 8) -> "MoEModelConfig":
         """The same routing structure (E, k, groups) with H and I divided by ``scale``.
 
-        Sizes are rounded up to a multiple of 8 so the grouped matmul alignment rules still hold.
+        Sizes are rounded up to a multiple of ``multiple`` (default 8, so the grouped matmul alignment rules still
+        hold; a quantized format's block size where it is larger).
         """
         check_int("scale", scale, minimum=1)
+        check_int("multiple", multiple, minimum=1)
         if scale == 1:
             return self
 
         def shrink(n: int | None) -> int | None:
-            return None if n is None else max(8, -(-n // (scale * 8)) * 8)
+            return None if n is None else max(multiple, -(-n // (scale * multiple)) * multiple)
 
         experts = dict(self.experts)
         for key in ("hidden_size_actual", "intermediate_size_actual"):
