@@ -287,3 +287,176 @@ def test_backend_without_the_format_is_refused():
     layer.backend = Bf16Only()
     with pytest.raises(ValueError, match="does not support quantization='fp8'"):
         quantize_experts(layer, "fp8")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# nki_sim: stored bytes over DMA, dequantized on chip
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_nki_sim_computes_with_every_format(name):
+    from nxd_moe.nki_kernels.backend import NkiSimBackend
+
+    _, quantized, holding = layer_pair(name, backend=NkiSimBackend(decode_lnc=1),
+                                       blockwise=dict(logical_nc_config=1))
+    x, affinities, expert_index, mask = inputs()
+    with torch.no_grad():
+        for mode in MODES:
+            assert_close(quantized(x, affinities, expert_index, padding_mask=mask, mode=mode),
+                         holding(x, affinities, expert_index, padding_mask=mask, mode=mode), FP32_ATOL,
+                         msg=f"nki_sim {name} {mode}")
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_nki_sim_reads_exactly_the_packed_bytes(name):
+    from nxd_moe.nki_kernels.backend import NkiSimBackend
+
+    backend = NkiSimBackend(decode_lnc=1)
+    _, quantized, _ = layer_pair(name, dtype=torch.bfloat16, backend=backend, bias=False)
+    x, affinities, expert_index, _ = inputs(4)
+    with torch.no_grad():
+        quantized(x.to(torch.bfloat16), affinities.to(torch.bfloat16), expert_index, mode="all_experts")
+    traffic = backend.last_run.accounting.traffic
+    read = {t: traffic(t, "hbm->sbuf").bytes for t in ("gate_up_proj_weight", "gate_up_proj_scale",
+                                                       "down_proj_weight", "down_proj_scale")}
+    e, values = 4, 4 * H * 2 * I + 4 * I * H  # every expert read once, both projections
+    analytic = {  # values + scales, from the formats' definitions
+        "fp8": values + 4 * (e * 2 * I + e * H),
+        "fp8_block": values + 4 * (e * (H // 128) * (2 * I // 128) + e * (I // 128) * (H // 128)),
+        "mxfp4": values // 2 + (e * (H // 32) * 2 * I + e * (I // 32) * H),
+    }[name]
+    assert sum(read.values()) == analytic
+    bf16_bytes = 2 * values
+    print(f"nki_sim {name}: expert weight bytes {sum(read.values())} = {sum(read.values()) / bf16_bytes:.3f} of bf16")
+
+
+def test_plan_reports_quantized_decode():
+    from nxd_moe.config import load_model_config
+    from nxd_moe.nki_kernels.plan import decode_candidate, rank_problem
+    from nxd_moe.experts.mode import ExpertsMode
+    import dataclasses
+
+    model = load_model_config("mixtral-8x7b").scaled(16, multiple=32)
+    read = {}
+    for name in ("bf16", "fp8", "mxfp4"):
+        problem = rank_problem(dataclasses.replace(model, experts={**model.experts, "quantization": name}), 64)
+        candidate = decode_candidate(problem, 4, ExpertsMode.ALL_EXPERTS, 1, "decode")
+        assert candidate.error is None
+        read[name] = candidate.dma_bytes
+    # whole-kernel traffic (hidden states, biases and output included): weights dominate
+    print({k: v / read["bf16"] for k, v in read.items()})
+    assert 0.5 < read["fp8"] / read["bf16"] < 0.52
+    assert 0.25 < read["mxfp4"] / read["bf16"] < 0.28
+
+
+# ----------------------------------------------------------------------------------------------------------
+# checkpoints: GPT-OSS MXFP4 and DeepSeek-V3 FP8, key by key
+
+
+def gpt_oss_mxfp4_checkpoint(e=4, h=64, i=64, seed=0):
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=2,
+                          num_hidden_layers=1, head_dim=16)
+    gen = torch.Generator().manual_seed(seed)
+
+    def nibbles(*shape):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+
+    def exponents(*shape):
+        return torch.randint(120, 130, shape, generator=gen).to(torch.uint8)
+
+    prefix = "model.layers.0.mlp."
+    sd = {
+        prefix + "router.weight": randn(e, h, seed=1, scale=0.1),
+        prefix + "router.bias": randn(e, seed=2, scale=0.1),
+        prefix + "experts.gate_up_proj_blocks": nibbles(e, 2 * i, h // 32, 16),
+        prefix + "experts.gate_up_proj_scales": exponents(e, 2 * i, h // 32),
+        prefix + "experts.gate_up_proj_bias": randn(e, 2 * i, seed=3, scale=0.1),
+        prefix + "experts.down_proj_blocks": nibbles(e, h, i // 32, 16),
+        prefix + "experts.down_proj_scales": exponents(e, h, i // 32),
+        prefix + "experts.down_proj_bias": randn(e, h, seed=4, scale=0.1),
+        "model.norm.weight": torch.ones(h),
+    }
+    return config, sd
+
+
+def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_exports_back():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from nxd_moe.hf import _interleave, from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
+
+    config, sd = gpt_oss_mxfp4_checkpoint()
+    nxd = hf_to_nxd_state_dict(sd, config)
+    p = "model.layers.0.mlp.expert_mlps.mlp_op."
+    assert nxd[p + "gate_up_proj.weight"].shape == (4, 32, 128) and nxd[p + "gate_up_proj.weight"].dtype == torch.uint8
+    assert nxd[p + "gate_up_proj.scale"].shape == (4, 2, 128) and nxd[p + "down_proj.scale"].shape == (4, 2, 64)
+    assert torch.equal(nxd["model.norm.weight"], sd["model.norm.weight"])
+    back = nxd_to_hf_state_dict(nxd, config)
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+    nxd_config = from_hf_config(config)
+    moe = build_moe(nxd_config, quantization="mxfp4", seed=0)
+    load_hf_layer(moe, sd, config, 0)
+    op = moe.expert_mlps.mlp_op
+    # transformers' own dequantization of the same tensors: (E, H, 2I) with gate/up interleaved, (E, I, H)
+    hf = "model.layers.0.mlp.experts."
+    gate_up_ref = convert_moe_packed_tensors(sd[hf + "gate_up_proj_blocks"], sd[hf + "gate_up_proj_scales"],
+                                             dtype=torch.float32)
+    down_ref = convert_moe_packed_tensors(sd[hf + "down_proj_blocks"], sd[hf + "down_proj_scales"],
+                                          dtype=torch.float32)
+    assert torch.equal(_interleave(dequantized(op.gate_up_proj.stored_weight())), gate_up_ref)
+    assert torch.equal(dequantized(op.down_proj.stored_weight()), down_ref)
+
+    # the quantized layer == the bf16 checkpoint of transformers' dequantized weights, loaded the ordinary way
+    dense_sd = {k: v for k, v in sd.items() if "_blocks" not in k and "_scales" not in k}
+    dense_sd[hf + "gate_up_proj"], dense_sd[hf + "down_proj"] = gate_up_ref, down_ref
+    dense = load_hf_layer(build_moe(nxd_config, seed=0), dense_sd, config, 0)
+    x = randn(1, 6, 64, seed=5)
+    with torch.no_grad():
+        assert_close(moe(x)[0], dense(x)[0], FP32_ATOL)
+
+
+def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
+    from transformers import DeepseekV3Config
+
+    from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
+
+    e, h, i = 4, 128, 128
+    config = DeepseekV3Config(hidden_size=h, moe_intermediate_size=i, intermediate_size=256, n_routed_experts=e,
+                              num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+                              first_k_dense_replace=0, num_hidden_layers=1, q_lora_rank=8, kv_lora_rank=8,
+                              qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
+    fp8 = get_format("fp8_block")
+    prefix = "model.layers.0.mlp."
+    sd = {prefix + "gate.weight": randn(e, h, seed=1, scale=0.1), prefix + "gate.e_score_correction_bias": torch.zeros(e)}
+    originals = {}
+    for k in range(e):
+        for proj, (out_f, in_f) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            w = randn(out_f, in_f, seed=10 * k + len(proj), scale=0.1)
+            data, scale = fp8.quantize(w.t().unsqueeze(0))  # ours is (K, N); DeepSeek's (N, K)
+            sd[f"{prefix}experts.{k}.{proj}.weight"] = data[0].t().contiguous()
+            sd[f"{prefix}experts.{k}.{proj}.weight_scale_inv"] = scale[0].t().contiguous()
+            originals[(k, proj)] = w
+    for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        sd[f"{prefix}shared_experts.{proj}.weight"] = randn(*shape, seed=99, scale=0.1)
+    assert sd[prefix + "experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert sd[prefix + "experts.0.down_proj.weight_scale_inv"].shape == (1, 1)
+
+    nxd = hf_to_nxd_state_dict(sd, config)
+    back = nxd_to_hf_state_dict(nxd, config, layout="hub")
+    assert sorted(back) == sorted(sd)
+    assert all(torch.equal(back[k].view(torch.uint8) if back[k].element_size() == 1 else back[k],
+                           sd[k].view(torch.uint8) if sd[k].element_size() == 1 else sd[k]) for k in sd)
+    moe = load_hf_layer(build_moe(from_hf_config(config), quantization="fp8_block", seed=0), sd, config, 0)
+    gate_up = dequantized(moe.expert_mlps.mlp_op.gate_up_proj.stored_weight())
+    down = dequantized(moe.expert_mlps.mlp_op.down_proj.stored_weight())
+    for k in range(e):  # each weight_scale_inv multiplies its own 128x128 tile
+        for proj, got in (("gate_proj", gate_up[k, :, :i].t()), ("up_proj", gate_up[k, :, i:].t()),
+                          ("down_proj", down[k].t())):
+            stored = sd[f"{prefix}experts.{k}.{proj}.weight"].float() * sd[f"{prefix}experts.{k}.{proj}.weight_scale_inv"]
+            assert torch.equal(got, stored)
+            assert (got - originals[(k, proj)]).abs().max() <= 2 ** -4 * originals[(k, proj)].abs().max()
+    assert moe.shared_experts.down_proj.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="layout='hub'"):
+        nxd_to_hf_state_dict(nxd, config)
