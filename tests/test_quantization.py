@@ -460,3 +460,27 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
     assert moe.shared_experts.down_proj.weight.dtype == torch.float32
     with pytest.raises(ValueError, match="layout='hub'"):
         nxd_to_hf_state_dict(nxd, config)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# one static graph
+
+
+@pytest.mark.parametrize("name", ["fp8", "mxfp4"])
+def test_quantized_layer_compiles_to_one_static_graph(name):
+    from nxd_moe.trace import static_backend
+
+    torch._dynamo.reset()
+    _, quantized, _ = layer_pair(name, blockwise={"use_shard_on_block_dynamic_while": True, "num_static_blocks": 1})
+    x, affinities, expert_index, mask = inputs()
+
+    def all_modes(x, affinities, expert_index, mask):
+        return tuple(quantized(x, affinities, expert_index, padding_mask=mask, mode=m) for m in MODES)
+
+    with torch.no_grad():
+        eager = all_modes(x, affinities, expert_index, mask)
+        compiled = torch.compile(all_modes, fullgraph=True, dynamic=False,
+                                 backend=static_backend("aot_eager"))(x, affinities, expert_index, mask)
+    for mode, e, c in zip(MODES, eager, compiled):
+        assert_close(c, e, FP32_ATOL, msg=f"{name} {mode}")
+    torch._dynamo.reset()
