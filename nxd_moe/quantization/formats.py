@@ -214,15 +214,12 @@ class MxFp4(QuantizationFormat):
 
     def dequantize(self, weight, scale, dtype):
         e, half_k, n = weight.shape
-        codes = torch.stack([weight & 0x0F, weight >> 4], dim=2).reshape(e, 2 * half_k, n).to(torch.int32)
-        exponent, mantissa = (codes >> 1) & 0x3, (codes & 0x1).to(torch.float32)
-        # E2M1: exponent field 0 is subnormal (0 or 0.5), else 2**(e-1) * (1 + m/2).
-        magnitude = torch.where(exponent == 0, 0.5 * mantissa,
-                                torch.exp2((exponent - 1).to(torch.float32)) * (1.0 + 0.5 * mantissa))
-        values = torch.where(codes >= 8, -magnitude, magnitude)
+        # Code -> value by table lookup (bit 3 the sign): cheaper than decoding exponent and mantissa bits.
+        table = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32, device=weight.device)
+        codes = torch.stack([weight & 0x0F, weight >> 4], dim=2).reshape(e, 2 * half_k, n)
+        values = table[codes.long()].reshape(e, -1, self.block_k, n)
         block_scale = torch.exp2(scale.to(torch.float32) - E8M0_BIAS)
-        values = values.reshape(e, -1, self.block_k, n) * block_scale.unsqueeze(2)
-        return values.reshape(e, 2 * half_k, n).to(dtype)
+        return (values * block_scale.unsqueeze(2)).reshape(e, 2 * half_k, n).to(dtype)
 
 
 FORMATS: dict[str, QuantizationFormat] = {f.name: f for f in (Unquantized(), Fp8PerChannel(), Fp8Block(), MxFp4())}
