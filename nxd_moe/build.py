@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Mapping
 
@@ -20,6 +21,7 @@ from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.experts.shared import SharedExperts
 from nxd_moe.moe import MoE
+from nxd_moe.quantization.formats import get_format
 from nxd_moe.routing import GroupLimitedRouter, RouterBase, RouterSinkhorn, RouterTopK
 
 
@@ -36,6 +38,15 @@ def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: in
                       **common)
 
 
+def scaled_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any], scale: int,
+                 quantization: str | None = None) -> MoEModelConfig:
+    """``config`` with H and I divided by ``scale``, rounded up to a multiple of 8 and of the blocks of the
+    weight format (``quantization``, default the config's)."""
+    model = load_model_config(config)
+    fmt = get_format(model.experts.get("quantization") if quantization is None else quantization)
+    return model.scaled(check_int("scale", scale, minimum=1), multiple=math.lcm(8, fmt.block_k or 1, fmt.block_n))
+
+
 def build_moe(
     config: MoEModelConfig | str | os.PathLike | Mapping[str, Any],
     *,
@@ -48,6 +59,7 @@ def build_moe(
     expert_parallel_config: ExpertParallelConfig | None = None,
     sequence_parallel: bool = False,
     model_parallel: bool | None = None,
+    quantization: str | None = None,
     **overrides,
 ) -> MoE:
     """An ``MoE`` for ``config`` (a built-in name, a YAML path, a mapping or a :class:`MoEModelConfig`) with
@@ -65,9 +77,16 @@ def build_moe(
     same ``seed``: replicated weights (router, sequence-parallel shared experts) must be equal on all ranks. A
     sharded layer's random expert weights are its own; to compare with a single-device layer, build that one
     with ``model_parallel=False`` and load it with :func:`nxd_moe.parallel.sharding.load_full_state_dict`.
+
+    ``quantization`` (default: the config's, else ``"bf16"``): the routed experts' weight format, one of
+    :data:`nxd_moe.quantization.QUANTIZATION_CHOICES` (see :mod:`nxd_moe.quantization`); the random weights are
+    drawn as for bf16 with the same ``seed`` and then quantized, so the two layers are comparable. A scaled
+    config rounds H and I up to the format's block size.
     """
     sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
-    model = load_model_config(config).scaled(check_int("scale", scale, minimum=1))
+    if quantization is not None:
+        overrides["quantization"] = quantization
+    model = scaled_model(config, scale, overrides.get("quantization"))
     dtype = to_torch_dtype(dtype)
     blockwise_keys = {k: overrides.pop(k) for k in list(overrides) if k == "block_size"}
     blockwise_keys.update({k[len("block_"):]: overrides.pop(k) for k in list(overrides) if k.startswith("block_")})

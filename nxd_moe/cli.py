@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_moe import parallel_state
-from nxd_moe.build import build_moe
+from nxd_moe.build import build_moe, scaled_model
 from nxd_moe.config import (
     EXPERT_PARALLEL_DISPATCHES,
     ExpertParallelConfig,
@@ -39,6 +39,8 @@ from nxd_moe.config import (
 )
 from nxd_moe.experts.backends import BACKENDS, get_backend
 from nxd_moe.parallel.sharding import load_full_state_dict
+from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
 
 MIN_AUTO_SCALE = 16
@@ -139,14 +141,19 @@ def _progress(total: int, enabled: bool):
         bar.close()
 
 
-def _step(moe, x: torch.Tensor, repeats: int) -> dict:
+def _step(moe, x: torch.Tensor, repeats: int, unquantized=None) -> dict:
+    """One timed step with its error against the float64 reference of the layer's own (for a quantized layer:
+    dequantized) weights and, given the ``unquantized`` layer, the quantization error against its output."""
     with torch.inference_mode():
         (output, stats), ms = _timed_ms(lambda: moe(x, return_stats=True), repeats, x.device)
         reference = reference_for_moe(moe, x, capacity=stats.capacity)  # float64, on the CPU
+        original = None if unquantized is None else unquantized(x)[0]
     summary = stats.summary()
     summary["ms"] = ms
     summary["max_abs_err"] = float((output.double().cpu() - reference).abs().max())
     summary["max_abs_ref"] = float(reference.abs().max())
+    if original is not None:
+        summary["max_abs_err_vs_unquantized"] = float((output.double() - original.double()).abs().max())
     return summary
 
 
@@ -156,6 +163,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         overrides["block_size"] = args.block_size
     if args.capacity_factor is not None:
         overrides["capacity_factor"] = args.capacity_factor
+    if getattr(args, "quantization", None) is not None:
+        overrides["quantization"] = args.quantization
     return overrides
 
 
@@ -188,6 +197,8 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
         "intermediate_size": cfg.intermediate_size,
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
+        "quantization": cfg.quantization,
+        "expert_weight_bytes": expert_weight_bytes(moe.expert_mlps),
         "shared_experts": moe.shared_experts is not None,
         "router": type(moe.router).__name__,
         "threads": torch.get_num_threads(),
@@ -212,17 +223,22 @@ def run(args: argparse.Namespace) -> dict | None:
         bar.set_description("build", refresh=False)
         moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, device=device,
                         **overrides)
-        bar.update()
         cfg = moe.expert_mlps.routed_experts_mlp_config
+        unquantized = None
+        if cfg.quantization != "bf16":  # the same random weights before quantization, to report its error
+            shapes = scaled_model(model, scale, cfg.quantization)
+            unquantized = build_moe(shapes, dtype=dtype, seed=args.seed, device=device,
+                                    **{**overrides, "quantization": "bf16"})
+        bar.update()
         generator = torch.Generator().manual_seed(args.seed + 1)
         bar.set_description("prefill", refresh=False)
         prefill_x = torch.randn(1, args.tokens, cfg.hidden_size, generator=generator).to(device, dtype)
-        prefill = _step(moe, prefill_x, args.repeats)
+        prefill = _step(moe, prefill_x, args.repeats, unquantized)
         prefill["tokens"] = args.tokens
         bar.update()
         bar.set_description("decode", refresh=False)
         decode_x = torch.randn(args.decode_batch, 1, cfg.hidden_size, generator=generator).to(device, dtype)
-        decode = _step(moe, decode_x, args.repeats)
+        decode = _step(moe, decode_x, args.repeats, unquantized)
         decode["batch"] = args.decode_batch
         bar.update()
     return _report(args, model, scale, dtype, moe, prefill, decode)
@@ -327,6 +343,7 @@ def format_report(report: dict) -> str:
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
         f"backend {report['backend']} on {report['device']}"
         + (f", {report['threads']} threads)" if report["device"] == "cpu" else ")"),
+        f"experts  weights {report['quantization']}: {report['expert_weight_bytes'] / 2**20:.2f} MiB",
         f"prefill  {p['tokens']} tokens -> {p['mode']}",
     ]
     if p["num_blocks"] is not None:
@@ -345,6 +362,9 @@ def format_report(report: dict) -> str:
         f"decode   batch {d['batch']} -> {d['mode']}: {d['ms']:.2f} ms/step, "
         f"max |err| {d['max_abs_err']:.2e} (max |ref| {d['max_abs_ref']:.2e})"
     )
+    if "max_abs_err_vs_unquantized" in p:
+        lines.append(f"quantization error vs the unquantized layer: prefill max |err| "
+                     f"{p['max_abs_err_vs_unquantized']:.2e}, decode {d['max_abs_err_vs_unquantized']:.2e}")
     par = report.get("parallel")
     if par is not None:
         (ptp, pep), (dtp, dep) = par["moe_prefill"], par["moe_decode"]
@@ -381,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="expert computation (default torch; triton needs --device cuda and Triton)")
     run_p.add_argument("--device", default="cpu",
                        help="cpu (default) or cuda / cuda:N; the float64 reference is computed on the CPU either way")
+    run_p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                       help="routed experts' weight format (default: the config's, bf16): fp8 = E4M3 per expert and "
+                            "channel, fp8_block = E4M3 with 128x128 block scales, mxfp4 = OCP MX FP4")
     run_p.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions per step (median)")
     run_p.add_argument("--seed", type=int, default=0)
     run_p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from nxd_moe.activations import ACT2FN
+from nxd_moe.quantization.formats import get_format
 
 DEFAULT_BLOCK_SIZE = 512
 DEFAULT_SELECTIVE_LOADING_THRESHOLD = 1.0
@@ -254,6 +255,11 @@ class RoutedExpertsMLPOpsConfig:
 
     ``selective_loading_threshold`` is the deep dive's alpha: decode loads only the chosen experts while
     ``T * top_k < alpha * E`` and switches to all-experts above it.
+
+    ``quantization``: how the routed experts' projections are stored (:mod:`nxd_moe.quantization`): ``"bf16"``
+    (not quantized, the layer's dtype), ``"fp8"`` (E4M3, per expert and output channel: NxD's
+    ``EXPERT_WISE_PER_CHANNEL_SYMMETRIC``), ``"fp8_block"`` (E4M3, 128x128 blocks: DeepSeek-V3 / Qwen3 FP8) or
+    ``"mxfp4"`` (OCP MX, GPT-OSS). Biases, router and shared experts stay in the layer's dtype.
     """
 
     num_experts: int
@@ -278,6 +284,7 @@ class RoutedExpertsMLPOpsConfig:
     output_layer_init_method: InitMethod | None = None
     capacity_factor: float | None = None
     selective_loading_threshold: float = DEFAULT_SELECTIVE_LOADING_THRESHOLD
+    quantization: str = "bf16"
 
     def __post_init__(self):
         owner = "RoutedExpertsMLPOpsConfig"
@@ -342,6 +349,7 @@ class RoutedExpertsMLPOpsConfig:
             "selective_loading_threshold",
             check_float(f"{owner}.selective_loading_threshold", self.selective_loading_threshold, positive=True),
         )
+        object.__setattr__(self, "quantization", get_format(self.quantization, f"{owner}.quantization").name)
 
     @property
     def dropless(self) -> bool:
@@ -526,17 +534,19 @@ class MoEModelConfig:
             return None
         return self.shared_experts.intermediate_size or self.intermediate_size
 
-    def scaled(self, scale: int) -> "MoEModelConfig":
+    def scaled(self, scale: int, multiple: int = 8) -> "MoEModelConfig":
         """The same routing structure (E, k, groups) with H and I divided by ``scale``.
 
-        Sizes are rounded up to a multiple of 8 so the grouped matmul alignment rules still hold.
+        Sizes are rounded up to a multiple of ``multiple`` (default 8, so the grouped matmul alignment rules still
+        hold; a quantized format's block size where it is larger).
         """
         check_int("scale", scale, minimum=1)
+        check_int("multiple", multiple, minimum=1)
         if scale == 1:
             return self
 
         def shrink(n: int | None) -> int | None:
-            return None if n is None else max(8, -(-n // (scale * 8)) * 8)
+            return None if n is None else max(multiple, -(-n // (scale * multiple)) * multiple)
 
         experts = dict(self.experts)
         for key in ("hidden_size_actual", "intermediate_size_actual"):

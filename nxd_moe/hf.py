@@ -44,6 +44,7 @@ from nxd_moe.config import (
 )
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import load_full_state_dict
+from nxd_moe.quantization.checkpoint import mxfp4_from_gpt_oss, mxfp4_to_gpt_oss
 
 __all__ = [
     "LAYOUTS",
@@ -318,8 +319,10 @@ _ROUTER_W = "router.linear_router.weight"
 _ROUTER_B = "router.linear_router.bias"
 _SCORE_BIAS = "router.e_score_correction_bias"
 _GATE_UP_W = "expert_mlps.mlp_op.gate_up_proj.weight"
+_GATE_UP_S = "expert_mlps.mlp_op.gate_up_proj.scale"
 _GATE_UP_B = "expert_mlps.mlp_op.gate_up_proj.bias"
 _DOWN_W = "expert_mlps.mlp_op.down_proj.weight"
+_DOWN_S = "expert_mlps.mlp_op.down_proj.scale"
 _DOWN_B = "expert_mlps.mlp_op.down_proj.bias"
 _SHARED_PROJS = ("gate_proj", "up_proj", "down_proj")
 _SHARED_GATE = "shared_experts.shared_expert_gate.weight"
@@ -412,6 +415,12 @@ class _FusedFamily(_Family):
             gate_up = torch.stack([torch.cat([parts[f"experts.{e}.{gate}.weight"], parts[f"experts.{e}.{up}.weight"]])
                                    for e in range(num_experts)])
             down_hi = torch.stack([parts[f"experts.{e}.{down}.weight"] for e in range(num_experts)])
+            if _hf_quantization(parts) == "fp8_block":  # (out/128, in/128) tiles per expert, like the weights
+                out[_GATE_UP_S] = torch.stack([torch.cat([parts[f"experts.{e}.{gate}.weight_scale_inv"],
+                                                          parts[f"experts.{e}.{up}.weight_scale_inv"]])
+                                               for e in range(num_experts)]).transpose(1, 2)
+                out[_DOWN_S] = torch.stack([parts[f"experts.{e}.{down}.weight_scale_inv"]
+                                            for e in range(num_experts)]).transpose(1, 2)
         else:
             gate_up, down_hi = parts["experts.gate_up_proj"], parts["experts.down_proj"]
         out[_GATE_UP_W] = gate_up.transpose(1, 2)  # (E, 2I, H) rows [gate; up] -> (E, H, 2I) columns [gate | up]
@@ -428,6 +437,11 @@ class _FusedFamily(_Family):
         if self.score_bias:
             out["gate.e_score_correction_bias"] = nxd[_SCORE_BIAS]
         gate_up, down = nxd[_GATE_UP_W], nxd[_DOWN_W]
+        quantization = _nxd_quantization(nxd)
+        if quantization not in ("bf16", "fp8_block") or (quantization != "bf16" and layout != "hub"):
+            raise ValueError(f"{self.block_classes[0]}: quantized experts ({quantization!r}) export as the Hub's "
+                             "FP8 128x128 block-scaled per-expert tensors only: use quantization 'fp8_block' and "
+                             "layout='hub'")
         if layout == "hub":
             gate_name, up_name, down_name = self.expert_names
             gate, up = _split_gate_up(gate_up)
@@ -435,6 +449,12 @@ class _FusedFamily(_Family):
                 out[f"experts.{e}.{gate_name}.weight"] = gate[e].t()
                 out[f"experts.{e}.{up_name}.weight"] = up[e].t()
                 out[f"experts.{e}.{down_name}.weight"] = down[e].t()
+            if quantization == "fp8_block":
+                gate_s, up_s = _split_gate_up(nxd[_GATE_UP_S])
+                for e in range(gate_up.shape[0]):
+                    out[f"experts.{e}.{gate_name}.weight_scale_inv"] = gate_s[e].t()
+                    out[f"experts.{e}.{up_name}.weight_scale_inv"] = up_s[e].t()
+                    out[f"experts.{e}.{down_name}.weight_scale_inv"] = nxd[_DOWN_S][e].t()
         else:
             out["experts.gate_up_proj"] = gate_up.transpose(1, 2)
             out["experts.down_proj"] = down.transpose(1, 2)
@@ -455,24 +475,43 @@ class _GptOssFamily(_Family):
     block_classes = ("GptOssMLP",)
 
     def to_nxd(self, parts: StateDict, num_experts: int) -> dict[str, torch.Tensor]:
-        return {
+        out = {
             _ROUTER_W: parts["router.weight"],
             _ROUTER_B: parts["router.bias"],
-            _GATE_UP_W: _deinterleave(parts["experts.gate_up_proj"]),
             _GATE_UP_B: _deinterleave(parts["experts.gate_up_proj_bias"]),
-            _DOWN_W: parts["experts.down_proj"],
             _DOWN_B: parts["experts.down_proj_bias"],
         }
+        if _hf_quantization(parts) == "mxfp4":  # the Hub checkpoint's MXFP4 experts, bytes kept as they are
+            for name, weight_key, scale_key, columns in (("gate_up_proj", _GATE_UP_W, _GATE_UP_S, _deinterleave),
+                                                         ("down_proj", _DOWN_W, _DOWN_S, lambda t: t)):
+                weight, scale = mxfp4_from_gpt_oss(parts[f"experts.{name}_blocks"], parts[f"experts.{name}_scales"],
+                                                   f"experts.{name}")
+                out[weight_key], out[scale_key] = columns(weight), columns(scale)
+        else:
+            out[_GATE_UP_W] = _deinterleave(parts["experts.gate_up_proj"])
+            out[_DOWN_W] = parts["experts.down_proj"]
+        return out
 
     def from_nxd(self, nxd: StateDict, layout: str) -> dict[str, torch.Tensor]:
-        return {
+        out = {
             "router.weight": nxd[_ROUTER_W],
             "router.bias": nxd[_ROUTER_B],
-            "experts.gate_up_proj": _interleave(nxd[_GATE_UP_W]),
             "experts.gate_up_proj_bias": _interleave(nxd[_GATE_UP_B]),
-            "experts.down_proj": nxd[_DOWN_W],
             "experts.down_proj_bias": nxd[_DOWN_B],
         }
+        quantization = _nxd_quantization(nxd)
+        if quantization == "mxfp4":
+            for name, weight_key, scale_key, columns in (("gate_up_proj", _GATE_UP_W, _GATE_UP_S, _interleave),
+                                                         ("down_proj", _DOWN_W, _DOWN_S, lambda t: t)):
+                blocks, scales = mxfp4_to_gpt_oss(columns(nxd[weight_key]), columns(nxd[scale_key]))
+                out[f"experts.{name}_blocks"], out[f"experts.{name}_scales"] = blocks, scales
+        elif quantization == "bf16":
+            out["experts.gate_up_proj"] = _interleave(nxd[_GATE_UP_W])
+            out["experts.down_proj"] = nxd[_DOWN_W]
+        else:
+            raise ValueError(f"GptOssMLP: quantized experts ({quantization!r}) export as GPT-OSS's MXFP4 tensors only: "
+                             "use quantization 'mxfp4'")
+        return out
 
 
 class _Llama4Family(_Family):
@@ -545,9 +584,30 @@ def _family(cfg: MoEModelConfig) -> _Family:
     return _FAMILIES[cfg.hf_model_type]
 
 
-def _expected_nxd(cfg: MoEModelConfig) -> dict[str, torch.Tensor]:
+def _expected_nxd(cfg: MoEModelConfig, quantization: str = "bf16") -> dict[str, torch.Tensor]:
     """Our MoE's state dict for ``cfg`` on the meta device: key names and shapes, no storage."""
-    return build_moe(cfg, device="meta", model_parallel=False).state_dict()
+    return build_moe(cfg, device="meta", model_parallel=False, quantization=quantization).state_dict()
+
+
+def _hf_quantization(parts: StateDict) -> str:
+    """The expert format of one HF block's tensors: GPT-OSS MXFP4 ``*_blocks``/``*_scales``, DeepSeek-style FP8
+    ``weight_scale_inv``, else bf16 (the checkpoint's float dtype)."""
+    if any(k.endswith("_blocks") for k in parts):
+        return "mxfp4"
+    if any(k.endswith(".weight_scale_inv") for k in parts):
+        return "fp8_block"
+    return "bf16"
+
+
+def _nxd_quantization(parts: StateDict) -> str:
+    """The expert format of one of our MoE state dicts, read from its stored tensors."""
+    scale = parts.get(_GATE_UP_S)
+    if scale is None:
+        return "bf16"
+    weight = parts[_GATE_UP_W]
+    if weight.dtype == torch.uint8:
+        return "mxfp4"
+    return "fp8" if scale.shape[-1] == weight.shape[-1] else "fp8_block"
 
 
 def _check_keys(given: StateDict, expected: StateDict, where: str, side: str) -> None:
@@ -560,7 +620,7 @@ def _check_keys(given: StateDict, expected: StateDict, where: str, side: str) ->
         raise ValueError(f"{side} MoE block {where!r} is missing {listing(missing)}"
                          + ("; merge all checkpoint shards before converting" if side == "HF" else ""))
     if unexpected:
-        hint = " (quantized or unknown weights are not converted; dequantize first)" if side == "HF" else ""
+        hint = " (unknown weights are not converted)" if side == "HF" else ""
         raise ValueError(f"{side} MoE block {where!r} has unexpected {listing(unexpected)}{hint}")
     for key, ref in expected.items():
         value = given[key]
@@ -575,12 +635,18 @@ def _hf_block_to_nxd(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateD
                      where: str) -> dict[str, torch.Tensor]:
     family = _family(cfg)
     layout = "hub" if family.is_hub(parts) else "transformers"
+    quantization = _hf_quantization(parts)
+    if quantization != "bf16":
+        expected_nxd = _expected_nxd(cfg, quantization)
     _check_keys(parts, family.from_nxd(expected_nxd, layout), where, "HF")
     return {k: v.contiguous() for k, v in family.to_nxd(parts, cfg.num_experts).items()}
 
 
 def _nxd_block_to_hf(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict, where: str,
                      layout: str) -> dict[str, torch.Tensor]:
+    quantization = _nxd_quantization(parts)
+    if quantization != "bf16":
+        expected_nxd = _expected_nxd(cfg, quantization)
     _check_keys(parts, expected_nxd, where, "nxd")
     return {k: v.contiguous() for k, v in _family(cfg).from_nxd(parts, layout).items()}
 

@@ -11,6 +11,7 @@ import math
 import torch
 
 from nxd_moe.config import GLUType, RoutedExpertsMLPOpsConfig
+from nxd_moe.quantization.weight import dequantized
 
 _ACTS = {
     "silu": lambda x: x * torch.sigmoid(x),
@@ -109,7 +110,8 @@ def dense_moe_reference(
 
 
 def reference_for_experts(expert_mlps, hidden_states, expert_affinities, expert_index, keep=None) -> torch.Tensor:
-    """:func:`dense_moe_reference` with the weights and config of an ``ExpertMLPsV2``."""
+    """:func:`dense_moe_reference` with the weights and config of an ``ExpertMLPsV2`` (quantized weights as
+    their dequantized values)."""
     cfg = expert_mlps.routed_experts_mlp_config
     op = expert_mlps.mlp_op
     first = op.first_proj
@@ -121,8 +123,8 @@ def reference_for_experts(expert_mlps, hidden_states, expert_affinities, expert_
         expert_index,
         reference_pair_weights(expert_affinities, expert_index, cfg.normalize_top_k_affinities),
         cfg,
-        first.weight,
-        op.down_proj.weight,
+        dequantized(first.stored_weight()),
+        dequantized(op.down_proj.stored_weight()),
         first.bias,
         op.down_proj.bias,
         keep=keep,

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.experts.dynamic_while import blocks_per_iteration, dynamic_while_blockwise_forward, static_block_count
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+from nxd_moe.quantization import QUANTIZATION_CHOICES
 
 HELP = "trace one MoE layer: torch.export, torch.compile(fullgraph) and XLA checks; write HLO for neuronx-cc"
 XLA_INSTALL_HINT = "pip install -e '.[xla]' (torch 2.9 + torch_xla 2.9; run with PJRT_DEVICE=CPU on a CPU host)"
@@ -582,6 +583,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="blockwise padding-block skipping: use_shard_on_intermediate_dynamic_while "
                              "('intermediate'), use_shard_on_block_dynamic_while ('block'), or 'off' "
                              "(default: the config's)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                        help="routed experts' weight format (default: the config's, bf16)")
     parser.add_argument("--padding", action="store_true", help="mask out the last quarter of the tokens")
     parser.add_argument("--routings", type=_positive_int, default=3,
                         help="routings check_static runs under XLA (>= 2; default 3, the first sends every token "
@@ -608,6 +611,8 @@ def trace(args: argparse.Namespace) -> dict:
     overrides: dict[str, Any] = {}
     if args.block_size is not None:
         overrides["block_size"] = args.block_size
+    if args.quantization is not None:
+        overrides["quantization"] = args.quantization
     if args.dynamic_while is not None:
         on_intermediate, on_block = DYNAMIC_WHILE_FLAGS[args.dynamic_while]
         overrides["block_use_shard_on_intermediate_dynamic_while"] = on_intermediate
@@ -637,6 +642,10 @@ def trace(args: argparse.Namespace) -> dict:
         "active_blocks": stats.get("active_blocks"),
         "dynamic_while": ("intermediate" if bcfg.use_shard_on_intermediate_dynamic_while
                           else "block" if bcfg.use_shard_on_block_dynamic_while else "off"),
+        "quantization": moe.expert_mlps.routed_experts_mlp_config.quantization,
+        # what the graph's weight inputs hold: the stored (8-bit / packed 4-bit) tensors, not dequantized copies
+        "expert_weight_dtypes": {k: str(v.dtype).removeprefix("torch.")
+                                 for k, v in moe.expert_mlps.mlp_op.state_dict().items()},
     }
     exported = export_program(moe, example)
     torch.export.save(exported.program, out_dir / "program.pt2")
@@ -684,6 +693,8 @@ def format_report(report: dict, out_dir: str) -> str:
         f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
         f"{report['mode']} {report['tokens']} tokens{' with padding' if report['padding'] else ''} -> "
         f"{report['experts_mode']}{blocks}, dynamic while: {report['dynamic_while']}",
+        f"expert weights {report['quantization']}: "
+        + ", ".join(f"{k} {v}" for k, v in report["expert_weight_dtypes"].items()),
     ]
     export, compiled = report["export"], report["compile"]
     lines.append(f"{'torch.export (strict)':<{LABEL}}{_yes(export['static'])}: {export['ops']} ops, "

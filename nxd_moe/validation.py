@@ -35,6 +35,8 @@ def check_mask_dtype(mask, what: str = "padding_mask") -> None:
 
 def check_finite(x: torch.Tensor, what: str) -> None:
     """Raise if ``x`` holds NaN or Inf (reads the data: host sync)."""
+    if x.is_floating_point() and x.element_size() == 1:
+        x = x.to(torch.float32)  # FP8 has no isfinite kernel
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{what} contains {bad} NaN/Inf value(s)")

@@ -26,6 +26,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.routing_inputs import Routing, build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, token_to_block_mapping
+from nxd_moe.quantization import QUANTIZATION_CHOICES
 
 
 class ExpertsBackend(abc.ABC):
@@ -33,10 +34,13 @@ class ExpertsBackend(abc.ABC):
 
     ``fuses_addend``: the four methods also take ``addend=`` -- a ``(T, H)`` tensor (the shared experts'
     output) to add inside the backend's last pass; otherwise the front end adds it to the result.
+    ``supported_formats``: the weight formats (:data:`nxd_moe.quantization.QUANTIZATION_CHOICES`) whose
+    :class:`ExpertWeights` the backend computes with; ``ExpertMLPsV2`` refuses any other at construction.
     """
 
     name: str
     fuses_addend: bool = False
+    supported_formats: frozenset[str] = frozenset({"bf16"})
 
     def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
                     capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:
@@ -83,6 +87,7 @@ class TorchBackend(ExpertsBackend):
     """
 
     name = "torch"
+    supported_formats = frozenset(QUANTIZATION_CHOICES)
 
     def __init__(self, matmul: str = "auto"):
         if matmul not in MATMUL_IMPLS:
@@ -123,3 +128,11 @@ def get_backend(backend: str | ExpertsBackend) -> ExpertsBackend:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} or an ExpertsBackend, got {backend!r}")
     module_name, class_name = BACKENDS[backend].split(":")
     return getattr(importlib.import_module(module_name), class_name)()
+
+
+def check_backend_supports(backend: ExpertsBackend, quantization: str) -> None:
+    """Raise unless ``backend`` computes with expert weights stored as ``quantization``."""
+    if quantization not in backend.supported_formats:
+        raise ValueError(f"backend {backend.name!r} does not support quantization={quantization!r}; it supports "
+                         f"{sorted(backend.supported_formats)} (the 'torch' backend supports "
+                         f"{list(QUANTIZATION_CHOICES)})")

@@ -27,9 +27,8 @@ from typing import NamedTuple
 import torch
 
 from nxd_moe.config import BlockwiseMatmulConfig
-from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.blockwise import gather_block_inputs
-from nxd_moe.experts.mlp import ExpertWeights, combine, grouped_expert_mlp
+from nxd_moe.experts.mlp import ExpertWeights, ExpertWeightsLayout, combine, grouped_expert_mlp
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_static_blocks
 from nxd_moe.experts.while_loop import while_loop_into
@@ -84,10 +83,8 @@ def dynamic_while_blockwise_forward(
         # Trailing zeros: the loop reads conditions[b] for b up to N - 1 + P, and must stop there.
         conditions = torch.cat([mapping.conditions, mapping.conditions.new_zeros(step)])
         start = torch.full((), static, dtype=torch.int64, device=x.device)
-        loop = _BlockLoop(step, n_blocks, weights.activation, weights.gate_up_bias is not None,
-                          weights.down_bias is not None)
-        weight_tensors = [t for t in (weights.gate_up_proj, weights.down_proj, weights.gate_up_bias,
-                                      weights.down_bias) if t is not None]
+        weight_tensors, layout = weights.flatten()
+        loop = _BlockLoop(step, n_blocks, layout)
         _, computed, out = while_loop_into(out, loop.next_block_active, loop.compute_blocks, (start, computed),
                                            (conditions, x, mapping.block_to_expert, *weight_tensors))
     output = combine(out.reshape(-1, out.shape[-1]), mapping.token_slot, routing.pair_weights(), routing.has_padding)
@@ -99,27 +96,22 @@ class _BlockLoop(NamedTuple):
     traces them on placeholders); only Python constants and the activation (no tensors) are held here.
 
     Carried: ``(next_block, computed)``; invariants: ``(conditions (N+P,), x (N, B, H), block_to_expert (N,),
-    gate_up_proj, down_proj[, gate_up_bias][, down_bias])``. The body returns the ``P`` computed blocks and their
+    *weight tensors)`` (the stored tensors of :meth:`ExpertWeights.flatten`, scales included). The body returns the ``P`` computed blocks and their
     indices, which the loop writes into the block output ``(N, B, H)``.
     """
 
     step: int
     num_blocks: int
-    activation: ExpertActivation
-    has_gate_up_bias: bool
-    has_down_bias: bool
+    weights: ExpertWeightsLayout
 
     def next_block_active(self, next_block, computed, conditions, *rest) -> torch.Tensor:
         return conditions.index_select(0, next_block.view(1)).squeeze(0) != 0
 
-    def compute_blocks(self, next_block, computed, conditions, x, block_to_expert, gate_up_proj, down_proj, *biases):
+    def compute_blocks(self, next_block, computed, conditions, x, block_to_expert, *weight_tensors):
         offsets = torch.arange(self.step, device=next_block.device)
         # Past the last block (odd N with two blocks per iteration) the pair repeats block N-1: same value twice.
         blocks = (next_block + offsets).clamp(max=self.num_blocks - 1)
-        biases = list(biases)
-        gate_up_bias = biases.pop(0) if self.has_gate_up_bias else None
-        down_bias = biases.pop(0) if self.has_down_bias else None
-        weights = ExpertWeights(gate_up_proj, down_proj, gate_up_bias, down_bias, self.activation)
+        weights = self.weights.rebuild(weight_tensors)
         y = grouped_expert_mlp(x.index_select(0, blocks), weights, block_to_expert.index_select(0, blocks),
                                impl="gather")
         remaining = (self.num_blocks - next_block).clamp(max=self.step)

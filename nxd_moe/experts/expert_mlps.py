@@ -20,7 +20,7 @@ from nxd_moe.config import (
     to_torch_dtype,
 )
 from nxd_moe.experts.activation import ExpertActivation
-from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
+from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, check_backend_supports, get_backend
 from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
@@ -33,6 +33,7 @@ from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
 from nxd_moe.parallel.local_routing import local_routing
 from nxd_moe.parallel.sharding import ShardSpec
 from nxd_moe.parallel.token_layout import TokenLayout
+from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
 from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
 
@@ -42,24 +43,58 @@ def _default_init(weight: torch.Tensor) -> None:
 
 
 class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
-    """All experts' copies of one projection: ``weight (E, in, out)``, optional ``bias (E, out)``."""
+    """All experts' copies of one projection: ``weight (E, in, out)``, optional ``bias (E, out)``.
+
+    Quantized (``quantization`` other than ``"bf16"``): ``weight`` and ``scale`` hold the format's stored tensors
+    (:mod:`nxd_moe.quantization.formats`; not trainable), initialised by quantizing the default init, and every
+    load checks their dtypes, shapes and scale values. ``dtype`` is the compute dtype either way.
+    """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool,
-                 dtype: torch.dtype, device=None, init_method=None):
+                 dtype: torch.dtype, device=None, init_method=None, quantization: str = "bf16"):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features, dtype=dtype, device=device))
+        self.dtype = dtype
+        self.format = get_format(quantization)
+        shape = Shape(num_experts, in_features, out_features)
+        self.format.check_shape(shape, f"ExpertLinear {tuple(shape)}")
+        weight = torch.empty(num_experts, in_features, out_features, dtype=dtype, device=device)
         self.bias = (nn.Parameter(torch.empty(num_experts, out_features, dtype=dtype, device=device))
                      if bias else None)
         with torch.no_grad():
-            for expert_weight in self.weight:
+            for expert_weight in weight:
                 (init_method or _default_init)(expert_weight)
             if self.bias is not None:
                 bound = 1.0 / math.sqrt(in_features)
                 self.bias.uniform_(-bound, bound)
+        if not self.format.quantized:
+            self.weight = nn.Parameter(weight)
+            return
+        stored = self.format.empty(shape, device) if weight.is_meta else self.format.quantize(weight)
+        self.weight = nn.Parameter(stored[0], requires_grad=False)
+        self.scale = nn.Parameter(stored[1], requires_grad=False)
+        self.register_load_state_dict_pre_hook(ExpertLinear._check_quantized)
+
+    @staticmethod
+    def _check_quantized(module, state_dict, prefix, *args, **kwargs):
+        weight, scale = state_dict.get(prefix + "weight"), state_dict.get(prefix + "scale")
+        if weight is not None and scale is not None:
+            module.format.check(weight, scale, module.shape, prefix.rstrip(".") or "ExpertLinear")
+
+    @property
+    def shape(self) -> Shape:
+        return QuantizedWeight(self.format, self.weight, self.scale, self.dtype).shape if self.format.quantized \
+            else Shape(*self.weight.shape)
+
+    def stored_weight(self) -> Weight:
+        """What the algorithms receive: the weight tensor, or a :class:`QuantizedWeight` over the stored ones."""
+        if not self.format.quantized:
+            return self.weight
+        return QuantizedWeight(self.format, self.weight, self.scale, self.dtype)
 
     def extra_repr(self) -> str:
-        e, i, o = self.weight.shape
-        return f"num_experts={e}, in_features={i}, out_features={o}, bias={self.bias is not None}"
+        e, i, o = self.shape
+        quantized = f", quantization={self.format.name!r}" if self.format.quantized else ""
+        return f"num_experts={e}, in_features={i}, out_features={o}, bias={self.bias is not None}{quantized}"
 
 
 class ExpertsMLPOp(nn.Module):
@@ -75,12 +110,13 @@ class ExpertsMLPOp(nn.Module):
         i = config.intermediate_size if intermediate_size is None else intermediate_size
         h = config.hidden_size
         first = ExpertLinear(e, h, 2 * i if config.glu_mlp else i, config.bias, dtype, device,
-                             config.input_layer_init_method)
+                             config.input_layer_init_method, config.quantization)
         if config.glu_mlp:
             self.gate_up_proj = first
         else:
             self.up_proj = first
-        self.down_proj = ExpertLinear(e, i, h, config.bias, dtype, device, config.output_layer_init_method)
+        self.down_proj = ExpertLinear(e, i, h, config.bias, dtype, device, config.output_layer_init_method,
+                                      config.quantization)
 
     @property
     def first_proj(self) -> ExpertLinear:
@@ -209,8 +245,12 @@ class ExpertMLPsV2(nn.Module):
         self.sequence_parallel_enabled = check_bool("sequence_parallel_enabled", sequence_parallel_enabled)
         self.validate_inputs = check_bool("validate_inputs", validate_inputs)
         self.backend = get_backend(backend)
+        check_backend_supports(self.backend, routed_experts_mlp_config.quantization)
         dtype = to_torch_dtype(dtype)
         self.parallelism = self._parallelism(model_parallel, dtype)
+        if self.parallelism is not None and routed_experts_mlp_config.quantization != "bf16":
+            raise NotImplementedError(f"ExpertMLPsV2: quantization={routed_experts_mlp_config.quantization!r} with "
+                                      "model parallelism is not supported yet; build with model_parallel=False")
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
         if self.parallelism is None:
             self.mlp_op = ExpertsMLPOp(routed_experts_mlp_config, dtype, device)
@@ -267,15 +307,15 @@ class ExpertMLPsV2(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.mlp_op.down_proj.weight.dtype
+        return self.mlp_op.down_proj.dtype
 
     def expert_weights(self) -> ExpertWeights:
         """The experts' weights (on a sharded module: this rank's prefill shard, see :meth:`shard_weights`)."""
         if self.parallelism is not None:
             return self.shard_weights(decode=False)
         first = self.mlp_op.first_proj
-        return ExpertWeights(first.weight, self.mlp_op.down_proj.weight, first.bias, self.mlp_op.down_proj.bias,
-                             self.activation)
+        return ExpertWeights(first.stored_weight(), self.mlp_op.down_proj.stored_weight(), first.bias,
+                             self.mlp_op.down_proj.bias, self.activation)
 
     def shard_weights(self, decode: bool) -> ExpertWeights:
         """This rank's weights for a phase. The down-projection bias is added on TP rank 0 only: the partial

@@ -10,8 +10,10 @@ Two implementations of one contract:
   skipping). Available for fp32/bf16/fp16 on CPU and bf16 on CUDA (sm80+); inside ``torch.compile`` only for
   bf16, which is all its meta kernel accepts.
 
-``auto`` picks ``grouped_mm`` where it applies and ``gather`` everywhere else. Both return identical
-results up to float rounding; tests run both.
+``auto`` picks ``grouped_mm`` where it applies and ``gather`` everywhere else. A quantized weight
+(:class:`~nxd_moe.quantization.weight.QuantizedWeight`) is dequantized once whole when there are at least as many
+groups as experts (then ``auto`` may pick ``grouped_mm``), and otherwise per group by ``gather`` -- decode's few
+pairs dequantize only their experts. Both return identical results up to float rounding; tests run both.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
+
+from nxd_moe.quantization.weight import dequantized
 
 MATMUL_IMPLS = ("auto", "gather", "grouped_mm")
 
@@ -44,7 +48,8 @@ def resolve_matmul_impl(impl: str, x: torch.Tensor, weights: Sequence[torch.Tens
         raise ValueError(f"matmul impl must be one of {list(MATMUL_IMPLS)}, got {impl!r}")
     applies = all(_grouped_mm_applies(x, w) for w in weights)
     if impl == "auto":
-        return "grouped_mm" if applies else "gather"
+        few_groups = any(not isinstance(w, torch.Tensor) and x.shape[0] < w.shape[0] for w in weights)
+        return "grouped_mm" if applies and not few_groups else "gather"
     if impl == "grouped_mm" and not applies:
         raise ValueError(
             f"matmul impl 'grouped_mm' does not apply to dtype {x.dtype} on {x.device.type} with weight shapes "
@@ -89,10 +94,12 @@ def plan_groups(
     return GroupPlan(impl, group_expert, row_ends)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, plan: GroupPlan) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight, plan: GroupPlan) -> torch.Tensor:
     """``x (G, M, K) @ weight[plan.group_expert] (G, K, N) -> (G, M, N)``."""
     if plan.impl == "gather":
+        if x.shape[0] >= weight.shape[0]:  # as many groups as experts: dequantize each expert once, not per group
+            weight = dequantized(weight)
         return torch.bmm(x, weight.index_select(0, plan.group_expert))
     groups, rows, _ = x.shape
-    out = torch.nn.functional.grouped_mm(x.reshape(groups * rows, -1), weight, offs=plan.row_ends)
+    out = torch.nn.functional.grouped_mm(x.reshape(groups * rows, -1), dequantized(weight), offs=plan.row_ends)
     return out.view(groups, rows, -1)

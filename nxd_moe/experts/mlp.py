@@ -8,6 +8,7 @@ import torch
 
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.grouped_matmul import grouped_matmul, plan_groups
+from nxd_moe.quantization.weight import Weight, WeightLayout, dequantized, format_name, weight_tensors
 
 
 class ExpertWeights(NamedTuple):
@@ -15,10 +16,15 @@ class ExpertWeights(NamedTuple):
 
     ``gate_up_proj (E, H, 2I)`` = ``[gate | up]`` on the last dim (``(E, H, I)`` up-projection for non-GLU
     experts), ``down_proj (E, I, H)``, optional biases ``(E, 2I)``/``(E, I)`` and ``(E, H)``.
+
+    The two projections are tensors (bf16: the layer's dtype) or
+    :class:`~nxd_moe.quantization.weight.QuantizedWeight` (stored tensors + scales + format). Both answer
+    ``.index_select(0, experts)`` (those experts' weights in the compute dtype) and ``.shape`` ``(E, K, N)``;
+    :func:`~nxd_moe.quantization.weight.dequantized` gives the whole weight. Biases are never quantized.
     """
 
-    gate_up_proj: torch.Tensor
-    down_proj: torch.Tensor
+    gate_up_proj: Weight
+    down_proj: Weight
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     activation: ExpertActivation
@@ -27,14 +33,46 @@ class ExpertWeights(NamedTuple):
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    @property
+    def format(self) -> str:
+        """The projections' storage format name (``"bf16"`` for plain tensors)."""
+        return format_name(self.gate_up_proj)
+
+    def flatten(self) -> tuple[list[torch.Tensor], "ExpertWeightsLayout"]:
+        """Every stored tensor, and the tensor-free layout that :meth:`ExpertWeightsLayout.rebuild` reassembles
+        them with (for a traced loop, whose body must receive its tensors as arguments)."""
+        tensors = [*weight_tensors(self.gate_up_proj), *weight_tensors(self.down_proj)]
+        tensors += [b for b in (self.gate_up_bias, self.down_bias) if b is not None]
+        layout = ExpertWeightsLayout(WeightLayout.of(self.gate_up_proj), WeightLayout.of(self.down_proj),
+                                     self.gate_up_bias is not None, self.down_bias is not None, self.activation)
+        return tensors, layout
+
+
+class ExpertWeightsLayout(NamedTuple):
+    gate_up_proj: WeightLayout
+    down_proj: WeightLayout
+    has_gate_up_bias: bool
+    has_down_bias: bool
+    activation: ExpertActivation
+
+    def rebuild(self, tensors) -> ExpertWeights:
+        tensors = list(tensors)
+        split = self.gate_up_proj.num_tensors
+        gate_up = self.gate_up_proj.rebuild(tensors[:split])
+        down = self.down_proj.rebuild(tensors[split:split + self.down_proj.num_tensors])
+        biases = tensors[split + self.down_proj.num_tensors:]
+        gate_up_bias = biases.pop(0) if self.has_gate_up_bias else None
+        down_bias = biases.pop(0) if self.has_down_bias else None
+        return ExpertWeights(gate_up, down, gate_up_bias, down_bias, self.activation)
+
 
 def dense_expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     """Expert e on its own rows: ``x (E, M, H)`` -- or ``(1, M, H)``, every expert on the same rows --
     ``-> (E, M, H)``. Batched matmul against the weights as stored: no copies."""
-    h = torch.matmul(x, weights.gate_up_proj)
+    h = torch.matmul(x, dequantized(weights.gate_up_proj))
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias.unsqueeze(1)
-    y = torch.matmul(weights.activation(h), weights.down_proj)
+    y = torch.matmul(weights.activation(h), dequantized(weights.down_proj))
     if weights.down_bias is not None:
         y = y + weights.down_bias.unsqueeze(1)
     return y

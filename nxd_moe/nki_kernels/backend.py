@@ -13,7 +13,9 @@ dynamic loop; ``use_block_parallel`` -> shard-on-block, static; otherwise shard-
 sharding). Each runs on ``logical_nc_config`` cores; ``skip_dma_token`` / ``skip_dma_weight`` choose the skip
 modes. Decode runs the selective-loading or all-experts kernel on ``decode_lnc`` cores.
 
-Supported dtypes: float32, bfloat16, float16 (the Trainium types); float64 raises.
+Supported dtypes: float32, bfloat16, float16 (the Trainium types); float64 raises. Every weight format of
+:mod:`nxd_moe.quantization`: the kernels read the stored bytes and scales from HBM and dequantize each weight tile
+on chip (:func:`~nxd_moe.nki_kernels.isa.dequantize`) before the matmul.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from nxd_moe.nki_kernels.kernels import (
 from nxd_moe.nki_kernels.compat.frontend import Kernel
 from nxd_moe.nki_kernels.compat.frontend import run as run_nki
 from nxd_moe.nki_kernels.lnc import KernelRun, simulate
+from nxd_moe.quantization import QUANTIZATION_CHOICES
 
 SUPPORTED_DTYPES = {torch.float32: nl.float32, torch.bfloat16: nl.bfloat16, torch.float16: nl.float16}
 
@@ -83,16 +86,35 @@ class KernelCall:
         return simulate(self.kernel, self.lnc, numerics)(**self.args)
 
 
+def _stored_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A stored quantized tensor's bytes as NumPy (FP8 as ``ml_dtypes.float8_e4m3fn``)."""
+    t = tensor.detach().cpu().contiguous()
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(nl.float8_e4m3fn).copy()
+    return t.numpy().copy()
+
+
 def weight_arrays(weights: ExpertWeights, dtype: torch.dtype) -> dict[str, Any]:
-    """The kernels' weight inputs: ``gate_up_proj (E, H, 2I)`` viewed as ``(E, H, 2, I)``, biases likewise."""
+    """The kernels' weight inputs: ``gate_up_proj (E, H, 2I)`` viewed as ``(E, H, 2, I)``, biases likewise.
+
+    Quantized weights go in as stored (``(E, H/v, 2I)`` / ``(E, I/v, H)`` bytes) with NxD's ``gate_up_proj_scale``
+    / ``down_proj_scale`` and ``weight_format``: the kernels DMA them packed and dequantize on chip."""
     experts, hidden, width = weights.gate_up_proj.shape
     projections = 2 if weights.activation.glu_mlp else 1
-    args = {
-        "gate_up_proj_weight": to_numpy(weights.gate_up_proj, dtype).reshape(experts, hidden, projections, -1),
-        "down_proj_weight": to_numpy(weights.down_proj, dtype),
-        "gate_and_up_proj_bias": None,
-        "down_proj_bias": None,
-    }
+    if weights.format == "bf16":
+        args = {
+            "gate_up_proj_weight": to_numpy(weights.gate_up_proj, dtype).reshape(experts, hidden, projections, -1),
+            "down_proj_weight": to_numpy(weights.down_proj, dtype),
+        }
+    else:
+        args = {
+            "gate_up_proj_weight": _stored_numpy(weights.gate_up_proj.weight),
+            "down_proj_weight": _stored_numpy(weights.down_proj.weight),
+            "gate_up_proj_scale": _stored_numpy(weights.gate_up_proj.scale),
+            "down_proj_scale": _stored_numpy(weights.down_proj.scale),
+            "weight_format": weights.format,
+        }
+    args.update(gate_and_up_proj_bias=None, down_proj_bias=None)
     if weights.gate_up_bias is not None:
         args["gate_and_up_proj_bias"] = to_numpy(weights.gate_up_bias, dtype).reshape(experts, projections, -1)
     if weights.down_bias is not None:
@@ -194,6 +216,7 @@ class NkiSimBackend(ExpertsBackend):
     """
 
     name = "nki_sim"
+    supported_formats = frozenset(QUANTIZATION_CHOICES)
 
     def __init__(self, decode_lnc: int | None = None):
         self.decode_lnc = default_logical_nc_config() if decode_lnc is None else check_int("decode_lnc", decode_lnc,

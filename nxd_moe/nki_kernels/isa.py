@@ -496,6 +496,33 @@ def tensor_copy(dst, src, engine=None, name=None) -> None:
     _account(on, label, src, dst)
 
 
+def dequantize(dst, data, scale, weight_format) -> None:
+    """``dst (P, C)`` = the weight tile stored as ``data`` with block scales ``scale`` in ``weight_format`` (a
+    :class:`~nxd_moe.quantization.formats.QuantizationFormat`), converted on chip before the matmul.
+
+    ``data`` holds the tile's ``P`` rows packed ``values_per_byte`` to a partition row (``(P / v, C)``), ``scale``
+    its scale rows (``(P / block_k, C / block_n)``, or one row for per-channel scales). A modelled instruction: one
+    Vector Engine pass over ``dst`` (on Trn2 an FP8 tile is a ``tensor_copy`` upcast and a scale multiply; MX
+    unpacking is Trn3's ``nc_matmul_mx`` territory).
+    """
+    name = "dequantize"
+    dst, data, scale = (_tile(t, r, name) for t, r in ((dst, "dst"), (data, "data"), (scale, "scale")))
+    if len(dst.shape) != 2 or data.shape != (dst.shape[0] // weight_format.values_per_byte, dst.shape[1]):
+        raise HardwareLimitError(f"{name}: data {data.shape} must hold dst {dst.shape}'s rows packed "
+                                 f"{weight_format.values_per_byte} per byte")
+    if _computes(dst, data, scale):
+        import torch
+
+        def as_torch(t: NkiTensor, dtype):
+            raw = torch.from_numpy(np.ascontiguousarray(t.data).view(np.uint8))
+            return raw.view(dtype).unsqueeze(0)
+
+        values = weight_format.dequantize(as_torch(data, weight_format.weight_dtype),
+                                          as_torch(scale, weight_format.scale_dtype), torch.float32)
+        _store(dst, values[0].numpy())
+    _account("vector", name, dst, data)
+
+
 def memset(dst, value, engine=None, name=None) -> None:
     """Fill ``dst`` with a constant on the Vector Engine (or GpSimd)."""
     label = "memset"

@@ -36,6 +36,7 @@ bfloat16 = np.dtype(ml_dtypes.bfloat16)
 float16 = np.dtype(np.float16)
 float32 = np.dtype(np.float32)
 float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)  # OCP E4M3 (+-448): what FP8 checkpoints store
 int32 = np.dtype(np.int32)
 uint8 = np.dtype(np.uint8)
 int8 = np.dtype(np.int8)

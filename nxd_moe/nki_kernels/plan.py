@@ -28,6 +28,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, replace
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -47,6 +48,7 @@ from nxd_moe.nki_kernels.backend import KernelCall, blockwise_call, pads_token_r
 from nxd_moe.nki_kernels.cost_model import TRN2
 from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode, moe_tkg_all_expert, moe_tkg_selective_expert
 from nxd_moe.nki_kernels.machine import HardwareLimitError
+from nxd_moe.quantization.formats import QUANTIZATION_CHOICES, Shape, get_format
 
 HELP = ("plan Trainium2 kernel settings for a model config (block size, DMA skipping, LNC2 strategy, TP vs EP, "
         "selective loading vs all-experts) from simulated counts and the Trn2 cost model")
@@ -115,16 +117,29 @@ def _shape_only(shape: tuple[int, ...], dtype=nl.bfloat16) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape))
 
 
+# Stored quantized bytes in a counting run: a 1-byte float container, so nothing is materialised (integer inputs
+# would be); the kernels only move and count these bytes. E8M0 is exactly what MX scales are.
+_COUNTING_BYTES = {torch.float8_e4m3fn: nl.float8_e4m3fn, torch.uint8: np.dtype(ml_dtypes.float8_e8m0fnu),
+                   torch.float32: nl.float32}
+
+
 def _weights(problem: RankProblem) -> dict:
     e, h, i = problem.experts, problem.hidden, problem.intermediate
     projections = 2 if problem.model.experts.get("glu_mlp", True) else 1
     bias = problem.model.experts.get("bias", False)
-    return {
-        "gate_up_proj_weight": _shape_only((e, h, projections, i)),
-        "down_proj_weight": _shape_only((e, i, h)),
+    fmt = get_format(problem.experts_config().quantization)
+    out = {
         "gate_and_up_proj_bias": _shape_only((e, projections, i)) if bias else None,
         "down_proj_bias": _shape_only((e, h)) if bias else None,
     }
+    if not fmt.quantized:
+        return {"gate_up_proj_weight": _shape_only((e, h, projections, i)),
+                "down_proj_weight": _shape_only((e, i, h)), **out}
+    for name, shape in (("gate_up_proj", Shape(e, h, projections * i)), ("down_proj", Shape(e, i, h))):
+        out[f"{name}_weight"] = _shape_only(fmt.weight_shape(shape), _COUNTING_BYTES[fmt.weight_dtype])
+        out[f"{name}_scale"] = _shape_only(fmt.scale_shape(shape), _COUNTING_BYTES[fmt.scale_dtype])
+    out["weight_format"] = fmt.name
+    return out
 
 
 def balanced_expert_index(tokens: int, top_k: int, num_experts: int) -> torch.Tensor:
@@ -334,6 +349,7 @@ def plan(model: MoEModelConfig, tokens: int, tp: int = 1, ep: int = 1, decode_ba
         "tp": tp,
         "ep": ep,
         "decode_batch": decode_batch,
+        "quantization": problem.experts_config().quantization,
         "per_rank": {"experts": problem.experts, "hidden_size": problem.hidden,
                      "intermediate_size": problem.intermediate, "top_k": problem.top_k},
         "aif_target": aif_target,
@@ -373,7 +389,7 @@ def format_plan(report: dict) -> str:
     lines = [
         f"nxd-moe plan: {r['config']}, {r['tokens']} prefill tokens, decode batch {r['decode_batch']}, "
         f"TP={r['tp']} EP={r['ep']} -> per rank E={per_rank['experts']}, H={per_rank['hidden_size']}, "
-        f"I={per_rank['intermediate_size']}, k={per_rank['top_k']}",
+        f"I={per_rank['intermediate_size']}, k={per_rank['top_k']}, expert weights {r['quantization']}",
         "Estimated Trn2 times come from a cost model over simulated counts -- a model, not a measurement:",
         *(f"  - {a}" for a in r["assumptions"]),
         "",
@@ -459,6 +475,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its module is imported with `nki` resolving to the simulator")
     parser.add_argument("--kernel-path", action="append", default=[], metavar="DIR",
                         help="prepend DIR to sys.path for --kernel (e.g. an nki-library checkout's src/)")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                        help="routed experts' weight format (default: the config's, bf16); the kernels DMA the stored "
+                             "bytes and scales and dequantize on chip")
     parser.add_argument("--plot", metavar="PNG", default=None, help="also draw the estimates into this PNG file")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
 
@@ -490,8 +509,10 @@ def main(args: argparse.Namespace) -> int:
         if args.plot:
             _pyplot()  # fail before simulating, not after
         external = load_kernels(args.kernel, args.kernel_path)
-        report = plan(load_model_config(args.config), args.tokens, args.tp, args.ep, args.decode_batch,
-                      args.aif_target, external)
+        model = load_model_config(args.config)
+        if args.quantization is not None:
+            model = replace(model, experts={**model.experts, "quantization": args.quantization})
+        report = plan(model, args.tokens, args.tp, args.ep, args.decode_batch, args.aif_target, external)
         if args.plot:
             plot_plan(report, args.plot)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:

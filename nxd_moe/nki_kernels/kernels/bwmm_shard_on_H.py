@@ -19,7 +19,7 @@ from nxd_moe.nki_kernels.kernels.block import (
     weight_load_experts,
     zero_output_rows,
 )
-from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
+from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
 from nxd_moe.nki_kernels.kernels.tiling import split
 
 
@@ -27,10 +27,14 @@ def bwmm_shard_on_H(hidden_states, expert_affinities_masked, gate_up_proj_weight
                     token_position_to_id, block_to_expert, block_size: int, gate_and_up_proj_bias=None,
                     down_proj_bias=None, *, activation: ExpertActivation, skip_dma: SkipMode = NO_SKIP,
                     expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-                    is_tensor_update_accumulating: bool = True):
+                    is_tensor_update_accumulating: bool = True,
+                    gate_up_proj_scale=None, down_proj_scale=None, weight_format: str = "bf16"):
     """Every block in a static loop. Returns ``output (T_rows, H)``; with ``is_tensor_update_accumulating`` it is
     zero-initialised and each block adds its contribution (top-k > 1), otherwise each row is written once.
     Inputs: see :mod:`nxd_moe.nki_kernels.kernels.block`."""
+    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
+                                                             down_proj_scale, weight_format, hidden_states.dtype,
+                                                             activation.glu_mlp)
     io = BlockwiseInputs.create(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                                 token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias,
                                 down_proj_bias, activation, skip_dma, expert_affinities_scaling_mode,

@@ -30,7 +30,7 @@ from nxd_moe.nki_kernels.kernels.block import (
     weight_load_experts,
     zero_output_rows,
 )
-from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
+from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
 from nxd_moe.nki_kernels.kernels.tiling import split
 
 
@@ -39,7 +39,8 @@ def bwmm_shard_on_I(hidden_states, expert_affinities_masked, gate_up_proj_weight
                     down_proj_bias=None, conditions=None, *, activation: ExpertActivation,
                     num_static_block: int | None = None, skip_dma: SkipMode = NO_SKIP,
                     expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-                    is_tensor_update_accumulating: bool = True):
+                    is_tensor_update_accumulating: bool = True,
+                    gate_up_proj_scale=None, down_proj_scale=None, weight_format: str = "bf16"):
     """Returns ``output (T_rows, H)``.
 
     ``conditions (N + 1,)`` int32 (1 = the block holds a real token, the last entry 0) switches on the dynamic
@@ -47,6 +48,9 @@ def bwmm_shard_on_I(hidden_states, expert_affinities_masked, gate_up_proj_weight
     ``N - E``, the NKI library's; NxD passes ``ceil(T * k / B)``). With two cores ``block_size`` must be a
     multiple of 256 (each core finishes whole 128-token tiles).
     """
+    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
+                                                             down_proj_scale, weight_format, hidden_states.dtype,
+                                                             activation.glu_mlp)
     io = BlockwiseInputs.create(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                                 token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias,
                                 down_proj_bias, activation, skip_dma, expert_affinities_scaling_mode,

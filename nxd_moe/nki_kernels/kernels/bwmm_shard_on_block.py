@@ -28,7 +28,7 @@ from nxd_moe.nki_kernels.kernels.block import (
     weight_load_experts,
     zero_output_rows,
 )
-from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
+from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
 from nxd_moe.nki_kernels.machine import PMAX
 
@@ -57,10 +57,14 @@ def bwmm_shard_on_block(hidden_states, expert_affinities_masked, gate_up_proj_we
                         block_sharding_strategy: BlockShardStrategy = BlockShardStrategy.PING_PONG,
                         num_static_blocks: int | None = None, skip_dma: SkipMode = NO_SKIP,
                         expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-                        is_tensor_update_accumulating: bool = True):
+                        is_tensor_update_accumulating: bool = True,
+                        gate_up_proj_scale=None, down_proj_scale=None, weight_format: str = "bf16"):
     """Returns ``output (T_rows, cores, H)``; the result is ``output[:, 0]``. ``N`` must be a multiple of the
     number of cores. ``num_static_blocks``: blocks always computed (rounded up to whole iterations; default all
     of them without ``conditions``, none with). Every slot is zero-initialised: the final sum reads both."""
+    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
+                                                             down_proj_scale, weight_format, hidden_states.dtype,
+                                                             activation.glu_mlp)
     io = BlockwiseInputs.create(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                                 token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias,
                                 down_proj_bias, activation, skip_dma, expert_affinities_scaling_mode,

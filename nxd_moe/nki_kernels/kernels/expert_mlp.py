@@ -27,7 +27,8 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.kernels.tiling import tiles
-from nxd_moe.nki_kernels.machine import PMAX, NkiTensor
+from nxd_moe.nki_kernels.machine import PMAX, HardwareLimitError, NkiTensor
+from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format
 
 TOKEN_CHUNK = nl.tile_size.gemm_moving_fmax  # tokens per gate/up matmul (moving free size)
 HIDDEN_CHUNK = nl.tile_size.psum_fmax  # hidden columns per down-projection matmul (one PSUM bank of fp32)
@@ -76,8 +77,55 @@ class MlpShard:
         return self.h_out[1] - self.h_out[0]
 
 
+@dataclass(frozen=True)
+class QuantizedHbm:
+    """An expert weight stored quantized in HBM: ``data (E, K / v, N)`` and ``scale`` as
+    :mod:`nxd_moe.quantization.formats` lays them out, standing for the logical weight of ``shape`` in ``dtype``
+    (the kernels' ``(E, H, G, I)`` gate/up or ``(E, I, H)`` down). :func:`load_weights` DMAs the stored bytes and
+    dequantizes on chip."""
+
+    data: NkiTensor
+    scale: NkiTensor
+    format: QuantizationFormat
+    shape: tuple[int, ...]
+    dtype: object
+
+    @property
+    def name(self) -> str:
+        return self.data.name
+
+
+def quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale, down_proj_scale, weight_format,
+                     dtype, glu: bool):
+    """The kernels' weight inputs as :class:`QuantizedHbm` when ``weight_format`` is quantized (NxD's
+    ``gate_up_proj_scale`` / ``down_proj_scale`` arguments), else unchanged. Stored gate/up is ``(E, H/v, G*I)``."""
+    fmt = get_format(weight_format, "weight_format")
+    if not fmt.quantized:
+        return gate_up_proj_weight, down_proj_weight
+    for t, name in ((gate_up_proj_weight, "gate_up_proj_weight"), (down_proj_weight, "down_proj_weight"),
+                    (gate_up_proj_scale, "gate_up_proj_scale"), (down_proj_scale, "down_proj_scale")):
+        array_shape(t, name, 3)
+    experts, packed_h, width = gate_up_proj_weight.shape
+    hidden, projections = packed_h * fmt.values_per_byte, 2 if glu else 1
+    inter = width // projections
+    if gate_up_proj_weight.dtype.itemsize != 1 or down_proj_weight.dtype.itemsize != 1:
+        raise TypeError(f"format {fmt.name!r}: gate_up_proj_weight / down_proj_weight must be stored 1-byte arrays, "
+                        f"got {gate_up_proj_weight.dtype} / {down_proj_weight.dtype}")
+    for data, scale, name, shape in ((gate_up_proj_weight, gate_up_proj_scale, "gate_up_proj", (experts, hidden, width)),
+                                     (down_proj_weight, down_proj_scale, "down_proj", (experts, inter, hidden))):
+        fmt.check_shape(Shape(*shape), name)
+        expected = (fmt.weight_shape(Shape(*shape)), fmt.scale_shape(Shape(*shape)))
+        if (data.shape, scale.shape) != expected:
+            raise ValueError(f"{name}_weight / {name}_scale must be {expected[0]} / {expected[1]} for format "
+                             f"{fmt.name!r}, got {data.shape} / {scale.shape}")
+    return (QuantizedHbm(gate_up_proj_weight, gate_up_proj_scale, fmt, (experts, hidden, projections, inter), dtype),
+            QuantizedHbm(down_proj_weight, down_proj_scale, fmt, (experts, inter, hidden), dtype))
+
+
 def array_shape(t, name: str, dims: int) -> tuple[int, ...]:
     """The shape of kernel input ``t``, checked: an array (an HBM tensor inside the kernel) of ``dims`` dimensions."""
+    if isinstance(t, QuantizedHbm) and len(t.shape) == dims:
+        return t.shape
     if not isinstance(t, NkiTensor):
         raise TypeError(f"{name} must be an array (an HBM tensor inside the kernel), got {type(t).__name__}")
     if len(t.shape) != dims:
@@ -146,7 +194,11 @@ def load_weights(w_gu, w_d, gate_up_proj_weight, down_proj_weight, expert, shard
     """DMA expert ``expert``'s slice (``shard.i_range`` columns) into the buffers: one transfer per hidden tile of
     gate/up, one per intermediate tile of down. ``expert`` is an int (static) or an int32 ``(1, 1)`` tensor (a
     runtime ``scalar_offset``); an out-of-range runtime expert with ``oob_mode.skip`` skips the loads and leaves the
-    buffers as they were."""
+    buffers as they were. Quantized weights (:class:`QuantizedHbm`) move as stored, scales included, and are
+    dequantized into the same buffers."""
+    if isinstance(gate_up_proj_weight, QuantizedHbm):
+        _load_quantized_weights(w_gu, w_d, gate_up_proj_weight, down_proj_weight, expert, shard, oob_mode)
+        return
     num_proj, inter = shard.projections, shard.intermediate
     i0, i1 = shard.i_range
     for t, (h0, h1) in enumerate(shard.h_in_tiles):
@@ -157,6 +209,53 @@ def load_weights(w_gu, w_d, gate_up_proj_weight, down_proj_weight, expert, shard
     for a, (a0, a1) in enumerate(shard.i_tiles):
         src = _expert_ap(down_proj_weight, [[shard.hidden, a1 - a0], [1, o1 - o0]], a0 * shard.hidden + o0, expert)
         nisa.dma_copy(w_d[:a1 - a0, a], src, oob_mode=oob_mode)
+
+
+def _load_quantized_weights(w_gu, w_d, gate_up: QuantizedHbm, down: QuantizedHbm, expert, shard: MlpShard,
+                            oob_mode: str) -> None:
+    """:func:`load_weights` for stored formats: per tile one DMA of the packed rows, one of their scale rows (per
+    channel scales: once per projection, shared by every tile), then :func:`nisa.dequantize` into the buffer."""
+    i0, i1 = shard.i_range
+    for g in range(shard.projections):
+        col0 = g * shard.intermediate + i0
+        scale = _load_scale_rows(gate_up, 0, shard.hidden, col0, i1 - i0, expert, oob_mode)
+        for t, (h0, h1) in enumerate(shard.h_in_tiles):
+            _load_tile(w_gu[:h1 - h0, t, g, :i1 - i0], gate_up, h0, h1 - h0, col0, i1 - i0, expert, oob_mode, scale)
+    o0, o1 = shard.h_out
+    scale = _load_scale_rows(down, 0, shard.intermediate, o0, o1 - o0, expert, oob_mode)
+    for a, (a0, a1) in enumerate(shard.i_tiles):
+        _load_tile(w_d[:a1 - a0, a], down, a0, a1 - a0, o0, o1 - o0, expert, oob_mode, scale)
+
+
+def _load_scale_rows(q: QuantizedHbm, row0: int, rows: int, col0: int, cols: int, expert, oob_mode: str,
+                     per_channel_only: bool = True):
+    """The scales of weight rows ``[row0, row0 + rows)`` and columns ``[col0, col0 + cols)`` in SBUF; None for
+    block formats when ``per_channel_only`` (those load their scale rows with each tile)."""
+    fmt = q.format
+    if per_channel_only and fmt.block_k is not None:
+        return None
+    for what, start, size, block in (("row", row0, rows, fmt.block_k), ("column", col0, cols, fmt.block_n)):
+        if block is not None and (start % block or size % block):
+            raise HardwareLimitError(f"{q.name}: a tile's {what}s [{start}, {start + size}) must align with format "
+                                     f"{fmt.name!r}'s blocks of {block} (choose sizes / shardings that keep them "
+                                     "aligned)")
+    width = q.scale.shape[2]
+    srow0, srows = (0, 1) if fmt.block_k is None else (row0 // fmt.block_k, rows // fmt.block_k)
+    scale = nl.ndarray((srows, cols // fmt.block_n), q.scale.dtype, name=f"{q.scale.name}_sb")
+    nisa.dma_copy(scale, _expert_ap(q.scale, [[width, srows], [1, cols // fmt.block_n]],
+                                    srow0 * width + col0 // fmt.block_n, expert), oob_mode=oob_mode)
+    return scale
+
+
+def _load_tile(dst, q: QuantizedHbm, row0: int, rows: int, col0: int, cols: int, expert, oob_mode: str,
+               scale) -> None:
+    if scale is None:
+        scale = _load_scale_rows(q, row0, rows, col0, cols, expert, oob_mode, per_channel_only=False)
+    per_byte, width = q.format.values_per_byte, q.data.shape[2]
+    staged = nl.ndarray((rows // per_byte, cols), q.data.dtype, name=f"{q.data.name}_stored_sb")
+    nisa.dma_copy(staged, _expert_ap(q.data, [[width, rows // per_byte], [1, cols]], row0 // per_byte * width + col0,
+                                     expert), oob_mode=oob_mode)
+    nisa.dequantize(dst, staged, scale, q.format)
 
 
 def load_gate_up_bias(gate_and_up_proj_bias, expert, shard: MlpShard, dtype):

@@ -34,6 +34,7 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     load_down_bias,
     load_gate_up_bias,
     load_weights,
+    quantized_inputs,
     transpose_tokens,
     weight_chunks,
 )
@@ -59,9 +60,13 @@ def _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affiniti
 def moe_tkg_all_expert(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                        gate_and_up_proj_bias=None, down_proj_bias=None, expert_mask=None, *,
                        activation: ExpertActivation,
-                       expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE):
+                       expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE, gate_up_proj_scale=None,
+                       down_proj_scale=None, weight_format: str = "bf16"):
     """Returns ``output (T, H)``: ``sum_e weight[t, e] * MLP_e(x_t)`` over all experts (``weight`` the affinity,
     or the mask with PRE_SCALE)."""
+    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
+                                                             down_proj_scale, weight_format, hidden_states.dtype,
+                                                             activation.glu_mlp)
     shard, mode = _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked,
                          expert_mask, activation, expert_affinities_scaling_mode)
     tokens, hidden = hidden_states.shape
@@ -115,8 +120,12 @@ def moe_tkg_all_expert(hidden_states, expert_affinities_masked, gate_up_proj_wei
 def moe_tkg_selective_expert(hidden_states, expert_affinities_masked, expert_index, gate_up_proj_weight,
                              down_proj_weight, gate_and_up_proj_bias=None, down_proj_bias=None, expert_mask=None, *,
                              activation: ExpertActivation,
-                             expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE):
+                             expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE, gate_up_proj_scale=None,
+                       down_proj_scale=None, weight_format: str = "bf16"):
     """Returns ``output (T, H)``: ``sum_j weight[t, j] * MLP_{index[t, j]}(x_t)``, loading each pair's expert."""
+    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
+                                                             down_proj_scale, weight_format, hidden_states.dtype,
+                                                             activation.glu_mlp)
     shard, mode = _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked,
                          expert_mask, activation, expert_affinities_scaling_mode)
     tokens, hidden = hidden_states.shape

@@ -1,0 +1,59 @@
+"""Turn a layer's bf16 routed experts into a quantized format (round to nearest, scales from each block's max)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nxd_moe.experts.backends import check_backend_supports
+from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
+from nxd_moe.quantization.formats import QuantizationFormat, get_format
+
+
+def quantize_expert_linear(linear: ExpertLinear, quantization: str | QuantizationFormat) -> ExpertLinear:
+    """A new :class:`ExpertLinear` holding ``linear``'s weights in ``quantization`` (bias shared, unquantized)."""
+    fmt = get_format(quantization)
+    if linear.format.quantized:
+        raise ValueError(f"quantize: the projection is already stored as {linear.format.name!r}; quantize a bf16 layer")
+    experts, k, n = linear.weight.shape
+    out = ExpertLinear(experts, k, n, False, linear.dtype, "meta", quantization=fmt)
+    if fmt.quantized:
+        weight, scale = fmt.quantize(linear.weight)
+        out.weight = nn.Parameter(weight, requires_grad=False)
+        out.scale = nn.Parameter(scale, requires_grad=False)
+    else:
+        out.weight = linear.weight
+    out.bias = linear.bias
+    return out
+
+
+@torch.no_grad()
+def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat) -> nn.Module:
+    """Quantize the routed experts of ``layer`` (an ``MoE`` or an ``ExpertMLPsV2``) in place and return it.
+
+    Only the two expert projections change: biases, the router and the shared experts keep their dtype. The
+    experts' config records the format, so the layer's state dict and ``forward`` follow it.
+    """
+    experts = getattr(layer, "expert_mlps", layer)
+    if not isinstance(experts, ExpertMLPsV2):
+        raise TypeError(f"quantize_experts: layer must be an MoE or an ExpertMLPsV2, got {type(layer).__name__}")
+    fmt = get_format(quantization)
+    check_backend_supports(experts.backend, fmt.name)
+    if experts.parallelism is not None:
+        raise NotImplementedError("quantize_experts: quantizing a model-parallel layer is not supported yet; "
+                                  "quantize the single-device layer")
+    op = experts.mlp_op
+    first = "gate_up_proj" if hasattr(op, "gate_up_proj") else "up_proj"
+    replaced = {name: quantize_expert_linear(getattr(op, name), fmt) for name in (first, "down_proj")}
+    for name, linear in replaced.items():
+        setattr(op, name, linear)
+    experts.routed_experts_mlp_config = experts.routed_experts_mlp_config.replace(quantization=fmt.name)
+    return layer
+
+
+def expert_weight_bytes(experts: ExpertMLPsV2) -> int:
+    """Bytes of the routed experts' stored projection tensors (scales included, biases not): what a decode
+    step that reads every expert reads."""
+    op = experts.mlp_op
+    return sum(t.nbytes for linear in (op.first_proj, op.down_proj)
+               for t in (linear.weight, getattr(linear, "scale", None)) if t is not None)
