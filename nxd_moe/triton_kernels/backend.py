@@ -28,7 +28,7 @@ from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.triton_kernels.combine import combine_rows
-from nxd_moe.triton_kernels.grouped_gemm import down_projection, gate_up_projection
+from nxd_moe.triton_kernels.grouped_gemm import FORMAT_CODES, down_projection, gate_up_projection
 from nxd_moe.triton_kernels.launch_configs import launch_config
 from nxd_moe.triton_kernels.routing import fused_routing
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
@@ -77,6 +77,8 @@ class TritonBackend(ExpertsBackend):
 
     name = "triton"
     fuses_addend = True
+    # Quantized weights are read as stored and dequantized in registers inside the GEMMs' weight-tile loads.
+    supported_formats = frozenset(FORMAT_CODES)
 
     def __init__(self, configs: dict | None = None):
         self.configs = configs

@@ -72,6 +72,46 @@ def _tile_and_column(pid, num_tiles_ptr, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(code):
+    """OCP E2M1 nibble -> float32: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa."""
+    exponent = ((code >> 1) & 3).to(tl.int32)
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _weight_tile(w_ptr, scale_ptr, expert, ks, cols, k_ok, col_ok, stride_we, stride_wk, stride_wn,
+                 stride_se, stride_sk, stride_sn, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
+    """The ``(K tile, N tile)`` of expert ``expert``'s weight in the compute dtype, dequantized in registers from
+    its stored format (``FORMAT``: 0 as is, 1 FP8 per-channel, 2 FP8 128x128 blocks, 3 MxFP4), exactly as
+    :meth:`QuantizationFormat.dequantize` does it (fp32 product, one rounding), so the bytes read from HBM are
+    the stored ones."""
+    mask = k_ok[:, None] & col_ok[None, :]
+    if FORMAT == 0:
+        return tl.load(w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=mask,
+                       other=0.0)
+    scale_base = scale_ptr + expert * stride_se
+    if FORMAT == 3:
+        # Two K rows per byte (even row in the low nibble), one E8M0 scale per 32 K rows.
+        packed = tl.load(w_ptr + expert * stride_we + (ks // 2)[:, None] * stride_wk + cols[None, :] * stride_wn,
+                         mask=mask, other=0)
+        code = tl.where((ks % 2 == 0)[:, None], packed & 15, packed >> 4)
+        exponent = tl.load(scale_base + (ks // 32)[:, None] * stride_sk + cols[None, :] * stride_sn, mask=mask,
+                           other=127)
+        values = _e2m1(code) * tl.exp2(exponent.to(tl.float32) - 127.0)
+    else:
+        values = tl.load(w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=mask,
+                         other=0.0).to(tl.float32)
+        if FORMAT == 1:
+            values = values * tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
+        else:
+            block_scale = scale_base + (ks // 128)[:, None] * stride_sk + (cols // 128)[None, :] * stride_sn
+            values = values * tl.load(block_scale, mask=mask, other=0.0)
+    return tl.where(mask, values, 0.0).to(DTYPE)
+
+
+@triton.jit
 def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     # where-based so that NaN stays NaN (a hardware min/max would return the other operand).
     if HAS_LOWER:
@@ -83,15 +123,15 @@ def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, w_desc, bias_ptr, affinity_ptr, out_ptr,
+    x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
     hidden, inter, inter_actual, num_experts,
-    stride_xt, stride_we, stride_wk, stride_wn, stride_be, stride_or,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
     scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
@@ -105,7 +145,6 @@ def _gate_up_kernel(
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
-    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
@@ -116,16 +155,18 @@ def _gate_up_kernel(
             # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
             w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w = _weight_tile(w_ptr, scale_ptr, expert, k * BLOCK_K + ks, cols, k_ok, col_ok, stride_we, stride_wk,
+                             stride_wn, stride_se, stride_sk, stride_sn, FORMAT, x_ptr.dtype.element_ty)
         acc = _dot(a, w, acc, PRECISION, UPCAST)
         if GLU:
             if TMA:
                 w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K, BLOCK_N)
             else:
-                w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                w_up = _weight_tile(w_ptr, scale_ptr, expert, k * BLOCK_K + ks, cols + inter, k_ok, col_ok,
+                                    stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT,
+                                    x_ptr.dtype.element_ty)
             acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
     if PRESCALE:
         scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -152,11 +193,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, w_desc, bias_ptr, out_ptr,
+    h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
     inter, hidden, k_per_split,
-    stride_hr, stride_we, stride_wk, stride_wn, stride_be, stride_os, stride_or,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    stride_hr, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_os, stride_or,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -172,7 +213,6 @@ def _down_kernel(
     k_end = tl.minimum(k_begin + k_per_split, inter)
     ks = k_begin + tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_hr + ks[None, :]
-    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
         k_ok = ks < k_end - k * BLOCK_K
@@ -180,10 +220,10 @@ def _down_kernel(
         if TMA:  # unsplit only: past I the copy engine zero-fills
             w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
         else:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w = _weight_tile(w_ptr, scale_ptr, expert, ks + k * BLOCK_K, cols, k_ok, col_ok, stride_we, stride_wk,
+                             stride_wn, stride_se, stride_sk, stride_sn, FORMAT, h_ptr.dtype.element_ty)
         acc = _dot(a, w, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -203,6 +243,17 @@ def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted:
     return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [1, block_k, block_n])
 
 
+# QuantizationFormat.name -> the kernels' FORMAT code (see _weight_tile).
+FORMAT_CODES = {"bf16": 0, "fp8": 1, "fp8_block": 2, "mxfp4": 3}
+
+
+def _stored(weight) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int]:
+    """``(stored weight, scale, scale strides, FORMAT code)`` of a plain tensor or a ``QuantizedWeight``."""
+    if isinstance(weight, torch.Tensor):
+        return weight, weight, (0, 0, 0), 0
+    return weight.weight, weight.scale, tuple(weight.scale.stride()), FORMAT_CODES[weight.format.name]
+
+
 def _launch_options(config: dict, dtype: torch.dtype) -> dict:
     # fp32 models get fp32 products (tf32 would cost them ~1e-3 relative error); 16-bit inputs ignore it.
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
@@ -216,8 +267,9 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
                        affinities: torch.Tensor | None, config: dict) -> torch.Tensor:
     """``hidden_states (T, H)`` -> ``(R, I)`` activated rows in tile order (padding rows unwritten).
 
-    ``gate_up_proj (E, H, 2I)`` (``(E, H, I)`` without GLU); ``affinities (T, E)`` when the expert input is
-    pre-scaled by its affinity, else None.
+    ``gate_up_proj (E, H, 2I)`` (``(E, H, I)`` without GLU), a tensor or a
+    :class:`~nxd_moe.quantization.weight.QuantizedWeight` (its stored bytes are read, dequantized in registers);
+    ``affinities (T, E)`` when the expert input is pre-scaled by its affinity, else None.
     """
     if activation.hidden_act not in ACTIVATIONS:
         raise ValueError(f"the triton backend supports hidden_act in {sorted(ACTIVATIONS)}, got "
@@ -228,21 +280,22 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     out = torch.empty(layout.num_rows, inter, dtype=hidden_states.dtype, device=hidden_states.device)
     actual = activation.intermediate_size_actual
     limits = (activation.gate_lower, activation.gate_upper, activation.up_lower, activation.up_upper)
-    bias = gate_up_bias if gate_up_bias is not None else gate_up_proj
+    bias = gate_up_bias if gate_up_bias is not None else hidden_states
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
-    descriptor = _weight_descriptor(gate_up_proj, config["BLOCK_K"], block_n, config.get("TMA", False))
+    stored, scale, scale_strides, fmt = _stored(gate_up_proj)
+    descriptor = _weight_descriptor(stored, config["BLOCK_K"], block_n, config.get("TMA", False) and fmt == 0)
     _gate_up_kernel[grid](
-        hidden_states, gate_up_proj, gate_up_proj if descriptor is None else descriptor, bias,
+        hidden_states, stored, stored if descriptor is None else descriptor, scale, bias,
         affinities if affinities is not None else hidden_states, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,
         hidden, inter, inter if actual is None else actual, num_experts,
-        hidden_states.stride(0), *gate_up_proj.stride(), bias.stride(0), out.stride(0),
+        hidden_states.stride(0), *stored.stride(), *scale_strides, bias.stride(0), out.stride(0),
         float(activation.scaling_factor), float(activation.act_bias), *(0.0 if v is None else float(v) for v in limits),
         ACT=ACTIVATIONS[activation.hidden_act], GLU=activation.glu_mlp,
         SWIGLU=activation.glu_type is GLUType.SWIGLU, HAS_BIAS=gate_up_bias is not None,
         PRESCALE=affinities is not None, GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
         UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
-        MASK_PADDED_COLUMNS=actual is not None and actual < inter, TMA=descriptor is not None,
+        MASK_PADDED_COLUMNS=actual is not None and actual < inter, TMA=descriptor is not None, FORMAT=fmt,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"], **_launch_options(config, hidden_states.dtype))
     return out
 
@@ -258,14 +311,16 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
     split = triton.cdiv(inter, k_per_split)
     dtype = activated.dtype if split == 1 else torch.float32
     out = torch.empty(split, layout.num_rows, hidden, dtype=dtype, device=activated.device)
-    bias = down_bias if down_bias is not None else down_proj
+    bias = down_bias if down_bias is not None else activated
     grid = ((layout.num_rows // block_m) * triton.cdiv(hidden, block_n), split)
-    descriptor = _weight_descriptor(down_proj, block_k, block_n, config.get("TMA", False) and split == 1)
+    stored, scale, scale_strides, fmt = _stored(down_proj)
+    descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and split == 1 and fmt == 0)
     _down_kernel[grid](
-        activated, down_proj, down_proj if descriptor is None else descriptor, bias, out,
+        activated, stored, stored if descriptor is None else descriptor, scale, bias, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,
-        inter, hidden, k_per_split, activated.stride(0), *down_proj.stride(), bias.stride(0), out.stride(0),
-        out.stride(1), HAS_BIAS=down_bias is not None, TMA=descriptor is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        inter, hidden, k_per_split, activated.stride(0), *stored.stride(), *scale_strides, bias.stride(0),
+        out.stride(0), out.stride(1), HAS_BIAS=down_bias is not None, TMA=descriptor is not None, FORMAT=fmt,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k,
         **_launch_options(config, activated.dtype))
     return out

@@ -1,0 +1,116 @@
+"""Quantized expert weights on a GPU: the triton backend's decode and prefill with FP8 / MxFP4 weights vs bf16.
+
+    PYTHONPATH=. python3 benchmarks/gpu_quantized.py --out $OUT/gpu_quantized.json
+
+For each shape and format it times the routed experts' forward (``ExpertMLPsV2``, ``backend="triton"``, bf16
+compute, replayed from a CUDA graph, median of ``triton.testing.do_bench_cudagraph``) and reports the bytes the
+step actually reads of the expert weights -- the stored values and scales of the experts the routing touched --
+as TB/s and as a fraction of the device copy bandwidth measured at the start of the same run, plus the relative
+error of the quantized layer against the bf16 layer it was quantized from. The weights the step reads are
+dequantized inside the GEMMs' tile loads, so a decode step reads 1/2 (FP8) or ~1/4 (MxFP4) of bf16's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from triton.testing import do_bench, do_bench_cudagraph
+
+from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, RoutedExpertsMLPOpsConfig
+from nxd_moe.quantization.quantizer import quantize_experts
+
+# name: (T, E, k, H, I)
+SHAPES = {
+    "mixtral-8x7b-decode-m1": (1, 8, 2, 4096, 14336),
+    "qwen3-30b-a3b-decode-m1": (1, 128, 8, 2048, 768),
+    "qwen3-30b-a3b-decode-m32": (32, 128, 8, 2048, 768),
+    "deepseek-v3-decode-m16": (16, 256, 8, 7168, 2048),
+    "qwen3-30b-a3b-prefill-m4096": (4096, 128, 8, 2048, 768),
+}
+FORMATS = ("bf16", "fp8", "fp8_block", "mxfp4")
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (do_bench(lambda: b.copy_(a), rep=200) * 1e-3)
+
+
+def touched_bytes(layer: ExpertMLPsV2, expert_index: torch.Tensor) -> int:
+    """Stored bytes (values + scales) of the experts ``expert_index`` touches, both projections."""
+    used = torch.unique(expert_index).numel()
+    op = layer.mlp_op
+    total = sum(t.nbytes for lin in (op.first_proj, op.down_proj) for t in (lin.weight, getattr(lin, "scale", None))
+                if t is not None)
+    return total * used // layer.routed_experts_mlp_config.num_experts
+
+
+def run_shape(name: str, bandwidth: float) -> dict:
+    num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
+                                       intermediate_size=inter, hidden_act="silu", glu_mlp=True,
+                                       normalize_top_k_affinities=True)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    affinities = torch.softmax(torch.randn(num_tokens, num_experts, device="cuda", generator=gen), dim=-1)
+    index = affinities.topk(top_k, dim=-1).indices
+    seq_len = 1 if num_tokens <= 64 else None
+    result = {"shape": dict(zip(("T", "E", "k", "H", "I"), SHAPES[name])), "formats": {}}
+    reference = None
+    for fmt in FORMATS:
+        layer = ExpertMLPsV2(config, BlockwiseMatmulConfig(), dtype=torch.bfloat16, device="cuda", backend="triton")
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, device="cuda", dtype=p.dtype, generator=gen.manual_seed(1)) * 0.02)
+        if fmt != "bf16":
+            try:
+                quantize_experts(layer, fmt)
+            except ValueError as error:  # e.g. 128x128 blocks that do not divide the shape
+                result["formats"][fmt] = {"skipped": str(error)}
+                continue
+        with torch.no_grad():
+            out = layer(x, affinities, index, seq_len=seq_len).float()
+            us = do_bench_cudagraph(lambda layer=layer: layer(x, affinities, index, seq_len=seq_len), rep=100) * 1e3
+        if reference is None:
+            reference = out
+        read = touched_bytes(layer, index)
+        result["formats"][fmt] = {
+            "us": round(us, 1), "weight_bytes_read": read, "TBps": round(read / us / 1e6, 3),
+            "fraction_of_copy_bandwidth": round(read / us / 1e6 / (bandwidth / 1e12), 3),
+            "rel_err_vs_bf16": round(((out - reference).norm() / reference.norm()).item(), 5)}
+        del layer
+        torch.cuda.empty_cache()
+    bf16 = result["formats"]["bf16"]
+    for entry in result["formats"].values():
+        if "us" in entry:
+            entry["bytes_vs_bf16"] = round(entry["weight_bytes_read"] / bf16["weight_bytes_read"], 3)
+            entry["speedup_vs_bf16"] = round(bf16["us"] / entry["us"], 2)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth()
+    report = {"benchmark": "gpu_quantized", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "copy_TBps": round(bandwidth / 1e12, 3), "cases": {}}
+    for name in args.shapes:
+        report["cases"][name] = run_shape(name, bandwidth)
+        print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
+                                                                          "speedup_vs_bf16", "rel_err_vs_bf16")}
+                                for f, e in report["cases"][name]["formats"].items()}), file=sys.stderr, flush=True)
+    text = json.dumps(report, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

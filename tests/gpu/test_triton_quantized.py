@@ -1,0 +1,76 @@
+"""The triton backend with quantized expert weights (FP8 per-channel, FP8 128x128 blocks, MxFP4): the stored bytes
+are read and dequantized inside the GEMMs' weight-tile loads. Checked against a torch-backend layer holding the
+dequantized weights (the same function, so a tight tolerance) in every mode, and the error against the original
+bf16 weights is reported by the quantization suite, not here.
+
+On a GPU at realistic sizes; without one under Triton's interpreter at small sizes (see test_triton_backend.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxd_moe.experts.backends import TorchBackend
+from nxd_moe.quantization.quantizer import quantize_experts
+from nxd_moe.quantization.weight import dequantized
+from tests.conftest import MODES, make_config, make_experts, randn, random_routing
+
+pytest.importorskip("triton")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+FORMATS = ("fp8", "fp8_block", "mxfp4")
+# (T, E, k, H, I): H and I multiples of 128 (FP8 blocks), I not a multiple of the column tiles on the GPU.
+SHAPES = [(13, 4, 2, 128, 128)] + ([(1, 64, 8, 256, 384), (300, 16, 4, 512, 384)] if CUDA else [])
+
+
+def _layers(name, shape, dtype):
+    """(triton layer with quantized weights, torch layer holding the dequantized weights), on DEVICE."""
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    config = make_config(num_experts, hidden, inter, top_k, "swiglu_gptoss", bias=True, capacity_factor=1.0,
+                         normalize_top_k_affinities=True)
+    quantized = make_experts(config, block_size=16, dtype=dtype, seed=1)
+    quantize_experts(quantized, name)
+    holding = make_experts(config, block_size=16, dtype=dtype, seed=1)
+    with torch.no_grad():
+        for proj in ("gate_up_proj", "down_proj"):
+            getattr(holding.mlp_op, proj).weight.copy_(dequantized(getattr(quantized.mlp_op, proj).stored_weight()))
+    quantized = quantized.to(DEVICE)
+    quantized.backend = __import__("nxd_moe.triton_kernels.backend", fromlist=["TritonBackend"]).TritonBackend()
+    holding = holding.to(DEVICE)
+    holding.backend = TorchBackend()
+    return quantized, holding
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_triton_equals_dequantized_torch_in_every_mode(name, mode):
+    shape = SHAPES[0]
+    tested, holding = _layers(name, shape, torch.float32)
+    num_tokens, num_experts, top_k, hidden, _ = shape
+    x = randn(num_tokens, hidden, seed=2).to(DEVICE)
+    affinities, index = random_routing(num_tokens, num_experts, top_k, seed=3)
+    affinities, index = affinities.to(DEVICE), index.to(DEVICE)
+    with torch.no_grad():
+        out = tested(x, affinities, index, mode=mode)
+        expected = holding(x, affinities, index, mode=mode)
+    scale = max(1.0, expected.abs().max().item())
+    assert torch.isfinite(out).all()
+    assert (out - expected).abs().max().item() < 2e-5 * scale, name
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_quantized_triton_in_bfloat16(name, shape):
+    tested, holding = _layers(name, shape, torch.bfloat16)
+    num_tokens, num_experts, top_k, hidden, _ = shape
+    x = randn(num_tokens, hidden, seed=4).to(DEVICE, torch.bfloat16)
+    affinities, index = random_routing(num_tokens, num_experts, top_k, seed=5, skew=0.05)
+    affinities, index = affinities.to(DEVICE), index.to(DEVICE)
+    with torch.no_grad():
+        for seq_len in (1, None):
+            out = tested(x, affinities, index, seq_len=seq_len)
+            expected = holding(x, affinities, index, seq_len=seq_len)
+            scale = max(1.0, expected.abs().max().item())
+            assert (out.float() - expected.float()).abs().max().item() < 3e-2 * scale, (name, seq_len)
