@@ -116,7 +116,8 @@ def resolve_device(name: str, backend: str) -> torch.device:
                              f"{built})")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        torch.cuda.set_device(device)  # kernels launched outside torch (Triton) go to the current device
+        if device.index is not None:  # kernels launched outside torch (Triton) go to the current device
+            torch.cuda.set_device(device.index)
     try:
         get_backend(backend)
     except ImportError as e:

@@ -93,21 +93,31 @@ def _weight_tile(w_ptr, scale_ptr, expert, ks, cols, k_ok, col_ok, stride_we, st
                        other=0.0)
     scale_base = scale_ptr + expert * stride_se
     if FORMAT == 3:
-        # Two K rows per byte (even row in the low nibble), one E8M0 scale per 32 K rows.
+        # Two K rows per byte (even row in the low nibble), one E8M0 scale per 32 K rows: the scales are loaded
+        # once per 32 rows and broadcast (a per-element gather would multiply their shared-memory stages by 32).
         packed = tl.load(w_ptr + expert * stride_we + (ks // 2)[:, None] * stride_wk + cols[None, :] * stride_wn,
                          mask=mask, other=0)
         code = tl.where((ks % 2 == 0)[:, None], packed & 15, packed >> 4)
-        exponent = tl.load(scale_base + (ks // 32)[:, None] * stride_sk + cols[None, :] * stride_sn, mask=mask,
-                           other=127)
-        values = _e2m1(code) * tl.exp2(exponent.to(tl.float32) - 127.0)
+        rows: tl.constexpr = ks.shape[0]
+        width: tl.constexpr = cols.shape[0]
+        groups: tl.constexpr = rows // 32
+        group_rows = tl.min(ks, axis=0) // 32 + tl.arange(0, groups)
+        k_end = tl.max(tl.where(k_ok, ks, -1), axis=0) + 1
+        exponent = tl.load(scale_base + group_rows[:, None] * stride_sk + cols[None, :] * stride_sn,
+                           mask=(group_rows * 32 < k_end)[:, None] & col_ok[None, :], other=127)
+        block_scale = tl.exp2(exponent.to(tl.float32) - 127.0)
+        block_scale = tl.reshape(tl.broadcast_to(block_scale[:, None, :], (groups, 32, width)), (rows, width))
+        values = _e2m1(code) * block_scale
     else:
         values = tl.load(w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=mask,
                          other=0.0).to(tl.float32)
         if FORMAT == 1:
             values = values * tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
         else:
-            block_scale = scale_base + (ks // 128)[:, None] * stride_sk + (cols // 128)[None, :] * stride_sn
-            values = values * tl.load(block_scale, mask=mask, other=0.0)
+            # The K tile lies inside one 128-row block (BLOCK_K divides 128): one row of column scales.
+            block_row = tl.min(ks, axis=0) // 128
+            values = values * tl.load(scale_base + block_row * stride_sk + (cols // 128) * stride_sn, mask=col_ok,
+                                      other=0.0)[None, :]
     return tl.where(mask, values, 0.0).to(DTYPE)
 
 
@@ -247,11 +257,14 @@ def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted:
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "fp8_block": 2, "mxfp4": 3}
 
 
-def _stored(weight) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int]:
-    """``(stored weight, scale, scale strides, FORMAT code)`` of a plain tensor or a ``QuantizedWeight``."""
+def _stored(weight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int]:
+    """``(stored weight, scale, scale strides, FORMAT code, K tile)`` of a plain tensor or a ``QuantizedWeight``;
+    the K tile is adjusted to the format's scale blocks (inside one 128-row FP8 block; whole 32-row MX groups)."""
     if isinstance(weight, torch.Tensor):
-        return weight, weight, (0, 0, 0), 0
-    return weight.weight, weight.scale, tuple(weight.scale.stride()), FORMAT_CODES[weight.format.name]
+        return weight, weight, (0, 0, 0), 0, block_k
+    fmt = FORMAT_CODES[weight.format.name]
+    block_k = min(block_k, 128) if fmt == 2 else max(block_k, 32) if fmt == 3 else block_k
+    return weight.weight, weight.scale, tuple(weight.scale.stride()), fmt, block_k
 
 
 def _launch_options(config: dict, dtype: torch.dtype) -> dict:
@@ -282,8 +295,8 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     limits = (activation.gate_lower, activation.gate_upper, activation.up_lower, activation.up_upper)
     bias = gate_up_bias if gate_up_bias is not None else hidden_states
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
-    stored, scale, scale_strides, fmt = _stored(gate_up_proj)
-    descriptor = _weight_descriptor(stored, config["BLOCK_K"], block_n, config.get("TMA", False) and fmt == 0)
+    stored, scale, scale_strides, fmt, block_k = _stored(gate_up_proj, config["BLOCK_K"])
+    descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and fmt == 0)
     _gate_up_kernel[grid](
         hidden_states, stored, stored if descriptor is None else descriptor, scale, bias,
         affinities if affinities is not None else hidden_states, out,
@@ -296,7 +309,7 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
         PRESCALE=affinities is not None, GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
         UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
         MASK_PADDED_COLUMNS=actual is not None and actual < inter, TMA=descriptor is not None, FORMAT=fmt,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config["BLOCK_K"], **_launch_options(config, hidden_states.dtype))
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_launch_options(config, hidden_states.dtype))
     return out
 
 
@@ -306,14 +319,14 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
     (fp32 when ``S > 1``, else the input dtype). Padding rows are unwritten."""
     num_experts, inter, hidden = down_proj.shape
     split = config["SPLIT_K"]
-    block_m, block_n, block_k = layout.block_m, config["BLOCK_N"], config["BLOCK_K"]
+    stored, scale, scale_strides, fmt, block_k = _stored(down_proj, config["BLOCK_K"])
+    block_m, block_n = layout.block_m, config["BLOCK_N"]
     k_per_split = triton.cdiv(triton.cdiv(inter, split), block_k) * block_k
     split = triton.cdiv(inter, k_per_split)
     dtype = activated.dtype if split == 1 else torch.float32
     out = torch.empty(split, layout.num_rows, hidden, dtype=dtype, device=activated.device)
     bias = down_bias if down_bias is not None else activated
     grid = ((layout.num_rows // block_m) * triton.cdiv(hidden, block_n), split)
-    stored, scale, scale_strides, fmt = _stored(down_proj)
     descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and split == 1 and fmt == 0)
     _down_kernel[grid](
         activated, stored, stored if descriptor is None else descriptor, scale, bias, out,
