@@ -83,14 +83,11 @@ def _e2m1(code):
 @triton.jit
 def _weight_tile(w_ptr, scale_ptr, expert, ks, cols, k_ok, col_ok, stride_we, stride_wk, stride_wn,
                  stride_se, stride_sk, stride_sn, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
-    """The ``(K tile, N tile)`` of expert ``expert``'s weight in the compute dtype, dequantized in registers from
-    its stored format (``FORMAT``: 0 as is, 1 FP8 per-channel, 2 FP8 128x128 blocks, 3 MxFP4), exactly as
+    """The ``(K tile, N tile)`` of expert ``expert``'s quantized weight in the compute dtype, dequantized in
+    registers from its stored format (``FORMAT``: 1 FP8 per-channel, 2 FP8 128x128 blocks, 3 MxFP4), exactly as
     :meth:`QuantizationFormat.dequantize` does it (fp32 product, one rounding), so the bytes read from HBM are
     the stored ones."""
     mask = k_ok[:, None] & col_ok[None, :]
-    if FORMAT == 0:
-        return tl.load(w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=mask,
-                       other=0.0)
     scale_base = scale_ptr + expert * stride_se
     if FORMAT == 3:
         # Two K rows per byte (even row in the low nibble), one E8M0 scale per 32 K rows: the scales are loaded
@@ -155,6 +152,7 @@ def _gate_up_kernel(
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
@@ -164,6 +162,8 @@ def _gate_up_kernel(
         if TMA:
             # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
             w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
+        elif FORMAT == 0:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         else:
             w = _weight_tile(w_ptr, scale_ptr, expert, k * BLOCK_K + ks, cols, k_ok, col_ok, stride_we, stride_wk,
                              stride_wn, stride_se, stride_sk, stride_sn, FORMAT, x_ptr.dtype.element_ty)
@@ -171,12 +171,15 @@ def _gate_up_kernel(
         if GLU:
             if TMA:
                 w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K, BLOCK_N)
+            elif FORMAT == 0:
+                w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             else:
                 w_up = _weight_tile(w_ptr, scale_ptr, expert, k * BLOCK_K + ks, cols + inter, k_ok, col_ok,
                                     stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT,
                                     x_ptr.dtype.element_ty)
             acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
     if PRESCALE:
         scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -223,17 +226,21 @@ def _down_kernel(
     k_end = tl.minimum(k_begin + k_per_split, inter)
     ks = k_begin + tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows[:, None] * stride_hr + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
         k_ok = ks < k_end - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if TMA:  # unsplit only: past I the copy engine zero-fills
             w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        elif FORMAT == 0:
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         else:
             w = _weight_tile(w_ptr, scale_ptr, expert, ks + k * BLOCK_K, cols, k_ok, col_ok, stride_we, stride_wk,
                              stride_wn, stride_se, stride_sk, stride_sn, FORMAT, h_ptr.dtype.element_ty)
         acc = _dot(a, w, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
