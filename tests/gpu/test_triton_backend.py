@@ -13,7 +13,7 @@ import torch
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK, SharedExperts
 from nxd_moe.experts import ExpertsMode
 from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe
-from tests.conftest import ACTIVATIONS, MODES, make_config, randn, randomize_, random_routing
+from conftest import ACTIVATIONS, MODES, make_config, randn, randomize_, random_routing
 
 triton = pytest.importorskip("triton")
 

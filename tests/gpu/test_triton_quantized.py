@@ -14,7 +14,7 @@ import torch
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.quantization.quantizer import quantize_experts
 from nxd_moe.quantization.weight import dequantized
-from tests.conftest import MODES, make_config, make_experts, randn, random_routing
+from conftest import MODES, make_config, make_experts, randn, random_routing
 
 pytest.importorskip("triton")
 
