@@ -6,6 +6,7 @@ tolerance) and report the quantization error against the original weights with a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -14,8 +15,10 @@ import torch
 
 from conftest import FP32_ATOL, MODES, assert_close, make_config, make_experts, random_routing, randn
 from nxd_moe.build import build_moe
+from nxd_moe.config import load_model_config
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.quantization import FORMATS, QuantizedWeight, Shape, dequantized, get_format
 from nxd_moe.quantization.quantizer import expert_weight_bytes, quantize_experts
 from nxd_moe.reference import reference_for_experts
@@ -246,8 +249,8 @@ def test_bad_stored_tensors_are_named():
     for bad in (float("nan"), float("inf"), 0.0, -1.0):
         scale = sd[key].clone()
         scale[2, 0, 5] = bad
-        with pytest.raises(ValueError, match=r"mlp_op.down_proj.scale('? being loaded contains 1 NaN/Inf|: 1 scale\(s\) "
-                                             r"are NaN, Inf, zero or negative)"):
+        with pytest.raises(ValueError, match=r"mlp_op.down_proj.scale('? being loaded contains 1 NaN/Inf|: 1 "
+                                             r"scale\(s\) are NaN, Inf, zero or negative)"):
             load(**{key: scale})
     with pytest.raises(ValueError, match=r"mlp_op.gate_up_proj.weight: format 'fp8' stores weight as "
                                          r"torch.float8_e4m3fn"):
@@ -331,10 +334,7 @@ def test_nki_sim_reads_exactly_the_packed_bytes(name):
 
 
 def test_plan_reports_quantized_decode():
-    from nxd_moe.config import load_model_config
     from nxd_moe.nki_kernels.plan import decode_candidate, rank_problem
-    from nxd_moe.experts.mode import ExpertsMode
-    import dataclasses
 
     model = load_model_config("mixtral-8x7b").scaled(16, multiple=32)
     read = {}
@@ -429,7 +429,8 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
                               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
     fp8 = get_format("fp8_block")
     prefix = "model.layers.0.mlp."
-    sd = {prefix + "gate.weight": randn(e, h, seed=1, scale=0.1), prefix + "gate.e_score_correction_bias": torch.zeros(e)}
+    sd = {prefix + "gate.weight": randn(e, h, seed=1, scale=0.1),
+          prefix + "gate.e_score_correction_bias": torch.zeros(e)}
     originals = {}
     for k in range(e):
         for proj, (out_f, in_f) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
@@ -454,7 +455,8 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
     for k in range(e):  # each weight_scale_inv multiplies its own 128x128 tile
         for proj, got in (("gate_proj", gate_up[k, :, :i].t()), ("up_proj", gate_up[k, :, i:].t()),
                           ("down_proj", down[k].t())):
-            stored = sd[f"{prefix}experts.{k}.{proj}.weight"].float() * sd[f"{prefix}experts.{k}.{proj}.weight_scale_inv"]
+            key = f"{prefix}experts.{k}.{proj}.weight"
+            stored = sd[key].float() * sd[key + "_scale_inv"]
             assert torch.equal(got, stored)
             assert (got - originals[(k, proj)]).abs().max() <= 2 ** -4 * originals[(k, proj)].abs().max()
     assert moe.shared_experts.down_proj.weight.dtype == torch.float32
