@@ -486,3 +486,18 @@ def test_quantized_layer_compiles_to_one_static_graph(name):
     for mode, e, c in zip(MODES, eager, compiled):
         assert_close(c, e, FP32_ATOL, msg=f"{name} {mode}")
     torch._dynamo.reset()
+
+
+def test_cli_trace_exports_the_packed_layer(tmp_path, capsys):
+    from nxd_moe.cli import main
+
+    assert main(["trace", "--config", "qwen3-30b-a3b", "--mode", "decode", "--scale", "64", "--skip-xla",
+                 "--quantization", "mxfp4", "--out", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["quantization"] == "mxfp4"
+    assert report["expert_weight_dtypes"] == {"gate_up_proj.weight": "uint8", "gate_up_proj.scale": "uint8",
+                                              "down_proj.weight": "uint8", "down_proj.scale": "uint8"}
+    # the exported program takes the packed bytes as its weight inputs
+    program = torch.export.load(tmp_path / "program.pt2")
+    stored = {k: v.dtype for k, v in program.state_dict.items() if "expert_mlps" in k}
+    assert stored["expert_mlps.mlp_op.gate_up_proj.weight"] == torch.uint8
