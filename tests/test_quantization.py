@@ -501,3 +501,31 @@ def test_cli_trace_exports_the_packed_layer(tmp_path, capsys):
     program = torch.export.load(tmp_path / "program.pt2")
     stored = {k: v.dtype for k, v in program.state_dict.items() if "expert_mlps" in k}
     assert stored["expert_mlps.mlp_op.gate_up_proj.weight"] == torch.uint8
+
+
+@pytest.mark.parametrize("blockwise", [
+    dict(logical_nc_config=2),  # shard-on-H: each core loads and dequantizes half of H
+    dict(logical_nc_config=2, use_shard_on_block_dynamic_while=True),
+    dict(logical_nc_config=1, use_shard_on_intermediate_dynamic_while=True),
+], ids=["shard_on_H_lnc2", "shard_on_block_dynamic_lnc2", "shard_on_I_dynamic_lnc1"])
+def test_nki_sim_blockwise_kernels_with_mxfp4(blockwise):
+    from nxd_moe.nki_kernels.backend import NkiSimBackend
+
+    _, quantized, holding = layer_pair("mxfp4", backend=NkiSimBackend(decode_lnc=2), blockwise=blockwise)
+    x, affinities, expert_index, mask = inputs()
+    with torch.no_grad():
+        for mode in ("blockwise", "selective_loading", "all_experts"):
+            assert_close(quantized(x, affinities, expert_index, padding_mask=mask, mode=mode),
+                         holding(x, affinities, expert_index, padding_mask=mask, mode=mode), FP32_ATOL, msg=mode)
+
+
+def test_nki_sim_refuses_tiles_that_split_a_scale_block():
+    from nxd_moe.nki_kernels.backend import NkiSimBackend
+    from nxd_moe.nki_kernels.machine import HardwareLimitError
+
+    # shard-on-H on two cores: each core's 64 rows of H cut fp8_block's 128-row tiles in half
+    _, quantized, _ = layer_pair("fp8_block", backend=NkiSimBackend(), blockwise=dict(logical_nc_config=2))
+    x, affinities, expert_index, _ = inputs()
+    with pytest.raises(HardwareLimitError, match=r"gate_up_proj_weight: a tile's rows \[0, 64\) must align with "
+                                                 r"format 'fp8_block''s blocks of 128"):
+        quantized(x, affinities, expert_index, mode="blockwise")
