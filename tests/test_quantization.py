@@ -91,7 +91,7 @@ def test_quantized_weight_selects_and_dequantizes_only_the_chosen_experts():
     w = weights()
     for name in QUANTIZED:
         fmt = get_format(name)
-        qw = QuantizedWeight(fmt, *fmt.quantize(w), torch.float32)
+        qw = QuantizedWeight.create(fmt, *fmt.quantize(w), torch.float32)
         assert qw.shape == (3, 128, 256)
         full = dequantized(qw)
         idx = torch.tensor([2, 0, 2])

@@ -93,7 +93,7 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
         """What the algorithms receive: the weight tensor, or a :class:`QuantizedWeight` over the stored ones."""
         if not self.format.quantized:
             return self.weight
-        return QuantizedWeight(self.format, self.weight, self.scale, self.dtype)
+        return QuantizedWeight.create(self.format, self.weight, self.scale, self.dtype)
 
     def extra_repr(self) -> str:
         e, i, o = self.shape
