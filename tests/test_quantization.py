@@ -6,6 +6,7 @@ tolerance) and report the quantization error against the original weights with a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -14,8 +15,10 @@ import torch
 
 from conftest import FP32_ATOL, MODES, assert_close, make_config, make_experts, random_routing, randn
 from nxd_moe.build import build_moe
+from nxd_moe.config import load_model_config
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.quantization import FORMATS, QuantizedWeight, Shape, dequantized, get_format
 from nxd_moe.quantization.quantizer import expert_weight_bytes, quantize_experts
 from nxd_moe.reference import reference_for_experts
@@ -88,7 +91,7 @@ def test_quantized_weight_selects_and_dequantizes_only_the_chosen_experts():
     w = weights()
     for name in QUANTIZED:
         fmt = get_format(name)
-        qw = QuantizedWeight(fmt, *fmt.quantize(w), torch.float32)
+        qw = QuantizedWeight.create(fmt, *fmt.quantize(w), torch.float32)
         assert qw.shape == (3, 128, 256)
         full = dequantized(qw)
         idx = torch.tensor([2, 0, 2])
@@ -246,8 +249,8 @@ def test_bad_stored_tensors_are_named():
     for bad in (float("nan"), float("inf"), 0.0, -1.0):
         scale = sd[key].clone()
         scale[2, 0, 5] = bad
-        with pytest.raises(ValueError, match=r"mlp_op.down_proj.scale('? being loaded contains 1 NaN/Inf|: 1 scale\(s\) "
-                                             r"are NaN, Inf, zero or negative)"):
+        with pytest.raises(ValueError, match=r"mlp_op.down_proj.scale('? being loaded contains 1 NaN/Inf|: 1 "
+                                             r"scale\(s\) are NaN, Inf, zero or negative)"):
             load(**{key: scale})
     with pytest.raises(ValueError, match=r"mlp_op.gate_up_proj.weight: format 'fp8' stores weight as "
                                          r"torch.float8_e4m3fn"):
@@ -331,10 +334,7 @@ def test_nki_sim_reads_exactly_the_packed_bytes(name):
 
 
 def test_plan_reports_quantized_decode():
-    from nxd_moe.config import load_model_config
     from nxd_moe.nki_kernels.plan import decode_candidate, rank_problem
-    from nxd_moe.experts.mode import ExpertsMode
-    import dataclasses
 
     model = load_model_config("mixtral-8x7b").scaled(16, multiple=32)
     read = {}
@@ -429,7 +429,8 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
                               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
     fp8 = get_format("fp8_block")
     prefix = "model.layers.0.mlp."
-    sd = {prefix + "gate.weight": randn(e, h, seed=1, scale=0.1), prefix + "gate.e_score_correction_bias": torch.zeros(e)}
+    sd = {prefix + "gate.weight": randn(e, h, seed=1, scale=0.1),
+          prefix + "gate.e_score_correction_bias": torch.zeros(e)}
     originals = {}
     for k in range(e):
         for proj, (out_f, in_f) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
@@ -454,7 +455,8 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
     for k in range(e):  # each weight_scale_inv multiplies its own 128x128 tile
         for proj, got in (("gate_proj", gate_up[k, :, :i].t()), ("up_proj", gate_up[k, :, i:].t()),
                           ("down_proj", down[k].t())):
-            stored = sd[f"{prefix}experts.{k}.{proj}.weight"].float() * sd[f"{prefix}experts.{k}.{proj}.weight_scale_inv"]
+            key = f"{prefix}experts.{k}.{proj}.weight"
+            stored = sd[key].float() * sd[key + "_scale_inv"]
             assert torch.equal(got, stored)
             assert (got - originals[(k, proj)]).abs().max() <= 2 ** -4 * originals[(k, proj)].abs().max()
     assert moe.shared_experts.down_proj.weight.dtype == torch.float32
@@ -484,3 +486,46 @@ def test_quantized_layer_compiles_to_one_static_graph(name):
     for mode, e, c in zip(MODES, eager, compiled):
         assert_close(c, e, FP32_ATOL, msg=f"{name} {mode}")
     torch._dynamo.reset()
+
+
+def test_cli_trace_exports_the_packed_layer(tmp_path, capsys):
+    from nxd_moe.cli import main
+
+    assert main(["trace", "--config", "qwen3-30b-a3b", "--mode", "decode", "--scale", "64", "--skip-xla",
+                 "--quantization", "mxfp4", "--out", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["quantization"] == "mxfp4"
+    assert report["expert_weight_dtypes"] == {"gate_up_proj.weight": "uint8", "gate_up_proj.scale": "uint8",
+                                              "down_proj.weight": "uint8", "down_proj.scale": "uint8"}
+    # the exported program takes the packed bytes as its weight inputs
+    program = torch.export.load(tmp_path / "program.pt2")
+    stored = {k: v.dtype for k, v in program.state_dict.items() if "expert_mlps" in k}
+    assert stored["expert_mlps.mlp_op.gate_up_proj.weight"] == torch.uint8
+
+
+@pytest.mark.parametrize("blockwise", [
+    dict(logical_nc_config=2),  # shard-on-H: each core loads and dequantizes half of H
+    dict(logical_nc_config=2, use_shard_on_block_dynamic_while=True),
+    dict(logical_nc_config=1, use_shard_on_intermediate_dynamic_while=True),
+], ids=["shard_on_H_lnc2", "shard_on_block_dynamic_lnc2", "shard_on_I_dynamic_lnc1"])
+def test_nki_sim_blockwise_kernels_with_mxfp4(blockwise):
+    from nxd_moe.nki_kernels.backend import NkiSimBackend
+
+    _, quantized, holding = layer_pair("mxfp4", backend=NkiSimBackend(decode_lnc=2), blockwise=blockwise)
+    x, affinities, expert_index, mask = inputs()
+    with torch.no_grad():
+        for mode in ("blockwise", "selective_loading", "all_experts"):
+            assert_close(quantized(x, affinities, expert_index, padding_mask=mask, mode=mode),
+                         holding(x, affinities, expert_index, padding_mask=mask, mode=mode), FP32_ATOL, msg=mode)
+
+
+def test_nki_sim_refuses_tiles_that_split_a_scale_block():
+    from nxd_moe.nki_kernels.backend import NkiSimBackend
+    from nxd_moe.nki_kernels.machine import HardwareLimitError
+
+    # shard-on-H on two cores: each core's 64 rows of H cut fp8_block's 128-row tiles in half
+    _, quantized, _ = layer_pair("fp8_block", backend=NkiSimBackend(), blockwise=dict(logical_nc_config=2))
+    x, affinities, expert_index, _ = inputs()
+    with pytest.raises(HardwareLimitError, match=r"gate_up_proj_weight: a tile's rows \[0, 64\) must align with "
+                                                 r"format 'fp8_block''s blocks of 128"):
+        quantized(x, affinities, expert_index, mode="blockwise")

@@ -96,8 +96,8 @@ class _BlockLoop(NamedTuple):
     traces them on placeholders); only Python constants and the activation (no tensors) are held here.
 
     Carried: ``(next_block, computed)``; invariants: ``(conditions (N+P,), x (N, B, H), block_to_expert (N,),
-    *weight tensors)`` (the stored tensors of :meth:`ExpertWeights.flatten`, scales included). The body returns the ``P`` computed blocks and their
-    indices, which the loop writes into the block output ``(N, B, H)``.
+    *weight tensors)`` (the stored tensors of :meth:`ExpertWeights.flatten`, scales included). The body returns the
+    ``P`` computed blocks and their indices, which the loop writes into the block output ``(N, B, H)``.
     """
 
     step: int

@@ -53,7 +53,7 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool,
                  dtype: torch.dtype, device=None, init_method=None, quantization: str = "bf16"):
         super().__init__()
-        self.dtype = dtype
+        self.compute_dtype = dtype
         self.format = get_format(quantization)
         shape = Shape(num_experts, in_features, out_features)
         self.format.check_shape(shape, f"ExpertLinear {tuple(shape)}")
@@ -81,15 +81,19 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
             module.format.check(weight, scale, module.shape, prefix.rstrip(".") or "ExpertLinear")
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (an unquantized weight's own dtype, which ``module.to(dtype)`` may change)."""
+        return self.compute_dtype if self.format.quantized else self.weight.dtype
+
+    @property
     def shape(self) -> Shape:
-        return QuantizedWeight(self.format, self.weight, self.scale, self.dtype).shape if self.format.quantized \
-            else Shape(*self.weight.shape)
+        return self.stored_weight().shape if self.format.quantized else Shape(*self.weight.shape)
 
     def stored_weight(self) -> Weight:
         """What the algorithms receive: the weight tensor, or a :class:`QuantizedWeight` over the stored ones."""
         if not self.format.quantized:
             return self.weight
-        return QuantizedWeight(self.format, self.weight, self.scale, self.dtype)
+        return QuantizedWeight.create(self.format, self.weight, self.scale, self.dtype)
 
     def extra_repr(self) -> str:
         e, i, o = self.shape

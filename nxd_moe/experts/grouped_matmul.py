@@ -48,7 +48,9 @@ def resolve_matmul_impl(impl: str, x: torch.Tensor, weights: Sequence[torch.Tens
         raise ValueError(f"matmul impl must be one of {list(MATMUL_IMPLS)}, got {impl!r}")
     applies = all(_grouped_mm_applies(x, w) for w in weights)
     if impl == "auto":
-        few_groups = any(not isinstance(w, torch.Tensor) and x.shape[0] < w.shape[0] for w in weights)
+        few_groups = False
+        for w in weights:  # a loop, not any(): Dynamo 2.9 cannot inline a generator over NamedTuples here
+            few_groups = few_groups or (not isinstance(w, torch.Tensor) and x.shape[0] < w.shape[0])
         return "grouped_mm" if applies and not few_groups else "gather"
     if impl == "grouped_mm" and not applies:
         raise ValueError(

@@ -214,12 +214,22 @@ class MxFp4(QuantizationFormat):
 
     def dequantize(self, weight, scale, dtype):
         e, half_k, n = weight.shape
-        # Code -> value by table lookup (bit 3 the sign): cheaper than decoding exponent and mantissa bits.
-        table = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), dtype=torch.float32, device=weight.device)
+        # Code -> value by a 16-entry table (bit 3 the sign), cheaper than decoding every element's bits. The table is
+        # computed, not a constant tensor: exported while-loop bodies (torch 2.9) cannot hold tensor constants.
+        table = _e2m1_table(weight.device)
         codes = torch.stack([weight & 0x0F, weight >> 4], dim=2).reshape(e, 2 * half_k, n)
         values = table[codes.long()].reshape(e, -1, self.block_k, n)
-        block_scale = torch.exp2(scale.to(torch.float32) - E8M0_BIAS)
+        block_scale = torch.pow(2.0, scale.to(torch.float32) - E8M0_BIAS)  # pow, not exp2: XLA 2.9 lowers only pow
         return (values * block_scale.unsqueeze(2)).reshape(e, 2 * half_k, n).to(dtype)
+
+
+def _e2m1_table(device) -> torch.Tensor:
+    """``(16,)`` float32: the E2M1 value of each 4-bit code (exponent field 0: subnormal ``0.5 * m``; else
+    ``2**(e-1) * (1 + m/2)``; bit 3 negates)."""
+    code = torch.arange(16, device=device)
+    exponent, mantissa = ((code >> 1) & 0x3).to(torch.float32), (code & 0x1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.pow(2.0, exponent - 1) * (1.0 + 0.5 * mantissa))
+    return torch.where(code >= 8, -magnitude, magnitude)
 
 
 FORMATS: dict[str, QuantizationFormat] = {f.name: f for f in (Unquantized(), Fp8PerChannel(), Fp8Block(), MxFp4())}

@@ -27,11 +27,14 @@ class QuantizedWeight(NamedTuple):
     weight: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    # A field, not a property: Dynamo 2.9 (the torch_xla tracer's) cannot call a NamedTuple's properties.
+    shape: Shape
 
-    @property
-    def shape(self) -> Shape:
-        e, k, n = self.weight.shape
-        return Shape(e, k * self.format.values_per_byte, n)
+    @classmethod
+    def create(cls, format: QuantizationFormat, weight: torch.Tensor, scale: torch.Tensor,
+               dtype: torch.dtype) -> "QuantizedWeight":
+        e, k, n = weight.shape
+        return cls(format, weight, scale, dtype, Shape(e, k * format.values_per_byte, n))
 
     @property
     def device(self) -> torch.device:
@@ -75,14 +78,13 @@ class WeightLayout(NamedTuple):
 
     format: QuantizationFormat | None
     dtype: torch.dtype | None
+    num_tensors: int  # fields, not properties: see QuantizedWeight.shape
 
     @classmethod
     def of(cls, weight: Weight) -> "WeightLayout":
-        return cls(None, None) if isinstance(weight, torch.Tensor) else cls(weight.format, weight.dtype)
-
-    @property
-    def num_tensors(self) -> int:
-        return 1 if self.format is None else 2
+        return cls(None, None, 1) if isinstance(weight, torch.Tensor) else cls(weight.format, weight.dtype, 2)
 
     def rebuild(self, tensors) -> Weight:
-        return tensors[0] if self.format is None else QuantizedWeight(self.format, tensors[0], tensors[1], self.dtype)
+        if self.format is None:
+            return tensors[0]
+        return QuantizedWeight.create(self.format, tensors[0], tensors[1], self.dtype)

@@ -111,8 +111,9 @@ def quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale, 
     if gate_up_proj_weight.dtype.itemsize != 1 or down_proj_weight.dtype.itemsize != 1:
         raise TypeError(f"format {fmt.name!r}: gate_up_proj_weight / down_proj_weight must be stored 1-byte arrays, "
                         f"got {gate_up_proj_weight.dtype} / {down_proj_weight.dtype}")
-    for data, scale, name, shape in ((gate_up_proj_weight, gate_up_proj_scale, "gate_up_proj", (experts, hidden, width)),
-                                     (down_proj_weight, down_proj_scale, "down_proj", (experts, inter, hidden))):
+    for data, scale, name, shape in (
+            (gate_up_proj_weight, gate_up_proj_scale, "gate_up_proj", (experts, hidden, width)),
+            (down_proj_weight, down_proj_scale, "down_proj", (experts, inter, hidden))):
         fmt.check_shape(Shape(*shape), name)
         expected = (fmt.weight_shape(Shape(*shape)), fmt.scale_shape(Shape(*shape)))
         if (data.shape, scale.shape) != expected:
