@@ -104,7 +104,8 @@ class Problem:
         return out
 
     def our_biases(self) -> dict:
-        return {"gate_and_up_proj_bias": self.arrays.get("gate_up_bias"), "down_proj_bias": self.arrays.get("down_bias")}
+        return {"gate_and_up_proj_bias": self.arrays.get("gate_up_bias"),
+                "down_proj_bias": self.arrays.get("down_bias")}
 
     def mapping(self):
         mask = torch.zeros(self.tokens, self.experts, dtype=torch.bool)
@@ -232,7 +233,7 @@ def cte_case(lib, p: Problem, variant: str, lnc: int, skip_token: bool = False, 
             "ours": {"kernel": ours_kernel.__name__, **_compare(ours_out[tokens], ref[tokens]), **_counts(ours)}}
 
 
-# ---------------------------------------------------------------------------------------------------------- index kernels
+# ------------------------------------------------------------------------------------------------ index kernels
 
 
 def _exact(out, ref) -> dict:

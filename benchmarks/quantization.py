@@ -65,7 +65,8 @@ def run(args) -> dict:
             outputs = {q: m.expert_mlps(flat, affinities.to(flat.dtype), expert_index, seq_len=1, mode=mode)
                        for q, m in layers.items()}
             timing = time_interleaved(
-                {q: (lambda m=m: m.expert_mlps(flat, affinities.to(flat.dtype), expert_index, seq_len=1, mode=mode))
+                {q: (lambda m=m, flat=flat, affinities=affinities, expert_index=expert_index, mode=mode:
+                     m.expert_mlps(flat, affinities.to(flat.dtype), expert_index, seq_len=1, mode=mode))
                  for q, m in layers.items()}, repeats=args.repeats)
         base = bytes_read(layers["bf16"], expert_index, mode_name)
         rows = {}

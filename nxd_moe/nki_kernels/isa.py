@@ -243,7 +243,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
     if (stationary.dtype == nl.float32) != (moving.dtype == nl.float32) and not is_transpose:
         raise TypeError(f"{op}: float32 operands must be paired (stationary {stationary.dtype}, moving "
                         f"{moving.dtype})")
-    if perf_mode not in (None, "none", "double_row") and getattr(perf_mode, "value", None) not in ("none", "double_row"):
+    if perf_mode not in (None, "none", "double_row") \
+            and getattr(perf_mode, "value", None) not in ("none", "double_row"):
         raise ValueError(f"{op}: perf_mode must be matmul_perf_mode.none or .double_row, got {perf_mode!r}")
     if getattr(perf_mode, "value", perf_mode) == "double_row" and not all(
             t.dtype.itemsize == 1 for t in (stationary, moving)):
@@ -594,7 +595,8 @@ def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=d
         raise ValueError(f"dma_copy: oob_mode must be oob_mode.error or oob_mode.skip, got {oob_mode!r}")
     if int(dge_mode) not in (0, 1, 2, 3):
         raise ValueError(f"dma_copy: dge_mode must be a nisa.dge_mode member, got {dge_mode!r}")
-    rows_of = (lambda t: (t.shape[0], int(np.prod(t.shape[1:]))))
+    def rows_of(t):
+        return t.shape[0], int(np.prod(t.shape[1:]))
     aligned = rows_of(dst) == rows_of(src)
     if not aligned:
         vector = any(isinstance(s, AccessPattern) and s.vector_offset is not None for s in (dst, src))
@@ -1039,7 +1041,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         lead_ok = src.shape[0] == 16 if ndim == 2 else (src.shape[0] in (1, 2, 4, 8, 16)
                                                         and src.shape[0] * src.shape[-2] % 16 == 0)
         if src.dtype.itemsize != 2 or src.shape[-1] > 128 or not lead_ok:
-            raise HardwareLimitError(f"{label}: a hardware-DGE transpose needs a 2-byte dtype, src.shape[-1] <= 128 and "
+            raise HardwareLimitError(f"{label}: a hardware-DGE transpose needs a 2-byte dtype, src.shape[-1] <= 128 "
+                                     "and "
                                      "src.shape[0] == 16 (2-D) or in {1, 2, 4, 8, 16} with shape[0] * shape[-2] a "
                                      f"multiple of 16 (3-D / 4-D); got {src.dtype} {src.shape}")
     if isinstance(src, AccessPattern) and src.vector_offset is not None and (

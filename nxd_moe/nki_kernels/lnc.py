@@ -112,7 +112,8 @@ class KernelRun:
     outputs: Any
     cores: list[Accounting]
     lnc: int
-    arguments: dict[str, Any] = field(default_factory=dict)  # the HBM copies of array arguments, as the kernel left them
+    # The HBM copies of array arguments, as the kernel left them.
+    arguments: dict[str, Any] = field(default_factory=dict)
 
     @property
     def accounting(self) -> Accounting:

@@ -146,7 +146,8 @@ class NkiTensor:
         lo, hi = self._extent()
         limit = alloc.size * alloc.dtype.itemsize // self.dtype.itemsize
         if lo < 0 or hi >= limit:
-            raise HardwareLimitError(f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside tensor "
+            raise HardwareLimitError(f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside "
+                                     "tensor "
                                      f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
         self.data = self._strided(alloc.data, alloc.has_data)
         self.written = None if alloc.matmul_written is None else self._strided(alloc.matmul_written, True)
@@ -316,7 +317,8 @@ class NkiTensor:
         if start_dim == 0 and self.buffer.on_chip:
             raise HardwareLimitError(f"flatten_dims: the partition dim of on-chip tensor {self.name!r} cannot merge")
         for d in range(start_dim, end_dim):
-            if self.shape[d + 1] != 1 and self.shape[d] != 1 and self.strides[d] != self.strides[d + 1] * self.shape[d + 1]:
+            if self.shape[d + 1] != 1 and self.shape[d] != 1 \
+                    and self.strides[d] != self.strides[d + 1] * self.shape[d + 1]:
                 raise HardwareLimitError(f"flatten_dims: dims {start_dim}..{end_dim} of {self.name!r} are not "
                                          "contiguous in memory")
         merged = math.prod(self.shape[start_dim:end_dim + 1])

@@ -311,7 +311,8 @@ def test_activation_reduce_and_the_new_activation_functions(k):
     *acts, res, r = run(body, x)
     z = x.astype(np.float64) * 0.5 + 0.25
     sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
-    for got, ref in zip(acts, (z * sig(1.702 * z), 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3))),
+    tanh_gelu = 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+    for got, ref in zip(acts, (z * sig(1.702 * z), tanh_gelu,
                                z ** 2, np.abs(z), np.exp(z))):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(res[:, 0], (x.astype(np.float64) ** 2).sum(axis=1), rtol=1e-5)

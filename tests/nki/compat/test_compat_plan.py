@@ -42,7 +42,8 @@ def test_plan_simulates_an_external_kernel_on_the_prefill_problem(block_rows_cop
 
 def test_plan_cli_kernel_option(tmp_path, capsys):
     module = tmp_path / "my_external_kernels.py"
-    module.write_text("import nki\n\n@nki.jit\ndef broken(hidden_states):\n    raise AssertionError('not for this shape')\n")
+    module.write_text("import nki\n\n@nki.jit\ndef broken(hidden_states):\n"
+                      "    raise AssertionError('not for this shape')\n")
     path = list(sys.path)
     try:
         code = main(["plan", "--config", "qwen3-30b-a3b", "--tokens", "128", "--tp", "4", "--ep", "8",
