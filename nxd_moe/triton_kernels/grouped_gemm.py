@@ -19,6 +19,7 @@ Accumulation is fp32; results are rounded once.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -248,10 +249,15 @@ def _down_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
 def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted: bool):
     """A bulk-copy (TMA) descriptor of ``weight (E, K, N)`` for ``(1, block_k, block_n)`` tiles, when asked for
     and possible (Hopper or newer, 16-byte aligned rows); else None and the kernel loads through pointers."""
-    if not wanted or weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device)[0] < 9:
+    if not wanted or weight.device.type != "cuda" or _capability(weight.device)[0] < 9:
         return None
     if weight.stride(-1) != 1 or any(s * weight.element_size() % 16 for s in weight.stride()[:-1]) \
             or weight.data_ptr() % 16:

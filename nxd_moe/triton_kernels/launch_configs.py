@@ -25,7 +25,9 @@ def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens:
     return f"E={num_experts},H={hidden},I={inter},k={top_k},T={triton.next_power_of_2(num_tokens)}"
 
 
+@functools.lru_cache(maxsize=None)
 def device_name(device: torch.device) -> str:
+    """The tuned table's name for ``device`` (looked up once per device: it is read on every forward)."""
     if device.type != "cuda":
         return "cpu"
     return torch.cuda.get_device_name(device).replace(" ", "_")
