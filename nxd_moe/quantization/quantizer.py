@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from nxd_moe.experts.backends import check_backend_supports
 from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
-from nxd_moe.quantization.formats import QuantizationFormat, get_format
+from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format
 
 
 def quantize_expert_linear(linear: ExpertLinear, quantization: str | QuantizationFormat) -> ExpertLinear:
@@ -18,7 +18,11 @@ def quantize_expert_linear(linear: ExpertLinear, quantization: str | Quantizatio
     experts, k, n = linear.weight.shape
     out = ExpertLinear(experts, k, n, False, linear.dtype, "meta", quantization=fmt)
     if fmt.quantized:
-        weight, scale = fmt.quantize(linear.weight)
+        # One expert at a time: the float32 working copies stay one expert's size, so a layer that fills most of
+        # an accelerator's memory can be quantized where it is.
+        weight, scale = fmt.empty(Shape(experts, k, n), linear.weight.device)
+        for expert in range(experts):
+            weight[expert:expert + 1], scale[expert:expert + 1] = fmt.quantize(linear.weight[expert:expert + 1])
         out.weight = nn.Parameter(weight, requires_grad=False)
         out.scale = nn.Parameter(scale, requires_grad=False)
     else:

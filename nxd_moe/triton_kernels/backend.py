@@ -88,7 +88,7 @@ class TritonBackend(ExpertsBackend):
             return self.configs
         num_experts, hidden, _ = weights.gate_up_proj.shape
         return launch_config(num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
-                             hidden_states.device, hidden_states.dtype)
+                             hidden_states.device, hidden_states.dtype, weights.format)
 
     def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                     selective_loading_threshold):

@@ -73,50 +73,74 @@ def _tile_and_column(pid, num_tiles_ptr, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(code):
-    """OCP E2M1 nibble -> float32: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa."""
-    exponent = ((code >> 1) & 3).to(tl.int32)
-    mantissa = (code & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+def _e2m1_as_fp16(packed, SHIFT: tl.constexpr):
+    """The E2M1 nibbles at bit ``SHIFT`` (0 or 4) of ``packed`` as fp16 values times ``2**-14``, exactly: the
+    nibble's sign, exponent and mantissa bits moved to fp16's sign and lowest exponent and top mantissa bits
+    (E2M1's subnormal 0.5 lands on fp16's subnormal ``2**-15``), with no arithmetic, select or table."""
+    code = (packed >> SHIFT).to(tl.uint16)
+    return (((code & 8) << 12) | ((code & 7) << 9)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _weight_tile(w_ptr, scale_ptr, expert, ks, cols, k_ok, col_ok, stride_we, stride_wk, stride_wn,
-                 stride_se, stride_sk, stride_sn, FORMAT: tl.constexpr, DTYPE: tl.constexpr):
-    """The ``(K tile, N tile)`` of expert ``expert``'s quantized weight in the compute dtype, dequantized in
-    registers from its stored format (``FORMAT``: 1 FP8 per-channel, 2 FP8 128x128 blocks, 3 MxFP4), exactly as
-    :meth:`QuantizationFormat.dequantize` does it (fp32 product, one rounding), so the bytes read from HBM are
-    the stored ones."""
-    mask = k_ok[:, None] & col_ok[None, :]
+def _e8m0(scale_bits):
+    """E8M0 scales as float32 ``2**(s - 127)``, exactly, from their bits (``s == 0`` is the subnormal 2**-127)."""
+    exponent = scale_bits.to(tl.int32)
+    return tl.where(exponent > 0, exponent << 23, 1 << 22).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, cols, col_ok, stride_we, stride_wk,
+                   stride_wn, stride_se, stride_sk, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + A[:, k0 : k0 + BLOCK_K] @ W[expert][k0 : k0 + BLOCK_K, cols]`` with ``W`` read in its stored
+    format (``FORMAT``: 1 FP8 per-channel, 2 FP8 128x128 blocks, 3 MxFP4) and dequantized in registers; ``A``'s
+    rows start at the pointers ``a_rows (M,)``; rows of ``W`` from ``k_end`` on count as zero.
+
+    FP8 tiles are dequantized as :meth:`QuantizationFormat.dequantize` does it (fp32 product, one rounding):
+    elementwise on the loaded tile, which lets it go from its load straight into the MMA operand layout.
+    MxFP4 holds rows ``2j`` and ``2j+1`` in the low and high nibbles of one byte: rather than interleave the
+    two nibble planes, each 32-row scale group is reduced as even columns of ``A`` against the low nibbles plus
+    odd ones against the high. Its E8M0 scales are powers of two, so applying them to the group's product
+    instead of the weights is exact up to fp32 summation order; decode-sized row tiles do that (``M`` times
+    fewer multiplies than the weight tile's ``32 x N``; measured faster on an H100), prefill-sized ones scale
+    the weight tile, which they stage through shared memory for the wide MMA anyway, and keep one accumulator
+    chain. (FP8 measured slower with the product scaled, so its weight tile always is.)"""
+    scale_product: tl.constexpr = acc.shape[0] < 64
+    w_base = w_ptr + expert * stride_we
     scale_base = scale_ptr + expert * stride_se
     if FORMAT == 3:
-        # Two K rows per byte (even row in the low nibble), one E8M0 scale per 32 K rows: the scales are loaded
-        # once per 32 rows and broadcast (a per-element gather would multiply their shared-memory stages by 32).
-        packed = tl.load(w_ptr + expert * stride_we + (ks // 2)[:, None] * stride_wk + cols[None, :] * stride_wn,
-                         mask=mask, other=0)
-        code = tl.where((ks % 2 == 0)[:, None], packed & 15, packed >> 4)
-        rows: tl.constexpr = ks.shape[0]
-        width: tl.constexpr = cols.shape[0]
-        groups: tl.constexpr = rows // 32
-        group_rows = tl.min(ks, axis=0) // 32 + tl.arange(0, groups)
-        k_end = tl.max(tl.where(k_ok, ks, -1), axis=0) + 1
-        exponent = tl.load(scale_base + group_rows[:, None] * stride_sk + cols[None, :] * stride_sn,
-                           mask=(group_rows * 32 < k_end)[:, None] & col_ok[None, :], other=127)
-        block_scale = tl.exp2(exponent.to(tl.float32) - 127.0)
-        block_scale = tl.reshape(tl.broadcast_to(block_scale[:, None, :], (groups, 32, width)), (rows, width))
-        values = _e2m1(code) * block_scale
+        for group in tl.static_range(BLOCK_K // 32):
+            first = k0 + 32 * group
+            in_range = first < k_end
+            pairs = first // 2 + tl.arange(0, 16)
+            packed = tl.load(w_base + pairs[:, None] * stride_wk + cols[None, :] * stride_wn,
+                             mask=in_range & col_ok[None, :], other=0)
+            # 2**14 undoes _e2m1_as_fp16's offset; applied before the E8M0 scale so that neither can overflow.
+            scale = _e8m0(tl.load(scale_base + (first // 32) * stride_sk + cols * stride_sn,
+                                  mask=in_range & col_ok, other=0))
+            a = tl.load(a_rows[:, None] + (first + tl.arange(0, 32))[None, :], mask=row_ok[:, None] & in_range,
+                        other=0.0)
+            a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], 16, 2)))
+            low = _e2m1_as_fp16(packed, 0).to(tl.float32) * 16384.0
+            high = _e2m1_as_fp16(packed, 4).to(tl.float32) * 16384.0
+            if scale_product:
+                product = _dot(a_even, low.to(a_even.dtype), tl.zeros(acc.shape, tl.float32), PRECISION, UPCAST)
+                acc += _dot(a_odd, high.to(a_odd.dtype), product, PRECISION, UPCAST) * scale[None, :]
+            else:
+                acc = _dot(a_even, (low * scale[None, :]).to(a_even.dtype), acc, PRECISION, UPCAST)
+                acc = _dot(a_odd, (high * scale[None, :]).to(a_odd.dtype), acc, PRECISION, UPCAST)
+        return acc
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < k_end
+    a = tl.load(a_rows[:, None] + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_base + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_ok[:, None] & col_ok[None, :],
+                other=0.0)
+    if FORMAT == 1:
+        scale = tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)
     else:
-        values = tl.load(w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=mask,
-                         other=0.0).to(tl.float32)
-        if FORMAT == 1:
-            values = values * tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)[None, :]
-        else:
-            # The K tile lies inside one 128-row block (BLOCK_K divides 128): one row of column scales.
-            block_row = tl.min(ks, axis=0) // 128
-            values = values * tl.load(scale_base + block_row * stride_sk + (cols // 128) * stride_sn, mask=col_ok,
-                                      other=0.0)[None, :]
-    return tl.where(mask, values, 0.0).to(DTYPE)
+        # The K tile lies inside one 128-row block (BLOCK_K divides 128): one row of column scales.
+        scale = tl.load(scale_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok, other=0.0)
+    return _dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -158,27 +182,28 @@ def _gate_up_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
     for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        k_ok = ks < hidden - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if TMA:
-            # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
-            w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
-        elif FORMAT == 0:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FORMAT != 0:
+            a_rows = x_ptr + token * stride_xt
+            acc = _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, cols, col_ok,
+                                 stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_K,
+                                 PRECISION, UPCAST)
+            if GLU:
+                acc_up = _quantized_dot(a_rows, row_ok, acc_up, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
+                                        cols + inter, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
+                                        stride_sn, FORMAT, BLOCK_K, PRECISION, UPCAST)
         else:
-            w = _weight_tile(w_ptr, scale_ptr, expert, k * BLOCK_K + ks, cols, k_ok, col_ok, stride_we, stride_wk,
-                             stride_wn, stride_se, stride_sk, stride_sn, FORMAT, x_ptr.dtype.element_ty)
-        acc = _dot(a, w, acc, PRECISION, UPCAST)
-        if GLU:
+            k_ok = ks < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             if TMA:
+                # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
+                w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
                 w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K, BLOCK_N)
-            elif FORMAT == 0:
-                w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             else:
-                w_up = _weight_tile(w_ptr, scale_ptr, expert, k * BLOCK_K + ks, cols + inter, k_ok, col_ok,
-                                    stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT,
-                                    x_ptr.dtype.element_ty)
-            acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = _dot(a, w, acc, PRECISION, UPCAST)
+            if GLU:
+                acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if PRESCALE:
@@ -230,16 +255,19 @@ def _down_kernel(
     w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
-        k_ok = ks < k_end - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if TMA:  # unsplit only: past I the copy engine zero-fills
-            w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-        elif FORMAT == 0:
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if FORMAT != 0:
+            acc = _quantized_dot(h_ptr + rows * stride_hr, row_ok, acc, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K,
+                                 k_end, cols, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+                                 FORMAT, BLOCK_K, PRECISION, UPCAST)
         else:
-            w = _weight_tile(w_ptr, scale_ptr, expert, ks + k * BLOCK_K, cols, k_ok, col_ok, stride_we, stride_wk,
-                             stride_wn, stride_se, stride_sk, stride_sn, FORMAT, h_ptr.dtype.element_ty)
-        acc = _dot(a, w, acc, PRECISION, UPCAST)
+            k_ok = ks < k_end - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:  # unsplit only: past I the copy engine zero-fills
+                w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K,
+                                                                                                         BLOCK_N)
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = _dot(a, w, acc, PRECISION, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -266,13 +294,14 @@ def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted:
     return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [1, block_k, block_n])
 
 
-# QuantizationFormat.name -> the kernels' FORMAT code (see _weight_tile).
+# QuantizationFormat.name -> the kernels' FORMAT code (see _quantized_dot).
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "fp8_block": 2, "mxfp4": 3}
 
 
 def _stored(weight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int]:
     """``(stored weight, scale, scale strides, FORMAT code, K tile)`` of a plain tensor or a ``QuantizedWeight``;
-    the K tile is adjusted to the format's scale blocks (inside one 128-row FP8 block; whole 32-row MX groups)."""
+    the K tile is adjusted to the format: inside one 128-row FP8 block; at least 32 rows of MxFP4 (16 per nibble
+    plane, the smallest 16-bit dot)."""
     if isinstance(weight, torch.Tensor):
         return weight, weight, (0, 0, 0), 0, block_k
     fmt = FORMAT_CODES[weight.format.name]

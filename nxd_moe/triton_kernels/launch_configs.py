@@ -1,8 +1,10 @@
 """Launch configurations for the grouped GEMMs: tuned entries shipped as JSON, a rule for everything else.
 
 A configuration is looked up once per forward from static shapes only -- ``(E, H, I, k, T)`` with ``T`` rounded
-up to a power of two -- in ``configs/<GPU name>.json`` (written by ``benchmarks/tune_gpu.py`` on that GPU). A
-shape without an entry uses :func:`default_config`; nothing autotunes inside a forward.
+up to a power of two, and the weights' storage format (quantized weights stream fewer bytes per tile and do more
+arithmetic per byte, so their best tiles differ) -- in ``configs/<GPU name>.json`` (written by
+``benchmarks/tune_gpu.py`` on that GPU). A shape without an entry uses :func:`default_config`; nothing autotunes
+inside a forward.
 
 Each entry: ``block_m`` (rows per tile, a power of two >= 16), and for ``gate_up`` and ``down`` the column tile
 ``BLOCK_N``, the reduction tile ``BLOCK_K``, ``num_warps``, ``num_stages``, and ``TMA`` (load weight tiles with the
@@ -21,8 +23,10 @@ import triton
 CONFIG_DIR = Path(__file__).parent / "configs"
 
 
-def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int) -> str:
-    return f"E={num_experts},H={hidden},I={inter},k={top_k},T={triton.next_power_of_2(num_tokens)}"
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
+              quantization: str = "bf16") -> str:
+    key = f"E={num_experts},H={hidden},I={inter},k={top_k},T={triton.next_power_of_2(num_tokens)}"
+    return key if quantization == "bf16" else f"{key},q={quantization}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,9 +86,13 @@ def for_dtype(config: dict, dtype: torch.dtype) -> dict:
 
 
 def launch_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
-                  device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The tuned entry for this GPU and shape, else :func:`default_config`, adapted to ``dtype``."""
-    entry = tuned_table(device_name(device)).get(shape_key(num_experts, hidden, inter, top_k, num_tokens))
+                  device: torch.device, dtype: torch.dtype = torch.bfloat16, quantization: str = "bf16") -> dict:
+    """The tuned entry for this GPU, shape and weight format (a quantized format without its own entry takes
+    the bf16 one), else :func:`default_config`, adapted to ``dtype``."""
+    table = tuned_table(device_name(device))
+    entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens, quantization))
+    if entry is None:
+        entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
         entry = default_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
     return for_dtype(entry, dtype)
