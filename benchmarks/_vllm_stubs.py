@@ -1,15 +1,16 @@
 """Run vLLM's own ``fused_moe.py`` (its Triton ``fused_moe_kernel`` and tuned configs) without installing vLLM.
 
 vLLM cannot be installed next to the benchmark's torch (its wheel pins another torch and ships compiled ops), but
-the bf16 path of ``fused_experts_impl`` needs only Triton plus three small compiled ops. This module registers
-minimal stand-ins for the ``vllm.*`` modules that file imports, implements the three ops in device-side torch
+the bf16 and FP8 W8A8 paths of ``fused_experts_impl`` need only Triton plus a few small compiled ops. This module
+registers minimal stand-ins for the ``vllm.*`` modules that file imports, implements the three ops in device-side torch
 (no host sync, so the whole call can be captured in a CUDA graph), and executes the *unmodified* file taken from
 an unpacked vLLM wheel. Nothing of vLLM lives in this repository: ``load(src_dir)`` takes the directory that
 holds ``vllm/model_executor/layers/fused_moe/fused_moe.py`` and ``configs/`` next to it (see benchmarks/README.md).
 
 The stand-in ops (sort into BLOCK_M-aligned expert segments, sum over top-k, SiLU-and-multiply) are a few torch
 kernels each where vLLM has one CUDA kernel: the GEMM kernels are vLLM's, the glue around them is slower than in
-a real vLLM install. Reports say so (``GLUE_NOTE``).
+a real vLLM install. Reports say so (``GLUE_NOTE``). The FP8 path's dynamic activation quantization (per token,
+or per token and 128-column group) is one Triton kernel written here, as vLLM's is one kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 FUSED_MOE = "vllm/model_executor/layers/fused_moe"
 MODULE = "vllm.model_executor.layers.fused_moe.fused_moe"
@@ -87,6 +90,66 @@ def _silu_and_mul(activation, out: torch.Tensor, gate_up: torch.Tensor) -> None:
     torch.mul(F.silu(gate), up, out=out)
 
 
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+@triton.jit
+def _quantize_groups_fp8(a_ptr, q_ptr, scale_ptr, row_length, group_length, groups_per_row,
+                         BLOCK: tl.constexpr):
+    """One program per (row, group): ``scale = max|a| / 448`` (fp32), ``q = a / scale`` in float8_e4m3fn."""
+    group = tl.program_id(0)
+    row = group // groups_per_row
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < group_length
+    start = row.to(tl.int64) * row_length + (group % groups_per_row) * group_length
+    a = tl.load(a_ptr + start + offsets, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(a)), 1e-12) / 448.0
+    q = tl.clamp(a / scale, -448.0, 448.0)
+    tl.store(q_ptr + start + offsets, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + group, scale)
+
+
+def quantize_activations_fp8(a: torch.Tensor, group_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a (M, K)`` -> float8_e4m3fn ``(M, K)`` and fp32 scales ``(M, K / group_length)``, dynamic, per group."""
+    a = a.contiguous()
+    rows, row_length = a.shape
+    if row_length % group_length:
+        raise ValueError(f"group_length={group_length} must divide the row length {row_length}")
+    q = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
+    groups_per_row = row_length // group_length
+    scale = torch.empty(rows, groups_per_row, dtype=torch.float32, device=a.device)
+    if rows:
+        _quantize_groups_fp8[(rows * groups_per_row,)](a, q, scale, row_length, group_length, groups_per_row,
+                                                      BLOCK=triton.next_power_of_2(group_length))
+    return q, scale
+
+
+def _moe_kernel_quantize_input(A, A_scale, quant_dtype, per_act_token_quant, block_shape=None, **options):
+    """vLLM's contract for dynamic activation quantization, FP8 only: per 128-column group when the weights are
+    block-scaled, per token when they are per channel (``per_act_token_quant``)."""
+    if quant_dtype is None:
+        return A, A_scale
+    if quant_dtype != torch.float8_e4m3fn or A_scale is not None:
+        raise NotImplementedError(f"the benchmark's stand-in quantizes activations to dynamic FP8 only, "
+                                  f"got quant_dtype={quant_dtype}, static scale={A_scale is not None}")
+    if block_shape is not None:
+        return quantize_activations_fp8(A, block_shape[1])
+    if not per_act_token_quant:
+        raise NotImplementedError("the benchmark's stand-in has no per-tensor activation scale")
+    return quantize_activations_fp8(A, A.shape[-1])
+
+
+def _config_dtype_str(dtype, use_fp8_w8a8=False, **flags):
+    if use_fp8_w8a8:
+        return "fp8_w8a8"
+    return None if dtype in (torch.bfloat16, torch.float16) else "float32"
+
+
+def _enable_swap_ab(block_m: int, block_n: int) -> bool:
+    """vLLM 0.33's rule for its FP8 kernel: on Hopper, small M tiles run with the operands swapped."""
+    return torch.cuda.get_device_capability() == (9, 0) and block_m < 64 and block_n >= 64
+
+
 class _Logger(logging.LoggerAdapter):
     """vLLM's logger has ``*_once`` variants; the benchmark records the config choice itself."""
 
@@ -144,9 +207,6 @@ def _stub(name: str, **attrs) -> types.ModuleType:
 
 
 def _install_stubs() -> None:
-    import triton
-    import triton.language as tl
-
     for package in ("vllm", "vllm.utils", "vllm.model_executor", "vllm.model_executor.layers"):
         _stub(package)
     _stub("vllm.model_executor.layers.fused_moe", get_config=lambda: None)
@@ -163,14 +223,12 @@ def _install_stubs() -> None:
           apply_moe_activation=_silu_and_mul)
     _stub("vllm.model_executor.layers.fused_moe.config", FUSED_MOE_UNQUANTIZED_CONFIG=_Unquantized(),
           FusedMoEQuantConfig=_Unquantized,
-          _get_config_dtype_str=lambda dtype, **flags: None if dtype in (torch.bfloat16, torch.float16)
-          else "float32")
+          _get_config_dtype_str=_config_dtype_str)
     _stub("vllm.model_executor.layers.fused_moe.modular_kernel",
           FusedMoEExpertsModular=_ModularKernel.FusedMoEExpertsModular)
     _stub("vllm.model_executor.layers.fused_moe.moe_align_block_size", moe_align_block_size=_moe_align_block_size)
-    _stub("vllm.model_executor.layers.fused_moe.utils", enable_swap_ab=lambda block_m, block_n: False,
-          moe_kernel_quantize_input=lambda A, A_scale, quant_dtype, per_act_token_quant, block_shape=None: (
-              A, A_scale),
+    _stub("vllm.model_executor.layers.fused_moe.utils", enable_swap_ab=_enable_swap_ab,
+          moe_kernel_quantize_input=_moe_kernel_quantize_input,
           resolve_moe_use_td=lambda: False, warn_if_moe_use_td_ineffective=lambda *args, **kwargs: None)
 
 
@@ -193,13 +251,16 @@ def load(src_dir: str | os.PathLike) -> types.ModuleType:
     return module
 
 
-def chosen_config(module: types.ModuleType, w1: torch.Tensor, w2: torch.Tensor, top_k: int, tokens: int) -> dict:
-    """Which launch config vLLM uses for this call and where it came from (a shipped tuned file or its default)."""
+def chosen_config(module: types.ModuleType, w1: torch.Tensor, w2: torch.Tensor, top_k: int, tokens: int,
+                  block_shape: list[int] | None = None) -> dict:
+    """Which launch config vLLM uses for this call and where it came from (a shipped tuned file or its default).
+    FP8 weights (``w1.dtype``) select vLLM's ``fp8_w8a8`` tables, ``block_shape`` its block-scaled ones."""
     experts, _, width = w2.shape
-    dtype = None if w1.dtype in (torch.bfloat16, torch.float16) else "float32"
-    file_name = module.get_config_file_name(experts, width, dtype)
+    dtype = _config_dtype_str(w1.dtype, use_fp8_w8a8=w1.dtype == torch.float8_e4m3fn)
+    file_name = module.get_config_file_name(experts, width, dtype, block_shape)
     tuned = os.path.isfile(os.path.join(os.path.dirname(module.__file__), "configs", file_name))
-    config = module.try_get_optimal_moe_config(tuple(w1.shape), tuple(w2.shape), top_k, dtype, tokens)
+    config = module.try_get_optimal_moe_config(tuple(w1.shape), tuple(w2.shape), top_k, dtype, tokens,
+                                               block_shape=block_shape)
     # vLLM 0.33's rule (no expert map, bf16): few pairs per expert -> one block per pair, no align op at all
     naive = tokens * top_k * 4 <= experts
     return {"file": file_name, "tuned_file_found": tuned, "config": dict(config), "align_skipped": naive}

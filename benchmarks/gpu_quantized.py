@@ -1,6 +1,6 @@
 """Quantized expert weights on a GPU: the triton backend's decode and prefill with FP8 / MxFP4 weights vs bf16.
 
-    PYTHONPATH=. python3 benchmarks/gpu_quantized.py --out $OUT/gpu_quantized.json
+    PYTHONPATH=. python3 benchmarks/gpu_quantized.py --out $OUT/gpu_quantized.json [--vllm-src .peers/vllm_src]
 
 For each shape and format it times the routed experts' forward (``ExpertMLPsV2``, ``backend="triton"``, bf16
 compute, replayed from a CUDA graph, median of ``triton.testing.do_bench_cudagraph``) and reports the bytes the
@@ -8,12 +8,19 @@ step actually reads of the expert weights -- the stored values and scales of the
 as TB/s and as a fraction of the device copy bandwidth measured at the start of the same run, plus the relative
 error of the quantized layer against the bf16 layer it was quantized from. The weights the step reads are
 dequantized inside the GEMMs' tile loads, so a decode step reads 1/2 (FP8) or ~1/4 (MxFP4) of bf16's bytes.
+
+Peers (``_quantized_peers``, from an unpacked vLLM 0.33.0 wheel at ``--vllm-src``; skipped with a note when it
+is absent) multiply the same stored weights, timed the same way: vLLM's Triton FP8 W8A8 fused MoE for ``fp8`` and
+``fp8_block``, OpenAI's ``triton_kernels`` MXFP4 ``matmul_ogs`` for ``mxfp4``. Each format reports
+``vs_best_peer`` (the best peer's time / ours: above 1 we are faster) and each peer its error against the bf16
+layer and against our layer of the same format.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -21,6 +28,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, RoutedExpertsMLPOpsConfig
 from nxd_moe.quantization.quantizer import quantize_experts
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _quantized_peers  # noqa: E402
 
 # name: (T, E, k, H, I)
 SHAPES = {
@@ -31,6 +41,7 @@ SHAPES = {
     "qwen3-30b-a3b-prefill-m4096": (4096, 128, 8, 2048, 768),
 }
 FORMATS = ("bf16", "fp8", "fp8_block", "mxfp4")
+PEERS = {"fp8": ("vllm_fp8_w8a8",), "fp8_block": ("vllm_fp8_w8a8",), "mxfp4": ("oai_mxfp4",)}
 
 
 def copy_bandwidth() -> float:
@@ -48,7 +59,36 @@ def touched_bytes(layer: ExpertMLPsV2, expert_index: torch.Tensor) -> int:
     return total * used // layer.routed_experts_mlp_config.num_experts
 
 
-def run_shape(name: str, bandwidth: float) -> dict:
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return round(((out.float() - reference).norm() / reference.norm()).item(), 5)
+
+
+def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affinities, index, reference, ours) -> dict:
+    """Each peer of ``fmt`` on ``layer``'s stored weights: time, errors, or why it did not run."""
+    peers = {}
+    for peer in PEERS.get(fmt, ()):
+        if peers_src is None or not os.path.isdir(peers_src):
+            peers[peer] = {"skipped": f"no --vllm-src directory ({peers_src})"}
+            continue
+        try:
+            if peer == "vllm_fp8_w8a8":
+                forward, info = _quantized_peers.vllm_fp8_w8a8(layer, fmt, peers_src, x.shape[0])
+            else:
+                forward, info = _quantized_peers.oai_mxfp4(layer, peers_src)
+            with torch.no_grad():
+                out = forward(x, affinities, index)
+                us = do_bench_cudagraph(lambda forward=forward: forward(x, affinities, index), rep=100) * 1e3
+        except Exception as error:  # a peer that cannot run here is reported, not fatal
+            peers[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            continue
+        peers[peer] = {"us": round(us, 1), "rel_err_vs_bf16": relative_error(out, reference),
+                       "rel_err_vs_ours": relative_error(out, ours), **info}
+        forward = None  # its copies of the weights go before the next peer's
+        torch.cuda.empty_cache()
+    return peers
+
+
+def run_shape(name: str, bandwidth: float, peers_src: str | None) -> dict:
     num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
@@ -81,7 +121,13 @@ def run_shape(name: str, bandwidth: float) -> dict:
         result["formats"][fmt] = {
             "us": round(us, 1), "weight_bytes_read": read, "TBps": round(read / us / 1e6, 3),
             "fraction_of_copy_bandwidth": round(read / us / 1e6 / (bandwidth / 1e12), 3),
-            "rel_err_vs_bf16": round(((out - reference).norm() / reference.norm()).item(), 5)}
+            "rel_err_vs_bf16": relative_error(out, reference)}
+        if fmt in PEERS:
+            peers = time_peers(layer, fmt, peers_src, x, affinities, index, reference, out)
+            result["formats"][fmt]["peers"] = peers
+            timed = [p["us"] for p in peers.values() if "us" in p]
+            if timed:
+                result["formats"][fmt]["vs_best_peer"] = round(min(timed) / us, 2)
         del layer
         torch.cuda.empty_cache()
     bf16 = result["formats"]["bf16"]
@@ -96,14 +142,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--vllm-src", default=".peers/vllm_src",
+                        help="an unpacked vLLM 0.33.0 wheel (see benchmarks/README.md); absent: peers skipped")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     report = {"benchmark": "gpu_quantized", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_TBps": round(bandwidth / 1e12, 3), "cases": {}}
     for name in args.shapes:
-        report["cases"][name] = run_shape(name, bandwidth)
+        report["cases"][name] = run_shape(name, bandwidth, args.vllm_src)
         print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
-                                                                          "speedup_vs_bf16", "rel_err_vs_bf16")}
+                                                                          "speedup_vs_bf16", "rel_err_vs_bf16",
+                                                                          "vs_best_peer")}
                                 for f, e in report["cases"][name]["formats"].items()}), file=sys.stderr, flush=True)
     text = json.dumps(report, indent=1)
     if args.out:

@@ -104,6 +104,21 @@ def test_harness_end_to_end_on_cpu(tmp_path):
     assert {row["contender"] for row in result["headline"]} == set(case["contenders"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter's float8 cast rounds differently")
+@pytest.mark.parametrize("group", [128, 14336])
+def test_fp8_activation_stand_in_is_dynamic_fp8_per_group(group):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(7, 14336, device="cuda", generator=gen, dtype=torch.bfloat16) * 5
+    a[3] = 0.0  # an all-zero row keeps a finite scale
+    q, scale = _vllm_stubs.quantize_activations_fp8(a, group)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (7, 14336 // group)
+    groups = a.double().view(7, -1, group)
+    expected_scale = groups.abs().amax(-1).clamp_min(1e-12) / 448.0
+    torch.testing.assert_close(scale.double(), expected_scale, rtol=1e-6, atol=0)
+    expected = (groups / scale.double()[..., None]).float().to(torch.float8_e4m3fn).view(7, -1)
+    assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+
+
 @pytest.mark.skipif(not (ROOT / ".peers" / "vllm_src").is_dir(), reason="no unpacked vLLM in .peers/vllm_src")
 def test_vllm_kernel_through_the_stubs_under_the_triton_interpreter(tmp_path):
     result = _run_harness(tmp_path, "--cases", "smoke-prefill-m33", "--impls", "vllm_triton",
