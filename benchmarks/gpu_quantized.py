@@ -88,7 +88,7 @@ def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affiniti
     return peers
 
 
-def run_shape(name: str, bandwidth: float, peers_src: str | None) -> dict:
+def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS) -> dict:
     num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
@@ -100,7 +100,7 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None) -> dict:
     seq_len = 1 if num_tokens <= 64 else None
     result = {"shape": dict(zip(("T", "E", "k", "H", "I"), SHAPES[name])), "formats": {}}
     reference = None
-    for fmt in FORMATS:
+    for fmt in formats:
         layer = ExpertMLPsV2(config, BlockwiseMatmulConfig(), dtype=torch.bfloat16, device="cuda", backend="triton")
         with torch.no_grad():
             gen.manual_seed(1)
@@ -141,6 +141,8 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS,
+                        help="bf16 is always run first: it is the reference and the baseline")
     parser.add_argument("--out", default=None)
     parser.add_argument("--vllm-src", default=".peers/vllm_src",
                         help="an unpacked vLLM 0.33.0 wheel (see benchmarks/README.md); absent: peers skipped")
@@ -149,7 +151,8 @@ def main() -> int:
     report = {"benchmark": "gpu_quantized", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "copy_TBps": round(bandwidth / 1e12, 3), "cases": {}}
     for name in args.shapes:
-        report["cases"][name] = run_shape(name, bandwidth, args.vllm_src)
+        report["cases"][name] = run_shape(name, bandwidth, args.vllm_src,
+                                            ("bf16", *(f for f in args.formats if f != "bf16")))
         print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
                                                                           "speedup_vs_bf16", "rel_err_vs_bf16",
                                                                           "vs_best_peer")}

@@ -121,3 +121,26 @@ def test_mxfp4_extreme_scales_stay_exact(block_m):
     num_tokens, num_experts, top_k, hidden, inter = shape
     configs = {**default_config(num_experts, hidden, inter, top_k, num_tokens), "block_m": block_m}
     assert _fp32_matches(*_layers("mxfp4", shape, torch.float32, edit_scales=edit, configs=configs), shape, seed=8)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_mxfp4_in_bfloat16_applies_each_groups_scale_to_its_columns(block_m):
+    """bf16 MxFP4 layers at decode (group products scaled) and prefill (weight tiles scaled) tiles: scales that
+    differ by up to 2**14 between neighbouring groups and columns would make a mis-indexed one an O(1) error
+    (bf16 roundings alone are ~1 %)."""
+    shape = (40, 4, 2, 256, 128) if CUDA else SHAPES[0]
+
+    def edit(scale):
+        picks = torch.randint(120, 135, scale.shape, generator=torch.Generator().manual_seed(9), dtype=torch.int32)
+        scale.copy_(picks.to(torch.uint8))
+
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    configs = {**default_config(num_experts, hidden, inter, top_k, num_tokens), "block_m": block_m}
+    tested, holding = _layers("mxfp4", shape, torch.bfloat16, edit_scales=edit, configs=configs)
+    x = randn(num_tokens, hidden, seed=10).to(DEVICE, torch.bfloat16)
+    affinities, index = random_routing(num_tokens, num_experts, top_k, seed=11)
+    with torch.no_grad():
+        out = tested(x, affinities.to(DEVICE), index.to(DEVICE)).float()
+        expected = holding(x, affinities.to(DEVICE), index.to(DEVICE)).float()
+    assert torch.isfinite(out).all()
+    assert (out - expected).norm() <= 3e-2 * expected.norm(), ((out - expected).norm() / expected.norm()).item()
