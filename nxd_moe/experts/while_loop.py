@@ -82,13 +82,27 @@ def while_loop_into(out: torch.Tensor, cond_fn: CondFn, body_fn: BodyFn, carried
     return (*carried, out)
 
 
+# XLA's names of the float8 types, which torch_xla 2.9's builder has no entry for (its dtype map stops at 8-bit
+# integers): quantized FP8 weights enter the loop as float8 parameters under these names.
+_XLA_FLOAT8_TYPES = {torch.float8_e4m3fn: "f8e4m3fn", torch.float8_e5m2: "f8e5m2"}
+
+
+def _placeholder(xb, t: torch.Tensor) -> torch.Tensor:
+    """A data-less XLA tensor with ``t``'s shape and dtype, to trace a loop computation on."""
+    if t.dtype in _XLA_FLOAT8_TYPES:
+        import torch_xla
+
+        return torch_xla._XLAC._xla_create_placeholder_tensor(xb.mkshape(_XLA_FLOAT8_TYPES[t.dtype], t.shape).shape)
+    return xb.create_placeholder_tensor(t.shape, t.dtype)
+
+
 def _xla_while_loop(cond_fn: CondFn, body_fn: BodyFn, carried: tuple[torch.Tensor, ...],
                     invariants: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     import torch_xla
     import torch_xla.core.xla_builder as xb
 
     operands = carried + invariants
-    placeholders = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in operands]
+    placeholders = [_placeholder(xb, t) for t in operands]
     body_out = tuple(body_fn(*placeholders))
     if len(body_out) != len(carried) or any(
             (o.shape, o.dtype) != (c.shape, c.dtype) for o, c in zip(body_out, carried)):

@@ -27,7 +27,7 @@ from conftest import (  # noqa: E402
 )
 from nxd_moe import MoE  # noqa: E402
 from nxd_moe.experts.while_loop import while_loop  # noqa: E402
-from nxd_moe.trace import check_static, moe_inputs  # noqa: E402
+from nxd_moe.trace import check_static, export_hlo, moe_inputs  # noqa: E402
 
 NUM_EXPERTS, TOP_K, HIDDEN, BLOCK = 8, 2, 16, 4
 ATOL = 1e-5
@@ -165,11 +165,25 @@ def test_quantized_experts_are_one_static_graph(mode, quantization):
     """FP8 / MxFP4 expert weights enter the graph as stored (8-bit / packed 4-bit) and are dequantized inside it."""
     from nxd_moe.quantization.quantizer import quantize_experts
 
-    if quantization == "fp8" and mode.startswith("dynamic_while"):
-        pytest.skip("torch_xla 2.9's while-loop lowering has no float8 parameter type (docs/quantization.md)")
     _, tokens, phase, capacity_factor, blockwise = MODES[mode]
     experts = make_experts(make_config(num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=64, intermediate_size=64,
                                        capacity_factor=capacity_factor, bias=True), block_size=BLOCK, seed=1,
                            blockwise=blockwise)
     moe = MoE(make_router("topk_softmax", NUM_EXPERTS, TOP_K, 64, seed=2), quantize_experts(experts, quantization))
     assert_static(check_static(moe.eval(), moe_inputs(moe, tokens, phase, padding=True), n=3, atol=ATOL))
+
+
+@pytest.mark.parametrize("quantization, stored", [("fp8", "f8e4m3fn["), ("mxfp4", "u8[")])
+@pytest.mark.parametrize("mode", ["dynamic_while_intermediate", "dynamic_while_block"])
+def test_the_dynamic_while_loop_carries_the_stored_quantized_weights(mode, quantization, stored, tmp_path):
+    """The loop's state holds the weights as stored (FP8 / packed MxFP4), not a dequantized bf16 copy."""
+    from nxd_moe.quantization.quantizer import quantize_experts
+
+    _, tokens, phase, _, blockwise = MODES[mode]
+    experts = make_experts(make_config(num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=64, intermediate_size=64,
+                                       bias=True), block_size=BLOCK, seed=1, blockwise=blockwise)
+    moe = MoE(make_router("topk_softmax", NUM_EXPERTS, TOP_K, 64, seed=2), quantize_experts(experts, quantization))
+    report = export_hlo(moe.eval(), moe_inputs(moe, tokens, phase)(1), tmp_path, atol=ATOL)
+    assert report["static"] and report["matches_eager"] and report["while_ops"] == 1, report
+    loop_lines = [line for line in (tmp_path / "model.hlo.txt").read_text().splitlines() if " while(" in line]
+    assert len(loop_lines) == 1 and loop_lines[0].count(stored) >= 2, loop_lines  # gate_up and down
