@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any, Mapping
@@ -41,10 +42,13 @@ def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: in
 def scaled_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any], scale: int,
                  quantization: str | None = None) -> MoEModelConfig:
     """``config`` with H and I divided by ``scale``, rounded up to a multiple of 8 and of the blocks of the
-    weight format (``quantization``, default the config's)."""
+    routed experts' weight format (``quantization``, default the config's) and of the shared experts'."""
     model = load_model_config(config)
-    fmt = get_format(model.experts.get("quantization") if quantization is None else quantization)
-    return model.scaled(check_int("scale", scale, minimum=1), multiple=math.lcm(8, fmt.block_k or 1, fmt.block_n))
+    formats = [get_format(model.experts.get("quantization") if quantization is None else quantization)]
+    if model.shared_experts is not None:
+        formats.append(get_format(model.shared_experts.quantization))
+    blocks = [size or 1 for fmt in formats for size in (fmt.block_k, fmt.block_n)]
+    return model.scaled(check_int("scale", scale, minimum=1), multiple=math.lcm(8, *blocks))
 
 
 def build_moe(
@@ -60,6 +64,7 @@ def build_moe(
     sequence_parallel: bool = False,
     model_parallel: bool | None = None,
     quantization: str | None = None,
+    shared_quantization: str | None = None,
     **overrides,
 ) -> MoE:
     """An ``MoE`` for ``config`` (a built-in name, a YAML path, a mapping or a :class:`MoEModelConfig`) with
@@ -81,12 +86,19 @@ def build_moe(
     ``quantization`` (default: the config's, else ``"bf16"``): the routed experts' weight format, one of
     :data:`nxd_moe.quantization.QUANTIZATION_CHOICES` (see :mod:`nxd_moe.quantization`); the random weights are
     drawn as for bf16 with the same ``seed`` and then quantized, so the two layers are comparable. A scaled
-    config rounds H and I up to the format's block size.
+    config rounds H and I up to the format's block size. ``shared_quantization`` (default: the config's
+    ``shared_experts.quantization``, else ``"bf16"``) does the same for the shared experts' projections.
     """
     sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
     if quantization is not None:
         overrides["quantization"] = quantization
-    model = scaled_model(config, scale, overrides.get("quantization"))
+    model = load_model_config(config)
+    if shared_quantization is not None:
+        if model.shared_experts is None:
+            raise ValueError(f"shared_quantization: config {model.name!r} has no shared experts")
+        model = dataclasses.replace(model, shared_experts=dataclasses.replace(model.shared_experts,
+                                                                             quantization=shared_quantization))
+    model = scaled_model(model, scale, overrides.get("quantization"))
     dtype = to_torch_dtype(dtype)
     blockwise_keys = {k: overrides.pop(k) for k in list(overrides) if k == "block_size"}
     blockwise_keys.update({k[len("block_"):]: overrides.pop(k) for k in list(overrides) if k.startswith("block_")})
@@ -103,6 +115,7 @@ def build_moe(
         shared = SharedExperts(model.hidden_size, model.shared_intermediate_size, spec.num_shared_experts,
                                spec.hidden_act or experts_config.hidden_act, dtype=dtype, device=device,
                                fused_gate_up_projection=spec.fused_gate_up_projection, shared_expert_gate=spec.gate,
-                               sequence_parallel_enabled=sequence_parallel, model_parallel=model_parallel)
+                               sequence_parallel_enabled=sequence_parallel, model_parallel=model_parallel,
+                               quantization=spec.quantization)
     return MoE(router, expert_mlps, shared, sequence_parallel_enabled=sequence_parallel,
                validate_inputs=validate_inputs).eval()

@@ -259,7 +259,8 @@ class RoutedExpertsMLPOpsConfig:
     ``quantization``: how the routed experts' projections are stored (:mod:`nxd_moe.quantization`): ``"bf16"``
     (not quantized, the layer's dtype), ``"fp8"`` (E4M3, per expert and output channel: NxD's
     ``EXPERT_WISE_PER_CHANNEL_SYMMETRIC``), ``"fp8_block"`` (E4M3, 128x128 blocks: DeepSeek-V3 / Qwen3 FP8) or
-    ``"mxfp4"`` (OCP MX, GPT-OSS). Biases, router and shared experts stay in the layer's dtype.
+    ``"mxfp4"`` (OCP MX, GPT-OSS). Biases and the router stay in the layer's dtype; the shared experts have their
+    own setting (:class:`SharedExpertsSpec`), bf16 unless asked.
     """
 
     num_experts: int
@@ -456,16 +457,19 @@ class RouterSpec:
 @dataclass(frozen=True)
 class SharedExpertsSpec:
     """Shared experts: ``num_shared_experts`` dense GLU MLPs of width ``intermediate_size`` each (default: the
-    routed width), with activation ``hidden_act`` (default: the routed experts')."""
+    routed width), with activation ``hidden_act`` (default: the routed experts'), projections stored in
+    ``quantization`` (default ``"bf16"``, the layer's dtype; independent of the routed experts' format)."""
 
     num_shared_experts: int = 1
     intermediate_size: int | None = None
     gate: bool = False
     fused_gate_up_projection: bool = False
     hidden_act: str | None = None
+    quantization: str = "bf16"
 
     def __post_init__(self):
         check_int("shared_experts.num_shared_experts", self.num_shared_experts, minimum=1)
+        object.__setattr__(self, "quantization", get_format(self.quantization, "shared_experts.quantization").name)
         if self.hidden_act is not None and self.hidden_act not in ACT2FN:
             raise ValueError(f"shared_experts.hidden_act must be one of {sorted(ACT2FN)}, got {self.hidden_act!r}")
         if self.intermediate_size is not None:

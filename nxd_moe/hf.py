@@ -345,6 +345,37 @@ def _interleave(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.stack([gate, up], dim=-1).flatten(-2)
 
 
+def _shared_to_nxd(parts: StateDict, hf_name: str) -> dict[str, torch.Tensor]:
+    """The shared experts' HF tensors ``<hf_name>.<proj>.weight (out, in)`` -> ours. An FP8 128x128 block-scaled
+    projection (``weight_scale_inv (out/128, in/128)`` beside it, as in DeepSeek-V3's checkpoints) keeps its
+    bytes, stored ``(in, out)`` as our quantized projections are."""
+    out = {}
+    for proj in _SHARED_PROJS:
+        key = f"{hf_name}.{proj}.weight"
+        if key + "_scale_inv" in parts:
+            out[f"shared_experts.{proj}.weight"] = parts[key].t()
+            out[f"shared_experts.{proj}.scale"] = parts[key + "_scale_inv"].t()
+        else:
+            out[f"shared_experts.{proj}.weight"] = parts[key]
+    return out
+
+
+def _shared_from_nxd(nxd: StateDict, hf_name: str, block: str) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_shared_to_nxd`."""
+    quantization = _nxd_quantization(nxd, "shared_experts.down_proj.")
+    if quantization not in ("bf16", "fp8_block"):
+        raise ValueError(f"{block}: quantized shared experts ({quantization!r}) export as FP8 128x128 block-scaled "
+                         "tensors only (DeepSeek-V3's weight_scale_inv): use shared quantization 'fp8_block'")
+    out = {}
+    for proj in _SHARED_PROJS:
+        key, weight = f"{hf_name}.{proj}.weight", nxd[f"shared_experts.{proj}.weight"]
+        if quantization == "bf16":
+            out[key] = weight
+        else:
+            out[key], out[key + "_scale_inv"] = weight.t(), nxd[f"shared_experts.{proj}.scale"].t()
+    return out
+
+
 class _Family(abc.ABC):
     """How one HF model family lays out its MoE block.
 
@@ -415,7 +446,7 @@ class _FusedFamily(_Family):
             gate_up = torch.stack([torch.cat([parts[f"experts.{e}.{gate}.weight"], parts[f"experts.{e}.{up}.weight"]])
                                    for e in range(num_experts)])
             down_hi = torch.stack([parts[f"experts.{e}.{down}.weight"] for e in range(num_experts)])
-            if _hf_quantization(parts) == "fp8_block":  # (out/128, in/128) tiles per expert, like the weights
+            if _hf_quantization(parts)[0] == "fp8_block":  # (out/128, in/128) tiles per expert, like the weights
                 out[_GATE_UP_S] = torch.stack([torch.cat([parts[f"experts.{e}.{gate}.weight_scale_inv"],
                                                           parts[f"experts.{e}.{up}.weight_scale_inv"]])
                                                for e in range(num_experts)]).transpose(1, 2)
@@ -426,8 +457,7 @@ class _FusedFamily(_Family):
         out[_GATE_UP_W] = gate_up.transpose(1, 2)  # (E, 2I, H) rows [gate; up] -> (E, H, 2I) columns [gate | up]
         out[_DOWN_W] = down_hi.transpose(1, 2)  # (E, H, I) -> (E, I, H)
         if self.shared:
-            for proj in _SHARED_PROJS:
-                out[f"shared_experts.{proj}.weight"] = parts[f"{self.shared}.{proj}.weight"]
+            out.update(_shared_to_nxd(parts, self.shared))
         if self.shared_gate:
             out[_SHARED_GATE] = parts["shared_expert_gate.weight"]
         return out
@@ -459,8 +489,7 @@ class _FusedFamily(_Family):
             out["experts.gate_up_proj"] = gate_up.transpose(1, 2)
             out["experts.down_proj"] = down.transpose(1, 2)
         if self.shared:
-            for proj in _SHARED_PROJS:
-                out[f"{self.shared}.{proj}.weight"] = nxd[f"shared_experts.{proj}.weight"]
+            out.update(_shared_from_nxd(nxd, self.shared, self.block_classes[0]))
         if self.shared_gate:
             out["shared_expert_gate.weight"] = nxd[_SHARED_GATE]
         return out
@@ -481,7 +510,7 @@ class _GptOssFamily(_Family):
             _GATE_UP_B: _deinterleave(parts["experts.gate_up_proj_bias"]),
             _DOWN_B: parts["experts.down_proj_bias"],
         }
-        if _hf_quantization(parts) == "mxfp4":  # the Hub checkpoint's MXFP4 experts, bytes kept as they are
+        if _hf_quantization(parts)[0] == "mxfp4":  # the Hub checkpoint's MXFP4 experts, bytes kept as they are
             for name, weight_key, scale_key, columns in (("gate_up_proj", _GATE_UP_W, _GATE_UP_S, _deinterleave),
                                                          ("down_proj", _DOWN_W, _DOWN_S, lambda t: t)):
                 weight, scale = mxfp4_from_gpt_oss(parts[f"experts.{name}_blocks"], parts[f"experts.{name}_scales"],
@@ -523,18 +552,12 @@ class _Llama4Family(_Family):
     block_classes = ("Llama4TextMoe",)
 
     def to_nxd(self, parts: StateDict, num_experts: int) -> dict[str, torch.Tensor]:
-        out = {_ROUTER_W: parts["router.weight"], _GATE_UP_W: parts["experts.gate_up_proj"],
-               _DOWN_W: parts["experts.down_proj"]}
-        for proj in _SHARED_PROJS:
-            out[f"shared_experts.{proj}.weight"] = parts[f"shared_expert.{proj}.weight"]
-        return out
+        return {_ROUTER_W: parts["router.weight"], _GATE_UP_W: parts["experts.gate_up_proj"],
+                _DOWN_W: parts["experts.down_proj"], **_shared_to_nxd(parts, "shared_expert")}
 
     def from_nxd(self, nxd: StateDict, layout: str) -> dict[str, torch.Tensor]:
-        out = {"router.weight": nxd[_ROUTER_W], "experts.gate_up_proj": nxd[_GATE_UP_W],
-               "experts.down_proj": nxd[_DOWN_W]}
-        for proj in _SHARED_PROJS:
-            out[f"shared_expert.{proj}.weight"] = nxd[f"shared_experts.{proj}.weight"]
-        return out
+        return {"router.weight": nxd[_ROUTER_W], "experts.gate_up_proj": nxd[_GATE_UP_W],
+                "experts.down_proj": nxd[_DOWN_W], **_shared_from_nxd(nxd, "shared_expert", self.block_classes[0])}
 
 
 class _DbrxFamily(_Family):
@@ -584,27 +607,35 @@ def _family(cfg: MoEModelConfig) -> _Family:
     return _FAMILIES[cfg.hf_model_type]
 
 
-def _expected_nxd(cfg: MoEModelConfig, quantization: str = "bf16") -> dict[str, torch.Tensor]:
+def _expected_nxd(cfg: MoEModelConfig, quantization: str = "bf16",
+                  shared_quantization: str = "bf16") -> dict[str, torch.Tensor]:
     """Our MoE's state dict for ``cfg`` on the meta device: key names and shapes, no storage."""
-    return build_moe(cfg, device="meta", model_parallel=False, quantization=quantization).state_dict()
+    shared = {} if cfg.shared_experts is None else {"shared_quantization": shared_quantization}
+    return build_moe(cfg, device="meta", model_parallel=False, quantization=quantization, **shared).state_dict()
 
 
-def _hf_quantization(parts: StateDict) -> str:
-    """The expert format of one HF block's tensors: GPT-OSS MXFP4 ``*_blocks``/``*_scales``, DeepSeek-style FP8
-    ``weight_scale_inv``, else bf16 (the checkpoint's float dtype)."""
-    if any(k.endswith("_blocks") for k in parts):
-        return "mxfp4"
-    if any(k.endswith(".weight_scale_inv") for k in parts):
-        return "fp8_block"
-    return "bf16"
+def _hf_quantization(parts: StateDict) -> tuple[str, str]:
+    """The formats of one HF block's routed and shared experts: GPT-OSS MXFP4 ``*_blocks``/``*_scales``,
+    DeepSeek-style FP8 ``weight_scale_inv``, else bf16 (the checkpoint's float dtype)."""
+    routed, shared = "bf16", "bf16"
+    for key in parts:
+        if key.startswith("experts."):
+            if key.endswith("_blocks"):
+                routed = "mxfp4"
+            elif key.endswith(".weight_scale_inv"):
+                routed = "fp8_block"
+        elif key.endswith(".weight_scale_inv"):
+            shared = "fp8_block"
+    return routed, shared
 
 
-def _nxd_quantization(parts: StateDict) -> str:
-    """The expert format of one of our MoE state dicts, read from its stored tensors."""
-    scale = parts.get(_GATE_UP_S)
+def _nxd_quantization(parts: StateDict, prefix: str = "expert_mlps.mlp_op.gate_up_proj.") -> str:
+    """The format of the projection at ``prefix`` (default: the routed experts') in one of our MoE state dicts,
+    read from its stored tensors."""
+    scale = parts.get(prefix + "scale")
     if scale is None:
         return "bf16"
-    weight = parts[_GATE_UP_W]
+    weight = parts[prefix + "weight"]
     if weight.dtype == torch.uint8:
         return "mxfp4"
     return "fp8" if scale.shape[-1] == weight.shape[-1] else "fp8_block"
@@ -636,17 +667,17 @@ def _hf_block_to_nxd(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateD
     family = _family(cfg)
     layout = "hub" if family.is_hub(parts) else "transformers"
     quantization = _hf_quantization(parts)
-    if quantization != "bf16":
-        expected_nxd = _expected_nxd(cfg, quantization)
+    if quantization != ("bf16", "bf16"):
+        expected_nxd = _expected_nxd(cfg, *quantization)
     _check_keys(parts, family.from_nxd(expected_nxd, layout), where, "HF")
     return {k: v.contiguous() for k, v in family.to_nxd(parts, cfg.num_experts).items()}
 
 
 def _nxd_block_to_hf(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict, where: str,
                      layout: str) -> dict[str, torch.Tensor]:
-    quantization = _nxd_quantization(parts)
-    if quantization != "bf16":
-        expected_nxd = _expected_nxd(cfg, quantization)
+    quantization = _nxd_quantization(parts), _nxd_quantization(parts, "shared_experts.down_proj.")
+    if quantization != ("bf16", "bf16"):
+        expected_nxd = _expected_nxd(cfg, *quantization)
     _check_keys(parts, expected_nxd, where, "nxd")
     return {k: v.contiguous() for k, v in _family(cfg).from_nxd(parts, layout).items()}
 
@@ -751,6 +782,15 @@ def load_hf_layer(moe: MoE, hf_state_dict: StateDict, config: Any, layer: int) -
         found = "no MoE weights (a dense layer, or out of range)" if not blocks else f"several blocks {sorted(blocks)}"
         raise ValueError(f"load_hf_layer: layer {layer} has {found}")
     (where, parts), = blocks.items()
+    routed, shared = _hf_quantization(parts)
+    for what, stored, argument, layer_format in (
+            ("routed", routed, "quantization", moe.expert_mlps.routed_experts_mlp_config.quantization),
+            ("shared", shared, "shared_quantization",
+             None if moe.shared_experts is None else moe.shared_experts.down_proj.format.name)):
+        if layer_format is not None and stored != layer_format:
+            raise ValueError(f"load_hf_layer: layer {layer}'s {what} experts are stored as {stored!r} in the "
+                             f"checkpoint, the layer's as {layer_format!r}: build the layer with "
+                             f"{argument}={stored!r}")
     return load_full_state_dict(moe, _hf_block_to_nxd(parts, cfg, _expected_nxd(cfg), where))
 
 

@@ -135,8 +135,8 @@ def reference_for_experts(expert_mlps, hidden_states, expert_affinities, expert_
 def _shared_reference(shared, x: torch.Tensor) -> torch.Tensor:
     """Float64 shared-expert output from the module's weights (its layout options undone by hand)."""
 
-    def matrix(proj) -> torch.Tensor:  # as (out, in)
-        w = proj.weight.detach().to(torch.float64).cpu()
+    def matrix(proj) -> torch.Tensor:  # as (out, in); quantized weights as their dequantized values
+        w = proj.matrix().detach().to(torch.float64).cpu()
         return w.t() if proj.transposed else w
 
     if shared.fused_gate_up_projection:

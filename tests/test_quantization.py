@@ -16,7 +16,7 @@ import torch
 from conftest import FP32_ATOL, MODES, assert_close, make_config, make_experts, random_routing, randn
 from nxd_moe.build import build_moe
 from nxd_moe.config import load_model_config
-from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
+from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.quantization import FORMATS, QuantizedWeight, Shape, dequantized, get_format
@@ -196,6 +196,9 @@ def test_state_dict_names_dtypes_and_reload():
         buffer.seek(0)
         fresh = ExpertMLPsV2(quantized.routed_experts_mlp_config, quantized.blockwise_matmul_config)
         fresh.load_state_dict(torch.load(buffer))
+        if name == "mxfp4":  # stored K-fastest (GPT-OSS's byte order), by the quantizer and by a fresh layer
+            for layer in (quantized, fresh):
+                assert all(p.weight.stride(1) == 1 for p in (layer.mlp_op.gate_up_proj, layer.mlp_op.down_proj))
         x, affinities, expert_index, _ = inputs()
         with torch.no_grad():
             assert torch.equal(fresh(x, affinities, expert_index), quantized(x, affinities, expert_index))
@@ -215,6 +218,117 @@ def test_build_moe_quantizes_only_the_routed_experts():
     mx = build_moe("gpt-oss-20b", scale=16, quantization="mxfp4", seed=0)
     x = randn(1, 5, mx.expert_mlps.routed_experts_mlp_config.hidden_size, seed=1)
     assert torch.isfinite(mx(x)[0]).all()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared experts: bf16 unless asked
+
+
+def shared_pair(name, transposed, fused):
+    """(bf16 SharedExperts, the same quantized, a bf16 one holding the quantized weights' dequantized values)."""
+    from nxd_moe.experts.shared import SharedExperts
+
+    def make(quantization="bf16"):
+        torch.manual_seed(4)
+        return SharedExperts(H, I, 1, "silu", transpose_weights=transposed, fused_gate_up_projection=fused,
+                             shared_expert_gate=True, model_parallel=False, quantization=quantization)
+
+    original, holding = make(), make()
+    torch.manual_seed(4)
+    quantized = make(name)
+    names = ["gate_up_proj"] if fused else ["gate_proj", "up_proj"]
+    with torch.no_grad():
+        for proj in names + ["down_proj"]:
+            getattr(holding, proj).weight.copy_(getattr(quantized, proj).matrix())
+        holding.shared_expert_gate.weight.copy_(quantized.shared_expert_gate.weight)
+    return original, quantized, holding, names + ["down_proj"]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["out_in", "in_out"])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_shared_experts_store_the_format_and_compute_its_values(name, transposed, fused):
+    original, quantized, holding, projs = shared_pair(name, transposed, fused)
+    fmt = get_format(name)
+    for proj in projs:
+        q, o = getattr(quantized, proj), getattr(original, proj)
+        in_out = o.weight if transposed else o.weight.t()
+        assert q.weight.dtype == fmt.weight_dtype and q.scale.dtype == fmt.scale_dtype
+        assert q.weight.shape == fmt.weight_shape(Shape(1, *in_out.shape))[1:]  # stored (in, out), whatever the flag
+        # quantization error against the original weights within the format's round-trip bound (an orientation
+        # mix-up would break it by orders of magnitude)
+        err = (q.matrix() - o.weight).abs()
+        tolerance = (2.0 ** -4 * o.weight.abs() + 1e-6) if name != "mxfp4" else 0.26 * o.weight.abs().max()
+        assert (err <= tolerance).all(), (proj, err.max())
+    assert quantized.shared_expert_gate.weight.dtype == torch.float32  # the gate stays unquantized
+    x = randn(2, 5, H, seed=6)
+    with torch.no_grad():
+        assert_close(quantized(x), holding(x), FP32_ATOL)
+        reference = original(x)
+        rel = ((quantized(x) - reference).abs().max() / reference.abs().max()).item()
+    print(f"{name}: shared-experts error vs the original weights {rel:.3g}")
+    assert 0 < rel < LAYER_ERROR_BOUND[name]
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_shared_experts_in_the_moe_every_backend(name):
+    moe = build_moe("deepseek-v3", scale=32, quantization=name, shared_quantization=name, seed=0, block_size=4)
+    assert moe.router.linear_router.weight.dtype == torch.float32
+    sd = moe.state_dict()
+    assert sd["shared_experts.down_proj.weight"].dtype == get_format(name).weight_dtype
+    assert "shared_experts.down_proj.scale" in sd
+    fresh = build_moe("deepseek-v3", scale=32, quantization=name, shared_quantization=name, seed=1, block_size=4)
+    fresh.load_state_dict(sd)
+    x = randn(1, 6, moe.expert_mlps.routed_experts_mlp_config.hidden_size, seed=7)
+    from nxd_moe.reference import reference_for_moe
+
+    with torch.no_grad():
+        expected = reference_for_moe(moe, x)
+        for layer in (moe, fresh):
+            assert_close(layer(x)[0].double(), expected.reshape(x.shape), 1e-4)
+        moe.expert_mlps.backend = get_backend("nki_sim")
+        assert_close(moe(x)[0].double(), expected.reshape(x.shape), 1e-4)
+
+    # asked through the quantizer as well: the same bytes as built quantized (same seed, same shapes)
+    from nxd_moe.build import scaled_model
+
+    bf16 = build_moe(scaled_model("deepseek-v3", 32, name), seed=0, block_size=4)
+    assert all(p.dtype == torch.float32 for p in bf16.shared_experts.parameters())
+    quantize_experts(bf16, name, shared_experts=True)
+    got = bf16.state_dict()
+    assert sorted(got) == sorted(sd)
+    for key in sd:
+        assert torch.equal(got[key].view(torch.uint8) if got[key].element_size() == 1 else got[key],
+                           sd[key].view(torch.uint8) if sd[key].element_size() == 1 else sd[key]), key
+
+
+def test_shared_quantization_bad_input_is_named(monkeypatch):
+    from nxd_moe.experts.shared import SharedExperts
+
+    moe = build_moe("deepseek-v3", scale=32, quantization="fp8", shared_quantization="fp8_block", seed=0)
+    sd = moe.state_dict()
+    key = "shared_experts.up_proj.scale"
+    with pytest.raises(ValueError, match=r"shared_experts.up_proj.scale: format 'fp8_block' stores scale as "
+                                         r"torch.float32 of shape"):
+        moe.load_state_dict({**sd, key: sd[key][:-1]})
+    with pytest.raises(ValueError, match=r"shared_experts.up_proj.scale must be 2-D"):
+        moe.load_state_dict({**sd, key: sd[key][None]})
+    bad = sd[key].clone()
+    bad[0, 0] = 0.0
+    with pytest.raises(ValueError, match=r"shared_experts.up_proj.scale: 1 scale\(s\) are NaN, Inf, zero"):
+        moe.load_state_dict({**sd, key: bad})
+    with pytest.raises(ValueError, match=r"shared_experts.quantization must be one of"):
+        build_moe("deepseek-v3", scale=32, shared_quantization="int4")
+    with pytest.raises(ValueError, match=r"shared_quantization: config 'mixtral-8x7b.*' has no shared experts"):
+        build_moe("mixtral-8x7b", scale=32, shared_quantization="fp8")
+    with pytest.raises(ValueError, match=r"shared-expert projection \(in=128, out=96\): format 'fp8_block' needs "
+                                         r"the out \(N\) dimension divisible by its block size 128"):
+        SharedExperts(H, 96, 1, "silu", model_parallel=False, quantization="fp8_block")
+    with pytest.raises(ValueError, match=r"shared_experts=True, but the layer has no shared experts"):
+        quantize_experts(build_moe("mixtral-8x7b", scale=32, seed=0), "fp8", shared_experts=True)
+    monkeypatch.setattr(SharedExperts, "_tensor_parallel", staticmethod(lambda model_parallel: (None, 2, 0)))
+    with pytest.raises(NotImplementedError, match=r"quantized shared experts \('mxfp4'\) under tensor parallelism"):
+        SharedExperts(H, I, 1, "silu", quantization="mxfp4")
 
 
 def test_cli_run_reports_the_quantization_error(capsys):
@@ -399,6 +513,7 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_export
     moe = build_moe(nxd_config, quantization="mxfp4", seed=0)
     load_hf_layer(moe, sd, config, 0)
     op = moe.expert_mlps.mlp_op
+    assert op.gate_up_proj.weight.stride(1) == 1 and op.down_proj.weight.stride(1) == 1  # still K-fastest
     # transformers' own dequantization of the same tensors: (E, H, 2I) with gate/up interleaved, (E, I, H)
     hf = "model.layers.0.mlp.experts."
     gate_up_ref = convert_moe_packed_tensors(sd[hf + "gate_up_proj_blocks"], sd[hf + "gate_up_proj_scales"],
@@ -417,7 +532,10 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_export
         assert_close(moe(x)[0], dense(x)[0], FP32_ATOL)
 
 
-def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
+@pytest.mark.parametrize("shared", ["bf16", "fp8_block"])
+def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
+    """Routed experts in FP8 128x128 blocks; the shared experts bf16 or, as in DeepSeek-V3's own checkpoint,
+    FP8 as well (loaded as stored into shared experts asked to be ``fp8_block``)."""
     from transformers import DeepseekV3Config
 
     from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
@@ -440,7 +558,14 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
             sd[f"{prefix}experts.{k}.{proj}.weight_scale_inv"] = scale[0].t().contiguous()
             originals[(k, proj)] = w
     for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-        sd[f"{prefix}shared_experts.{proj}.weight"] = randn(*shape, seed=99, scale=0.1)
+        w = randn(*shape, seed=99, scale=0.1)
+        key = f"{prefix}shared_experts.{proj}.weight"
+        if shared == "bf16":
+            sd[key] = w
+        else:
+            data, scale = fp8.quantize(w.t().unsqueeze(0))
+            sd[key], sd[key + "_scale_inv"] = data[0].t().contiguous(), scale[0].t().contiguous()
+            originals[("shared", proj)] = w
     assert sd[prefix + "experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert sd[prefix + "experts.0.down_proj.weight_scale_inv"].shape == (1, 1)
 
@@ -449,7 +574,8 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
     assert sorted(back) == sorted(sd)
     assert all(torch.equal(back[k].view(torch.uint8) if back[k].element_size() == 1 else back[k],
                            sd[k].view(torch.uint8) if sd[k].element_size() == 1 else sd[k]) for k in sd)
-    moe = load_hf_layer(build_moe(from_hf_config(config), quantization="fp8_block", seed=0), sd, config, 0)
+    moe = load_hf_layer(build_moe(from_hf_config(config), quantization="fp8_block", shared_quantization=shared,
+                                  seed=0), sd, config, 0)
     gate_up = dequantized(moe.expert_mlps.mlp_op.gate_up_proj.stored_weight())
     down = dequantized(moe.expert_mlps.mlp_op.down_proj.stored_weight())
     for k in range(e):  # each weight_scale_inv multiplies its own 128x128 tile
@@ -459,7 +585,19 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key():
             stored = sd[key].float() * sd[key + "_scale_inv"]
             assert torch.equal(got, stored)
             assert (got - originals[(k, proj)]).abs().max() <= 2 ** -4 * originals[(k, proj)].abs().max()
-    assert moe.shared_experts.down_proj.weight.dtype == torch.float32
+    if shared == "bf16":
+        assert moe.shared_experts.down_proj.weight.dtype == torch.float32
+    else:
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            key = f"{prefix}shared_experts.{proj}.weight"
+            got = getattr(moe.shared_experts, proj).matrix()  # (out, in), as the checkpoint's
+            assert torch.equal(got, sd[key].float() * sd[key + "_scale_inv"])  # one 128x128 tile here
+            original = originals[("shared", proj)]
+            assert (got - original).abs().max() <= 2 ** -4 * original.abs().max()
+        with pytest.raises(ValueError, match=r"layer 0's shared experts are stored as 'fp8_block' in the checkpoint, "
+                                             r"the layer's as 'bf16': build the layer with "
+                                             r"shared_quantization='fp8_block'"):
+            load_hf_layer(build_moe(from_hf_config(config), quantization="fp8_block", seed=0), sd, config, 0)
     with pytest.raises(ValueError, match="layout='hub'"):
         nxd_to_hf_state_dict(nxd, config)
 

@@ -13,23 +13,76 @@ from nxd_moe.activations import ACT2FN
 from nxd_moe.config import check_bool, check_int, to_torch_dtype
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
 from nxd_moe.parallel.sharding import ShardSpec
+from nxd_moe.quantization.formats import Shape, get_format
 from nxd_moe.validation import FiniteWeightsOnLoad, check_hidden_states
 
 
 class DenseProjection(nn.Module):
     """A bias-free linear layer stored ``(out, in)`` like ``nn.Linear``, or ``(in, out)`` when ``transposed``
-    (the layout NxD's decode kernels read)."""
+    (the layout NxD's decode kernels read).
 
-    def __init__(self, in_features: int, out_features: int, transposed: bool, dtype: torch.dtype, device=None):
+    Quantized (``quantization`` other than ``"bf16"``): ``weight`` and ``scale`` hold the format's stored tensors
+    for the ``(in, out)`` matrix -- the ``(K, N)`` orientation every format is defined on (FP8 scales per output
+    channel or 128x128 tile, MxFP4 blocks of 32 along ``in``) -- whatever ``transposed`` says; ``forward``
+    dequantizes them to ``dtype``, one rounding, as the routed experts' torch path does.
+    """
+
+    def __init__(self, in_features: int, out_features: int, transposed: bool, dtype: torch.dtype, device=None,
+                 quantization: str = "bf16"):
         super().__init__()
         self.transposed = transposed
+        self.format = get_format(quantization, "SharedExperts.quantization")
+        self.compute_dtype = dtype
         shape = (in_features, out_features) if transposed else (out_features, in_features)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        weight = torch.empty(shape, dtype=dtype, device=device)
         with torch.no_grad():
-            nn.init.kaiming_uniform_(self.weight.t() if transposed else self.weight, a=math.sqrt(5))
+            nn.init.kaiming_uniform_(weight.t() if transposed else weight, a=math.sqrt(5))
+        if not self.format.quantized:
+            self.weight = nn.Parameter(weight)
+            return
+        self.shape = Shape(1, in_features, out_features)
+        self.format.check_shape(self.shape, f"shared-expert projection (in={in_features}, out={out_features})")
+        if weight.is_meta:
+            stored = self.format.empty(self.shape, device)
+            self.weight = nn.Parameter(stored[0][0], requires_grad=False)
+            self.scale = nn.Parameter(stored[1][0], requires_grad=False)
+        else:
+            self.store_quantized(weight)
+        self.register_load_state_dict_pre_hook(DenseProjection._check_quantized)
+
+    @torch.no_grad()
+    def store_quantized(self, weight: torch.Tensor) -> None:
+        """Quantize ``weight`` (in the orientation ``transposed`` names) into ``self.weight`` and ``self.scale``."""
+        matrix = weight if self.transposed else weight.t()
+        stored = self.format.quantize(matrix.unsqueeze(0).contiguous())
+        self.weight = nn.Parameter(stored[0][0], requires_grad=False)
+        self.scale = nn.Parameter(stored[1][0], requires_grad=False)
+
+    @staticmethod
+    def _check_quantized(module, state_dict, prefix, *args, **kwargs):
+        weight, scale = state_dict.get(prefix + "weight"), state_dict.get(prefix + "scale")
+        if isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor):
+            what = prefix.rstrip(".") or "DenseProjection"
+            for name, value in (("weight", weight), ("scale", scale)):
+                if value.dim() != 2:
+                    raise ValueError(f"{what}.{name} must be 2-D (the stored (in, out) matrix), got shape "
+                                     f"{tuple(value.shape)}")
+            module.format.check(weight.unsqueeze(0), scale.unsqueeze(0), module.shape, what)
+
+    def matrix(self) -> torch.Tensor:
+        """The weight in the compute dtype, in the orientation ``transposed`` names (dequantized if stored so)."""
+        if not self.format.quantized:
+            return self.weight
+        w = self.format.dequantize(self.weight.unsqueeze(0), self.scale.unsqueeze(0), self.compute_dtype)[0]
+        return w if self.transposed else w.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+        w = self.matrix()
+        return x @ w if self.transposed else F.linear(x, w)
+
+    def extra_repr(self) -> str:
+        return f"transposed={self.transposed}" + (f", quantization={self.format.name!r}" if self.format.quantized
+                                                  else "")
 
 
 class SharedExperts(FiniteWeightsOnLoad, nn.Module):
@@ -40,6 +93,11 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
     State-dict names follow NxD: ``gate_up_proj.weight (2*I_s, H)`` (rows ``[gate; up]``) when
     ``fused_gate_up_projection``, else ``gate_proj.weight``/``up_proj.weight (I_s, H)``; ``down_proj.weight
     (H, I_s)``; all transposed when ``transpose_weights``. ``shared_expert_gate.weight (1, H)``.
+
+    ``quantization`` (default ``"bf16"``: the layer's dtype): the three projections' stored format, one of
+    :data:`nxd_moe.quantization.QUANTIZATION_CHOICES`; stored as :class:`DenseProjection` describes, names
+    ``<proj>.weight`` and ``<proj>.scale``. The sizes must divide into the format's blocks. The gate stays in
+    ``dtype``.
 
     ``sequence_parallel_enabled`` marks sequence-parallel (replicated-weight) execution; on one device it
     changes nothing.
@@ -68,6 +126,7 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         transpose_weights: bool = False,
         shared_expert_gate: bool = False,
         model_parallel: bool | None = None,
+        quantization: str = "bf16",
     ):
         super().__init__()
         self.hidden_size = check_int("SharedExperts.hidden_size", hidden_size, minimum=1)
@@ -83,6 +142,10 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         dtype = to_torch_dtype(dtype, "SharedExperts.dtype")
         self.intermediate_size = intermediate_size * num_shared_experts
         self.tensor_parallel = self._tensor_parallel(model_parallel)
+        quantization = get_format(quantization, "SharedExperts.quantization").name
+        if quantization != "bf16" and self.tensor_parallel is not None:
+            raise NotImplementedError(f"SharedExperts: quantized shared experts ({quantization!r}) under tensor "
+                                      "parallelism are not supported yet; use quantization='bf16'")
         width = self.intermediate_size
         if self.tensor_parallel is not None:
             size = self.tensor_parallel[1]
@@ -92,11 +155,11 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
             if not self.sequence_parallel_enabled:
                 width //= size
         if self.fused_gate_up_projection:
-            self.gate_up_proj = DenseProjection(hidden_size, 2 * width, transpose_weights, dtype, device)
+            self.gate_up_proj = DenseProjection(hidden_size, 2 * width, transpose_weights, dtype, device, quantization)
         else:
-            self.gate_proj = DenseProjection(hidden_size, width, transpose_weights, dtype, device)
-            self.up_proj = DenseProjection(hidden_size, width, transpose_weights, dtype, device)
-        self.down_proj = DenseProjection(width, hidden_size, transpose_weights, dtype, device)
+            self.gate_proj = DenseProjection(hidden_size, width, transpose_weights, dtype, device, quantization)
+            self.up_proj = DenseProjection(hidden_size, width, transpose_weights, dtype, device, quantization)
+        self.down_proj = DenseProjection(width, hidden_size, transpose_weights, dtype, device, quantization)
         self.shared_expert_gate = (
             nn.Linear(hidden_size, 1, bias=False, dtype=dtype, device=device)
             if check_bool("SharedExperts.shared_expert_gate", shared_expert_gate) else None

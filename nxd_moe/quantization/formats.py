@@ -174,6 +174,10 @@ class MxFp4(QuantizationFormat):
 
     The scale is the smallest power of two that fits the block's largest magnitude in E2M1's range (``<= 6``),
     so nothing saturates; values round to nearest, ties to even.
+
+    The packed weight keeps its logical ``(E, K/2, N)`` shape but is stored K-fastest (strides
+    ``(N*K/2, 1, K/2)``): GPT-OSS's own byte order, so its checkpoints load without a transpose, and the one a
+    GPU kernel needs to load whole k-pairs per thread (``docs/gpu.md``). Any strides compute the same values.
     """
 
     name = "mxfp4"
@@ -186,7 +190,8 @@ class MxFp4(QuantizationFormat):
     values_per_byte = 2
 
     def empty(self, shape, device=None):
-        return (torch.zeros(self.weight_shape(shape), dtype=torch.uint8, device=device),
+        e, half_k, n = self.weight_shape(shape)
+        return (torch.zeros(e, n, half_k, dtype=torch.uint8, device=device).transpose(1, 2),
                 torch.full(self.scale_shape(shape), E8M0_BIAS, dtype=torch.uint8, device=device))
 
     def check_scale_values(self, scale, what):
@@ -210,7 +215,7 @@ class MxFp4(QuantizationFormat):
         code = code + 8 * ((w < 0) & (code > 0)).long()
         codes = code.reshape(e, k // 2, 2, n).to(torch.uint8)
         packed = codes[:, :, 0] | (codes[:, :, 1] << 4)
-        return packed, (exponent[:, :, 0] + E8M0_BIAS).to(torch.uint8)
+        return k_fastest(packed), (exponent[:, :, 0] + E8M0_BIAS).to(torch.uint8)
 
     def dequantize(self, weight, scale, dtype):
         e, half_k, n = weight.shape
@@ -221,6 +226,11 @@ class MxFp4(QuantizationFormat):
         values = table[codes.long()].reshape(e, -1, self.block_k, n)
         block_scale = torch.pow(2.0, scale.to(torch.float32) - E8M0_BIAS)  # pow, not exp2: XLA 2.9 lowers only pow
         return (values * block_scale.unsqueeze(2)).reshape(e, 2 * half_k, n).to(dtype)
+
+
+def k_fastest(packed: torch.Tensor) -> torch.Tensor:
+    """``packed (E, K/2, N)`` with the same values, stored K-fastest (each output column's bytes contiguous)."""
+    return packed.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _e2m1_table(device) -> torch.Tensor:

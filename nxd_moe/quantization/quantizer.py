@@ -7,6 +7,7 @@ import torch.nn as nn
 
 from nxd_moe.experts.backends import check_backend_supports
 from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
+from nxd_moe.experts.shared import DenseProjection
 from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format
 
 
@@ -31,26 +32,48 @@ def quantize_expert_linear(linear: ExpertLinear, quantization: str | Quantizatio
     return out
 
 
+def quantize_dense_projection(proj: DenseProjection, quantization: QuantizationFormat) -> DenseProjection:
+    """A new :class:`DenseProjection` holding ``proj``'s weight in ``quantization``, same orientation flag."""
+    if proj.format.quantized:
+        raise ValueError(f"quantize: the shared-expert projection is already stored as {proj.format.name!r}")
+    in_features, out_features = proj.weight.shape if proj.transposed else proj.weight.shape[::-1]
+    out = DenseProjection(in_features, out_features, proj.transposed, proj.weight.dtype, "meta", quantization)
+    out.store_quantized(proj.weight)
+    return out
+
+
 @torch.no_grad()
-def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat) -> nn.Module:
+def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *,
+                     shared_experts: bool = False) -> nn.Module:
     """Quantize the routed experts of ``layer`` (an ``MoE`` or an ``ExpertMLPsV2``) in place and return it.
 
-    Only the two expert projections change: biases, the router and the shared experts keep their dtype. The
+    The two expert projections change; with ``shared_experts=True`` an ``MoE``'s shared-expert projections are
+    quantized to the same format too. Biases, the router and the shared-expert gate keep their dtype. The
     experts' config records the format, so the layer's state dict and ``forward`` follow it.
     """
     experts = getattr(layer, "expert_mlps", layer)
     if not isinstance(experts, ExpertMLPsV2):
         raise TypeError(f"quantize_experts: layer must be an MoE or an ExpertMLPsV2, got {type(layer).__name__}")
     fmt = get_format(quantization)
+    shared = getattr(layer, "shared_experts", None) if shared_experts else None
+    if shared_experts and shared is None:
+        raise ValueError("quantize_experts: shared_experts=True, but the layer has no shared experts")
     check_backend_supports(experts.backend, fmt.name)
     if experts.parallelism is not None:
         raise NotImplementedError("quantize_experts: quantizing a model-parallel layer is not supported yet; "
                                   "quantize the single-device layer")
+    if shared is not None and shared.tensor_parallel is not None and fmt.quantized:
+        raise NotImplementedError("quantize_experts: quantizing tensor-parallel shared experts is not supported yet")
     op = experts.mlp_op
     first = "gate_up_proj" if hasattr(op, "gate_up_proj") else "up_proj"
-    replaced = {name: quantize_expert_linear(getattr(op, name), fmt) for name in (first, "down_proj")}
-    for name, linear in replaced.items():
-        setattr(op, name, linear)
+    # Everything is quantized (and its shape checked) before anything is replaced: a refusal leaves the layer as is.
+    replaced = [(op, name, quantize_expert_linear(getattr(op, name), fmt)) for name in (first, "down_proj")]
+    if shared is not None and fmt.quantized:
+        names = ["gate_up_proj"] if shared.fused_gate_up_projection else ["gate_proj", "up_proj"]
+        replaced += [(shared, name, quantize_dense_projection(getattr(shared, name), fmt))
+                     for name in names + ["down_proj"]]
+    for module, name, quantized in replaced:
+        setattr(module, name, quantized)
     experts.routed_experts_mlp_config = experts.routed_experts_mlp_config.replace(quantization=fmt.name)
     return layer
 

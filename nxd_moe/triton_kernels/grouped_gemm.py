@@ -50,9 +50,9 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     # Triton's interpreter (3.6 to 3.9) returns garbage for 16-bit dots; under it the operands go in as fp32.
-    if UPCAST:
+    if INTERPRET and a.dtype != tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -81,6 +81,56 @@ def _e2m1_as_fp16(packed, SHIFT: tl.constexpr):
     return (((code & 8) << 12) | ((code & 7) << 9)).to(tl.float16, bitcast=True)
 
 
+def _nibbles_as_bf16x2(out: str, pair: str, nibble: int) -> str:
+    """PTX: the 4-bit code at bit ``4 * nibble`` of each 16-bit half of ``pair`` -> ``out``, two bf16 holding the
+    E2M1 values times ``2**-126`` (code bit 3 -> the sign bit 15; bits 0-2 -> exponent bits 7-8 and mantissa bit 6),
+    then multiplied by ``c = 2**126`` (``z = -0`` keeps the fma an exact multiply)."""
+    return (f"shl.b32 t0, {pair}, {12 - 4 * nibble}; shl.b32 t1, {pair}, {6 - 4 * nibble}; "
+            "and.b32 t0, t0, 0x80008000; and.b32 t1, t1, 0x01C001C0; or.b32 t0, t0, t1; "
+            f"fma.rn.bf16x2 {out}, t0, c, z;\n")
+
+
+# $4: four bytes b0..b3. prmt spreads b0,b1 (b2,b3) over the two 16-bit halves of x01 (x23); $0,$1 take the low
+# nibbles of b0,b1 and b2,b3; $2,$3 the high ones. 0x7E80 is bf16 2**126.
+_E2M1_PAIRS_PTX = tl.constexpr(
+    "{\n.reg .b32 x01, x23, t0, t1, c, z;\nmov.b32 c, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+    "prmt.b32 x01, $4, 0, 0x4140;\nprmt.b32 x23, $4, 0, 0x4342;\n"
+    + _nibbles_as_bf16x2("$0", "x01", 0) + _nibbles_as_bf16x2("$1", "x23", 0)
+    + _nibbles_as_bf16x2("$2", "x01", 1) + _nibbles_as_bf16x2("$3", "x23", 1) + "}")
+
+
+@triton.jit
+def _e2m1_pairs_as_bf16(packed, INTERPRET: tl.constexpr):
+    """``packed (P, N)`` uint8 -> ``(2P, N)`` bf16 E2M1 values, exactly: row ``2j`` from byte ``j``'s low nibble,
+    ``2j + 1`` from its high one (so a thread holding one byte holds the k-pair a 16-bit MMA operand register
+    takes).
+
+    On a GPU, four bytes at a time in 32-bit registers: each nibble's bits go to bf16's sign, two lowest exponent
+    and top mantissa bits (the value times ``2**-126``; E2M1's subnormal 0.5 lands on bf16's subnormals), then a
+    bf16x2 multiply by ``2**126`` -- about 3 instructions a value where per-element 16-bit code takes 5. Triton's
+    interpreter cannot run PTX: there the same values come from :func:`_e2m1_as_fp16`."""
+    if INTERPRET:
+        low = (_e2m1_as_fp16(packed, 0).to(tl.float32) * 16384.0).to(tl.bfloat16)
+        high = (_e2m1_as_fp16(packed, 4).to(tl.float32) * 16384.0).to(tl.bfloat16)
+    else:
+        low, high = tl.inline_asm_elementwise(
+            asm=_E2M1_PAIRS_PTX,
+            constraints="=r,=r,=r,=r,r", args=[packed], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    pairs = tl.join(low, high)
+    return tl.reshape(tl.permute(pairs, (0, 2, 1)), (2 * packed.shape[0], packed.shape[1]))
+
+
+@triton.jit
+def _scaled(w, scale, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``w (K, N) * scale (N,)`` in ``dtype``, as the dequantization rounds it (fp32 product, one rounding).
+    For bf16 the product is taken in bf16: ``w`` is a bf16-exact E2M1 value and ``scale`` a power of two, so it
+    is exact (a packed bf16x2 multiply, half the instructions of the fp32 round trip). Triton's interpreter has
+    no bf16 arithmetic: there the product is taken in fp32, to the same value."""
+    if dtype == tl.bfloat16 and not INTERPRET:
+        return w * scale.to(tl.bfloat16)[None, :]
+    return (w.to(tl.float32) * scale[None, :]).to(dtype)
+
+
 @triton.jit
 def _e8m0(scale_bits):
     """E8M0 scales as float32 ``2**(s - 127)``, exactly, from their bits (``s == 0`` is the subnormal 2**-127)."""
@@ -91,21 +141,20 @@ def _e8m0(scale_bits):
 @triton.jit
 def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, cols, col_ok, stride_we, stride_wk,
                    stride_wn, stride_se, stride_sk, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """``acc + A[:, k0 : k0 + BLOCK_K] @ W[expert][k0 : k0 + BLOCK_K, cols]`` with ``W`` read in its stored
     format (``FORMAT``: 1 FP8 per-channel, 2 FP8 128x128 blocks, 3 MxFP4) and dequantized in registers; ``A``'s
     rows start at the pointers ``a_rows (M,)``; rows of ``W`` from ``k_end`` on count as zero.
 
     FP8 tiles are dequantized as :meth:`QuantizationFormat.dequantize` does it (fp32 product, one rounding):
     elementwise on the loaded tile, which lets it go from its load straight into the MMA operand layout.
-    MxFP4 holds rows ``2j`` and ``2j+1`` in the low and high nibbles of one byte: rather than interleave the
-    two nibble planes, each 32-row scale group is reduced as even columns of ``A`` against the low nibbles plus
-    odd ones against the high. Its E8M0 scales are powers of two, so applying them to the group's product
-    instead of the weights is exact up to fp32 summation order; decode-sized row tiles do that (``M`` times
-    fewer multiplies than the weight tile's ``32 x N``; measured faster on an H100), prefill-sized ones scale
-    the weight tile, which they stage through shared memory for the wide MMA anyway, and keep one accumulator
-    chain. (FP8 measured slower with the product scaled, so its weight tile always is.)"""
-    scale_product: tl.constexpr = acc.shape[0] < 64
+    MxFP4 holds rows ``2j`` and ``2j+1`` in the low and high nibbles of one byte, and is stored K-fastest
+    (:class:`~nxd_moe.quantization.formats.MxFp4`): a thread loads whole runs of k-pairs of one column, and each
+    byte unpacks into one register of the 16-bit MMA operand (no byte-wise shuffles through shared memory,
+    which an N-fastest layout costs). Each 32-row group's E8M0 scale multiplies its weight tile (exact: see
+    :func:`_scaled`), so one MMA covers the group and one accumulator chain runs over all of ``K`` (scaling the
+    group's product instead would take a fresh accumulator and an fp32 ``M x N`` multiply-add per 32 rows).
+    Instruction counts and H100 times: docs/gpu.md."""
     w_base = w_ptr + expert * stride_we
     scale_base = scale_ptr + expert * stride_se
     if FORMAT == 3:
@@ -115,20 +164,12 @@ def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, col
             pairs = first // 2 + tl.arange(0, 16)
             packed = tl.load(w_base + pairs[:, None] * stride_wk + cols[None, :] * stride_wn,
                              mask=in_range & col_ok[None, :], other=0)
-            # 2**14 undoes _e2m1_as_fp16's offset; applied before the E8M0 scale so that neither can overflow.
             scale = _e8m0(tl.load(scale_base + (first // 32) * stride_sk + cols * stride_sn,
                                   mask=in_range & col_ok, other=0))
             a = tl.load(a_rows[:, None] + (first + tl.arange(0, 32))[None, :], mask=row_ok[:, None] & in_range,
                         other=0.0)
-            a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], 16, 2)))
-            low = _e2m1_as_fp16(packed, 0).to(tl.float32) * 16384.0
-            high = _e2m1_as_fp16(packed, 4).to(tl.float32) * 16384.0
-            if scale_product:
-                product = _dot(a_even, low.to(a_even.dtype), tl.zeros(acc.shape, tl.float32), PRECISION, UPCAST)
-                acc += _dot(a_odd, high.to(a_odd.dtype), product, PRECISION, UPCAST) * scale[None, :]
-            else:
-                acc = _dot(a_even, (low * scale[None, :]).to(a_even.dtype), acc, PRECISION, UPCAST)
-                acc = _dot(a_odd, (high * scale[None, :]).to(a_odd.dtype), acc, PRECISION, UPCAST)
+            w = _scaled(_e2m1_pairs_as_bf16(packed, INTERPRET), scale, a.dtype, INTERPRET)
+            acc = _dot(a, w, acc, PRECISION, INTERPRET)
         return acc
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < k_end
@@ -140,7 +181,7 @@ def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, col
     else:
         # The K tile lies inside one 128-row block (BLOCK_K divides 128): one row of column scales.
         scale = tl.load(scale_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok, other=0.0)
-    return _dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, PRECISION, UPCAST)
+    return _dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, PRECISION, INTERPRET)
 
 
 @triton.jit
@@ -162,7 +203,7 @@ def _gate_up_kernel(
     scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
-    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -186,11 +227,11 @@ def _gate_up_kernel(
             a_rows = x_ptr + token * stride_xt
             acc = _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, cols, col_ok,
                                  stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_K,
-                                 PRECISION, UPCAST)
+                                 PRECISION, INTERPRET)
             if GLU:
                 acc_up = _quantized_dot(a_rows, row_ok, acc_up, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
                                         cols + inter, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
-                                        stride_sn, FORMAT, BLOCK_K, PRECISION, UPCAST)
+                                        stride_sn, FORMAT, BLOCK_K, PRECISION, INTERPRET)
         else:
             k_ok = ks < hidden - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -201,9 +242,9 @@ def _gate_up_kernel(
             else:
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = _dot(a, w, acc, PRECISION, UPCAST)
+            acc = _dot(a, w, acc, PRECISION, INTERPRET)
             if GLU:
-                acc_up = _dot(a, w_up, acc_up, PRECISION, UPCAST)
+                acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if PRESCALE:
@@ -236,7 +277,7 @@ def _down_kernel(
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
     inter, hidden, k_per_split,
     stride_hr, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_os, stride_or,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -258,7 +299,7 @@ def _down_kernel(
         if FORMAT != 0:
             acc = _quantized_dot(h_ptr + rows * stride_hr, row_ok, acc, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K,
                                  k_end, cols, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
-                                 FORMAT, BLOCK_K, PRECISION, UPCAST)
+                                 FORMAT, BLOCK_K, PRECISION, INTERPRET)
         else:
             k_ok = ks < k_end - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -267,7 +308,7 @@ def _down_kernel(
                                                                                                          BLOCK_N)
             else:
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = _dot(a, w, acc, PRECISION, UPCAST)
+            acc = _dot(a, w, acc, PRECISION, INTERPRET)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -313,7 +354,7 @@ def _launch_options(config: dict, dtype: torch.dtype) -> dict:
     # fp32 models get fp32 products (tf32 would cost them ~1e-3 relative error); 16-bit inputs ignore it.
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
             "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-            "UPCAST": dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1",
+            "INTERPRET": os.environ.get("TRITON_INTERPRET") == "1",
             "GROUP_M": config.get("GROUP_M", 8)}
 
 

@@ -14,9 +14,12 @@ import torch
 pytest.importorskip("triton")
 
 from nxd_moe.experts.backends import TorchBackend
+from nxd_moe.quantization.formats import get_format, k_fastest
 from nxd_moe.quantization.quantizer import quantize_experts
-from nxd_moe.quantization.weight import dequantized
+from nxd_moe.quantization.weight import QuantizedWeight, dequantized
 from nxd_moe.triton_kernels.backend import TritonBackend
+from nxd_moe.triton_kernels.grouped_gemm import down_projection
+from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels.launch_configs import default_config
 from conftest import MODES, make_config, make_experts, randn, random_routing
 
@@ -98,8 +101,8 @@ def _fp32_matches(tested, holding, shape, seed):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_prefill_tiles_scale_the_weight_tile(name):
-    """Row tiles of 64+ (prefill) dequantize the weight tile instead of scaling the product (see
-    _quantized_dot); the small shape above only reaches them when the tile size is pinned."""
+    """Row tiles of 64+ (prefill: the wide MMA, weight tiles staged through shared memory); the small shape above
+    only reaches them when the tile size is pinned."""
     shape = SHAPES[0]
     num_tokens, num_experts, top_k, hidden, inter = shape
     prefill = default_config(num_experts, hidden, inter, top_k, 4096)
@@ -109,8 +112,8 @@ def test_prefill_tiles_scale_the_weight_tile(name):
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_mxfp4_extreme_scales_stay_exact(block_m):
-    """E8M0 scales from byte 0 (the subnormal 2**-127) to 2**73 in one layer, in both places the kernel applies
-    them (the group's product at decode, the weight tile at prefill): built from their bits, exactly."""
+    """E8M0 scales from byte 0 (the subnormal 2**-127) to 2**73 in one layer, at decode and prefill tiles: built
+    from their bits, exactly."""
     shape = SHAPES[0]
 
     def edit(scale):
@@ -125,9 +128,8 @@ def test_mxfp4_extreme_scales_stay_exact(block_m):
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_mxfp4_in_bfloat16_applies_each_groups_scale_to_its_columns(block_m):
-    """bf16 MxFP4 layers at decode (group products scaled) and prefill (weight tiles scaled) tiles: scales that
-    differ by up to 2**14 between neighbouring groups and columns would make a mis-indexed one an O(1) error
-    (bf16 roundings alone are ~1 %)."""
+    """bf16 MxFP4 layers at decode and prefill tiles: scales that differ by up to 2**14 between neighbouring
+    groups and columns would make a mis-indexed one an O(1) error (bf16 roundings alone are ~1 %)."""
     shape = (40, 4, 2, 256, 128) if CUDA else SHAPES[0]
 
     def edit(scale):
@@ -144,3 +146,75 @@ def test_mxfp4_in_bfloat16_applies_each_groups_scale_to_its_columns(block_m):
         expected = holding(x, affinities.to(DEVICE), index.to(DEVICE)).float()
     assert torch.isfinite(out).all()
     assert (out - expected).norm() <= 3e-2 * expected.norm(), ((out - expected).norm() / expected.norm()).item()
+
+
+def _one_hot_rows_through_down(stored: QuantizedWeight, dtype: torch.dtype, block_m: int) -> torch.Tensor:
+    """Every row of every expert's ``(K, N)`` weight as the kernel dequantizes it: ``down_projection`` of
+    one-hot rows (``1.0`` times each weight, one nonzero term per sum, so nothing is rounded but the weight)."""
+    num_experts, k, n = stored.shape
+    eye = torch.eye(k, dtype=dtype, device=stored.device)
+    activated = eye.repeat(num_experts, 1)
+    tiles = num_experts * k // block_m
+    tile_expert = torch.arange(num_experts, dtype=torch.int32, device=stored.device).repeat_interleave(k // block_m)
+    layout = TileLayout(torch.arange(num_experts * k, device=stored.device), tile_expert,
+                        torch.tensor([tiles], dtype=torch.int32, device=stored.device),
+                        torch.zeros(1, 1, dtype=torch.int64, device=stored.device), block_m)
+    config = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+    return down_projection(activated, layout, stored, None, config)[0].reshape(num_experts, k, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_mxfp4_kernel_decodes_every_code_and_scale_exactly(dtype, block_m):
+    """All 256 bytes (every pair of E2M1 codes) under scales from the subnormal 2**-127 to 2**100: the kernel's
+    weights equal the format's own dequantization exactly (subnormal results included)."""
+    fmt = get_format("mxfp4")
+    num_experts, k, n = 2, 128, 64
+    gen = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 256, (num_experts, k // 2, n), generator=gen, dtype=torch.int32).to(torch.uint8)
+    codes[0, :, 0] = torch.arange(256, dtype=torch.int32).reshape(4, k // 2)[0].to(torch.uint8)
+    codes[1, :, 1] = torch.arange(256, dtype=torch.int32).reshape(4, k // 2)[3].to(torch.uint8)
+    exponents = torch.tensor([0, 1, 2, 60, 110, 127, 140, 227], dtype=torch.int32)
+    scale = exponents[torch.randint(0, len(exponents), (num_experts, k // 32, n), generator=gen)].to(torch.uint8)
+    stored = QuantizedWeight.create(fmt, k_fastest(codes), scale, dtype)
+    expected = stored.dequantize()
+    got = _one_hot_rows_through_down(QuantizedWeight.create(fmt, k_fastest(codes).to(DEVICE), scale.to(DEVICE), dtype),
+                                     dtype, block_m).cpu()
+    # Equal values (a one-hot sum turns -0 into +0); below the smallest normal a bf16 result may be flushed (the
+    # interpreter's rounding does it), which only results under 1.2e-38 can show.
+    tiny = torch.finfo(dtype).tiny
+    normal = expected.abs() >= tiny
+    assert torch.equal(got[normal], expected[normal]), (got - expected)[normal].abs().max()
+    assert (got[~normal] - expected[~normal]).abs().max() < tiny
+    assert normal.float().mean() > 0.6 and (~normal & (expected != 0)).any()  # both kinds are there
+
+
+def test_mxfp4_kernel_reads_either_memory_order():
+    """MxFP4 is stored K-fastest (the fast order on a GPU), but an N-fastest copy of the same values computes the
+    same result: the kernel follows the strides it is given."""
+    fmt = get_format("mxfp4")
+    num_experts, k, n = 2, 128, 64
+    gen = torch.Generator().manual_seed(13)
+    codes = torch.randint(0, 256, (num_experts, k // 2, n), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(120, 130, (num_experts, k // 32, n), generator=gen, dtype=torch.int32).to(torch.uint8)
+    k_first, n_first = k_fastest(codes).to(DEVICE), codes.contiguous().to(DEVICE)
+    assert k_first.stride(1) == 1 and n_first.stride(2) == 1
+    outs = [_one_hot_rows_through_down(QuantizedWeight.create(fmt, w, scale.to(DEVICE), torch.float32),
+                                       torch.float32, 16) for w in (k_first, n_first)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0].cpu(), QuantizedWeight.create(fmt, codes, scale, torch.float32).dequantize())
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_quantized_shared_experts_join_the_triton_combine(name):
+    """Shared experts asked to be quantized: their output (dequantized in torch) is the addend the triton
+    combine sums with the routed experts'; the whole MoE equals the torch backend's."""
+    from nxd_moe.build import build_moe
+
+    layers = [build_moe("llama4-scout", scale=32, quantization=name, shared_quantization=name, seed=0,
+                        block_size=16, device=DEVICE, backend=backend) for backend in ("triton", "torch")]
+    assert layers[0].shared_experts.down_proj.format.name == name
+    x = randn(1, 5, layers[0].expert_mlps.routed_experts_mlp_config.hidden_size, seed=3).to(DEVICE)
+    with torch.no_grad():
+        got, expected = (layer(x)[0] for layer in layers)
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)

@@ -162,14 +162,18 @@ def test_while_loop_body_must_keep_the_carried_shapes():
 @pytest.mark.parametrize("quantization", ["fp8", "mxfp4"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_quantized_experts_are_one_static_graph(mode, quantization):
-    """FP8 / MxFP4 expert weights enter the graph as stored (8-bit / packed 4-bit) and are dequantized inside it."""
+    """FP8 / MxFP4 expert weights (routed, and shared ones asked to be quantized) enter the graph as stored
+    (8-bit / packed 4-bit) and are dequantized inside it."""
+    from nxd_moe.experts.shared import SharedExperts
     from nxd_moe.quantization.quantizer import quantize_experts
 
     _, tokens, phase, capacity_factor, blockwise = MODES[mode]
     experts = make_experts(make_config(num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=64, intermediate_size=64,
                                        capacity_factor=capacity_factor, bias=True), block_size=BLOCK, seed=1,
                            blockwise=blockwise)
-    moe = MoE(make_router("topk_softmax", NUM_EXPERTS, TOP_K, 64, seed=2), quantize_experts(experts, quantization))
+    shared = SharedExperts(64, 64, 1, "silu", model_parallel=False, quantization=quantization)
+    moe = MoE(make_router("topk_softmax", NUM_EXPERTS, TOP_K, 64, seed=2), quantize_experts(experts, quantization),
+              shared)
     assert_static(check_static(moe.eval(), moe_inputs(moe, tokens, phase, padding=True), n=3, atol=ATOL))
 
 
