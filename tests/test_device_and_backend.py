@@ -121,3 +121,27 @@ def test_build_moe_on_cuda_matches_the_cpu_reference(backend):
     ref = reference_for_moe(moe, x)
     assert ref.device.type == "cpu"
     assert (out - ref).abs().max() <= (1e-4 if backend != "triton" else 2e-3) * ref.abs().max()
+
+
+def test_without_triton_everything_but_the_triton_backend_works():
+    """Triton is an optional extra: with it unimportable, the package imports, a quantized layer (routed and
+    shared) runs on the torch backend, and asking for backend="triton" names the extra to install."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["triton"] = None
+import torch
+from nxd_moe import build_moe
+moe = build_moe("deepseek-v3", scale=32, seed=0, quantization="mxfp4", shared_quantization="fp8")
+x = torch.randn(1, 3, moe.expert_mlps.routed_experts_mlp_config.hidden_size)
+assert torch.isfinite(moe(x)[0]).all()
+try:
+    build_moe("deepseek-v3", scale=32, backend="triton")
+except ImportError as error:
+    print(error)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the triton backend needs Triton: pip install 'nxd-moe[gpu]'" in done.stdout

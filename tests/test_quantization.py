@@ -20,6 +20,7 @@ from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.quantization import FORMATS, QuantizedWeight, Shape, dequantized, get_format
+from nxd_moe.quantization.formats import k_fastest
 from nxd_moe.quantization.quantizer import expert_weight_bytes, quantize_experts
 from nxd_moe.reference import reference_for_experts
 
@@ -324,6 +325,10 @@ def test_shared_quantization_bad_input_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"shared-expert projection \(in=128, out=96\): format 'fp8_block' needs "
                                          r"the out \(N\) dimension divisible by its block size 128"):
         SharedExperts(H, 96, 1, "silu", model_parallel=False, quantization="fp8_block")
+    with pytest.raises(TypeError, match=r"shared_experts must be a bool"):
+        quantize_experts(build_moe("deepseek-v3", scale=32, seed=0), "fp8", shared_experts="yes")
+    with pytest.raises(ValueError, match=r"k_fastest: packed must be \(E, K/2, N\), got shape \(4, 8\)"):
+        k_fastest(torch.zeros(4, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"shared_experts=True, but the layer has no shared experts"):
         quantize_experts(build_moe("mixtral-8x7b", scale=32, seed=0), "fp8", shared_experts=True)
     monkeypatch.setattr(SharedExperts, "_tensor_parallel", staticmethod(lambda model_parallel: (None, 2, 0)))

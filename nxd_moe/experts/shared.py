@@ -42,19 +42,16 @@ class DenseProjection(nn.Module):
             return
         self.shape = Shape(1, in_features, out_features)
         self.format.check_shape(self.shape, f"shared-expert projection (in={in_features}, out={out_features})")
-        if weight.is_meta:
-            stored = self.format.empty(self.shape, device)
-            self.weight = nn.Parameter(stored[0][0], requires_grad=False)
-            self.scale = nn.Parameter(stored[1][0], requires_grad=False)
-        else:
-            self.store_quantized(weight)
+        self.store_quantized(weight)
         self.register_load_state_dict_pre_hook(DenseProjection._check_quantized)
 
     @torch.no_grad()
     def store_quantized(self, weight: torch.Tensor) -> None:
-        """Quantize ``weight`` (in the orientation ``transposed`` names) into ``self.weight`` and ``self.scale``."""
-        matrix = weight if self.transposed else weight.t()
-        stored = self.format.quantize(matrix.unsqueeze(0).contiguous())
+        """Quantize ``weight`` (in the orientation ``transposed`` names) into ``self.weight`` and ``self.scale``
+        (a meta-device ``weight``: the format's empty tensors)."""
+        matrix = (weight if self.transposed else weight.t()).unsqueeze(0)
+        stored = (self.format.empty(self.shape, matrix.device) if matrix.is_meta
+                  else self.format.quantize(matrix.contiguous()))
         self.weight = nn.Parameter(stored[0][0], requires_grad=False)
         self.scale = nn.Parameter(stored[1][0], requires_grad=False)
 

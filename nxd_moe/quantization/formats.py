@@ -230,6 +230,8 @@ class MxFp4(QuantizationFormat):
 
 def k_fastest(packed: torch.Tensor) -> torch.Tensor:
     """``packed (E, K/2, N)`` with the same values, stored K-fastest (each output column's bytes contiguous)."""
+    if packed.dim() != 3:
+        raise ValueError(f"k_fastest: packed must be (E, K/2, N), got shape {tuple(packed.shape)}")
     return packed.transpose(1, 2).contiguous().transpose(1, 2)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from nxd_moe.config import check_bool
 from nxd_moe.experts.backends import check_backend_supports
 from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
 from nxd_moe.experts.shared import DenseProjection
@@ -55,7 +56,7 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
     if not isinstance(experts, ExpertMLPsV2):
         raise TypeError(f"quantize_experts: layer must be an MoE or an ExpertMLPsV2, got {type(layer).__name__}")
     fmt = get_format(quantization)
-    shared = getattr(layer, "shared_experts", None) if shared_experts else None
+    shared = getattr(layer, "shared_experts", None) if check_bool("shared_experts", shared_experts) else None
     if shared_experts and shared is None:
         raise ValueError("quantize_experts: shared_experts=True, but the layer has no shared experts")
     check_backend_supports(experts.backend, fmt.name)
