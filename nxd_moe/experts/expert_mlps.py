@@ -31,7 +31,7 @@ from nxd_moe.parallel.consistency import config_fingerprint
 from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch
 from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
 from nxd_moe.parallel.local_routing import local_routing
-from nxd_moe.parallel.sharding import ShardSpec
+from nxd_moe.experts.shard import ShardSpec
 from nxd_moe.parallel.token_layout import TokenLayout
 from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
 from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype

@@ -12,7 +12,7 @@ from nxd_moe import parallel_state
 from nxd_moe.activations import ACT2FN
 from nxd_moe.config import check_bool, check_int, to_torch_dtype
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
-from nxd_moe.parallel.sharding import ShardSpec
+from nxd_moe.experts.shard import ShardSpec
 from nxd_moe.quantization.formats import Shape, get_format
 from nxd_moe.validation import FiniteWeightsOnLoad, check_hidden_states
 

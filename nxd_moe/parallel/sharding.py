@@ -14,27 +14,13 @@ each rank loads only its shard (``nxd_moe.hf`` checkpoints included).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
 
 from nxd_moe.config import check_int
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """How a local tensor comes from a full one: keep ``experts`` (rows of dim 0; all if None), then split ``dim``
-    (if not None) over ``tp_size`` ranks with ``stride`` interleaved groups and keep rank ``tp_rank``'s slice.
-    ``source`` is the full checkpoint's key (hybrid sharding loads two local copies from one full tensor)."""
-
-    source: str
-    experts: tuple[int, ...] | None = None
-    dim: int | None = None
-    tp_size: int = 1
-    tp_rank: int = 0
-    stride: int = 1
+from nxd_moe.experts.shard import ShardSpec
 
 
 def tensor_parallel_slice(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, stride: int = 1) -> torch.Tensor:

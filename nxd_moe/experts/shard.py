@@ -1,0 +1,24 @@
+"""Which part of the experts' weights a module holds, described without ranks or process groups.
+
+A :class:`ShardSpec` says how one local tensor comes from the full (single-device) checkpoint tensor; modules that
+hold part of a layer list one per sharded tensor in ``shard_specs()``. The mechanism that applies them to a
+checkpoint is :mod:`nxd_moe.parallel.sharding`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a local tensor comes from a full one: keep ``experts`` (rows of dim 0; all if None), then split ``dim``
+    (if not None) over ``tp_size`` ranks with ``stride`` interleaved groups and keep rank ``tp_rank``'s slice.
+    ``source`` is the full checkpoint's key (hybrid sharding loads two local copies from one full tensor)."""
+
+    source: str
+    experts: tuple[int, ...] | None = None
+    dim: int | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    stride: int = 1
