@@ -361,6 +361,7 @@ class RoutedExpertsMLPOpsConfig:
 
 
 EXPERT_PARALLEL_DISPATCHES = ("all_gather", "all_to_all_v")
+ALL_TO_ALL_SPLITS = ("static", "exact")
 
 
 def normalize_distribution(expert_distribution: Sequence[Sequence[int]], what: str = "expert_distribution"
@@ -390,9 +391,14 @@ def normalize_distribution(expert_distribution: Sequence[Sequence[int]], what: s
 class ExpertParallelConfig:
     """How routed experts run under expert parallelism (ignored on one device).
 
-    - ``dispatch``: ``"all_gather"`` (NxD's: every rank gathers all tokens, masks to its experts, reduces; static
-      shapes) or ``"all_to_all_v"`` (tokens go only to the ranks that compute one of their experts; a host sync
-      per forward for the counts).
+    - ``dispatch``: ``"all_gather"`` (NxD's: every rank gathers all tokens, masks to its experts, reduces) or
+      ``"all_to_all_v"`` (a token goes only to the ranks that compute one of its experts).
+    - ``all_to_all_splits`` (``all_to_all_v`` only): ``"static"`` (default) sends every destination a buffer of
+      the sender's token count, its rows compacted in front and counted on the device: no host sync, one CUDA
+      graph for any routing, never a dropped token (a token goes to a rank at most once, so that is the worst
+      case); the wire carries the padding rows. ``"exact"`` exchanges the counts and sends only the rows needed
+      (fewer bytes when tokens skip ranks: large EP prefill), at the price of a host sync per forward (not
+      capturable) -- DeepEP's normal vs low-latency split.
     - ``expert_distribution``: experts of each expert-parallel rank in prefill (NxD's argument); ``None`` is the
       contiguous placement. An expert listed on several ranks is replicated and its tokens split between the
       copies (EPLB, :func:`nxd_moe.parallel.eplb.plan_expert_distribution`). Every rank lists the same number
@@ -404,11 +410,15 @@ class ExpertParallelConfig:
     dispatch: str = "all_gather"
     expert_distribution: tuple[tuple[int, ...], ...] | None = None
     decode_expert_distribution: tuple[tuple[int, ...], ...] | None = None
+    all_to_all_splits: str = "static"
 
     def __post_init__(self):
         if self.dispatch not in EXPERT_PARALLEL_DISPATCHES:
             raise ValueError(f"ExpertParallelConfig.dispatch must be one of {list(EXPERT_PARALLEL_DISPATCHES)}, "
                              f"got {self.dispatch!r}")
+        if self.all_to_all_splits not in ALL_TO_ALL_SPLITS:
+            raise ValueError(f"ExpertParallelConfig.all_to_all_splits must be one of {list(ALL_TO_ALL_SPLITS)}, "
+                             f"got {self.all_to_all_splits!r}")
         for name in ("expert_distribution", "decode_expert_distribution"):
             value = getattr(self, name)
             if value is not None:
@@ -625,3 +635,29 @@ def load_model_config(config: str | os.PathLike | Mapping[str, Any] | MoEModelCo
         return MoEModelConfig.from_dict(data)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path}: {e}") from None
+
+
+# Comparing configurations across processes (nxd_moe.parallel_state.check_configuration) needs a text form of them.
+def _describe_setting(value: Any) -> str:
+    """A text form that is equal across processes for equal settings (no object addresses)."""
+    if isinstance(value, enum.Enum):
+        return repr(value.value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if callable(value):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_describe_setting(v) for v in value) + ")"
+    return repr(value)
+
+
+def config_fingerprint(**parts: Any) -> dict[str, str]:
+    """``{name: text}`` of each part; dataclass parts are expanded field by field (``part.field``)."""
+    out: dict[str, str] = {}
+    for name, value in parts.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                out[f"{name}.{f.name}"] = _describe_setting(getattr(value, f.name))
+        else:
+            out[name] = _describe_setting(value)
+    return out

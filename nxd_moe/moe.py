@@ -8,6 +8,8 @@ import torch.nn as nn
 from nxd_moe.config import check_bool
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2, check_expert_index
 from nxd_moe.experts.shared import SharedExperts
+from nxd_moe.parallel.expert_parallel import ExpertParallel
+from nxd_moe.parallel.shared_experts import shared_experts_forward
 from nxd_moe.routing.base import RouterBase
 from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
@@ -35,7 +37,9 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
     the ranks of a tensor-parallel group pass the same ``(B, S, H)``; with it, each passes its ``(B, S/TP, H)``
     shard of the sequence (dimension 1) -- except in decode (``S == 1``), which is never sharded. The router
     runs on the rank's own tokens and only their top-k weights and indices travel (NxD's delayed gather);
-    ``router_logits`` and ``expert_index`` are returned for the rank's own tokens.
+    ``router_logits`` and ``expert_index`` are returned for the rank's own tokens. The dispatch and combine are
+    :class:`~nxd_moe.parallel.ExpertParallel`'s; the whole step has static shapes and no host sync, so one CUDA
+    graph captures it (:func:`nxd_moe.graphs.capture`).
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         self.return_router_logits = check_bool("MoE.return_router_logits", return_router_logits)
         self.return_expert_index = check_bool("MoE.return_expert_index", return_expert_index)
         self.validate_inputs = check_bool("MoE.validate_inputs", validate_inputs)
+        self.expert_parallel = ExpertParallel(expert_mlps) if expert_mlps.is_sharded else None
 
     @property
     def hidden_size(self) -> int:
@@ -92,8 +97,8 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
 
     @property
     def _distributed(self) -> bool:
-        return self.expert_mlps.parallelism is not None or (
-            self.shared_experts is not None and self.shared_experts.tensor_parallel is not None)
+        return self.expert_mlps.is_sharded or (
+            self.shared_experts is not None and self.shared_experts.intermediate_shard is not None)
 
     def forward(
         self,
@@ -134,28 +139,23 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             check_expert_index(expert_index, self.router.num_experts, "MoE: router expert_index")
         token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
         sharded_input = self._distributed and self.sequence_parallel_enabled and seq_len != 1
-        parallelism = self.expert_mlps.parallelism
-        # A replicated shared expert's output goes into the routed experts' combine (one pass fewer where the
-        # backend fuses it); a tensor-parallel one is added after. With an input of the wrong dtype it is not run
-        # first, so that the experts' check reports it clearly.
+        # A whole shared expert's output goes into the routed experts' combine (one pass fewer where the backend
+        # fuses it); a tensor-parallel one is added after. With an input of the wrong dtype it is not run first,
+        # so that the experts' check reports it clearly.
         shared = None
-        if self.shared_experts is not None and self.shared_experts.tensor_parallel is None \
+        if self.shared_experts is not None and self.shared_experts.intermediate_shard is None \
                 and flat.dtype == self.expert_mlps.dtype:
             shared = self.shared_experts(flat, seq_len)
-        routed = self.expert_mlps(
-            flat,
-            expert_affinities,
-            expert_index,
-            seq_len=seq_len,
-            padding_mask=token_is_real,
-            return_stats=return_stats,
-            token_layout=None if parallelism is None else parallelism.groups.token_layout(batch, seq_len,
-                                                                                          sharded_input),
-            addend=shared,
-        )
+        routed_args = (flat, expert_affinities, expert_index)
+        routed_kwargs = dict(seq_len=seq_len, padding_mask=token_is_real, return_stats=return_stats, addend=shared)
+        if self.expert_parallel is None:
+            routed = self.expert_mlps(*routed_args, **routed_kwargs)
+        else:
+            layout = self.expert_parallel.groups.token_layout(batch, seq_len, sharded_input)
+            routed = self.expert_parallel(*routed_args, token_layout=layout, **routed_kwargs)
         out, stats = routed if return_stats else (routed, None)
-        if self.shared_experts is not None and self.shared_experts.tensor_parallel is not None:
-            out = out + self.shared_experts(x, seq_len, sequence_parallel=sharded_input).reshape(flat.shape)
+        if self.shared_experts is not None and self.shared_experts.intermediate_shard is not None:
+            out = out + shared_experts_forward(self.shared_experts, x, sharded_input).reshape(flat.shape)
         if token_is_real is not None:
             out = torch.where(token_is_real.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
         result = [out.view(batch, seq_len, hidden)]

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.distributed as dist
 
 from nxd_moe.config import check_float, check_int
-from nxd_moe.parallel.consistency import check_same_on_all_ranks, not_every_rank_arrived
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -73,6 +72,32 @@ class ParallelLayout:
             if rank in group:
                 return group
         raise ValueError(f"rank {rank} is in no {kind} group (world size {self.world_size})")
+
+
+# Ranks built with different settings do not fail where the difference is: they exchange tensors of different
+# shapes, or wait in collectives the others never enter. Comparing the settings first turns that into one clear
+# error on every rank.
+def check_same_on_all_ranks(values: Mapping[str, Any], what: str, group, timeout_s: float) -> None:
+    """All-gather ``values`` over ``group`` (a gloo group whose timeout is ``timeout_s``) and raise on every rank
+    if any key differs: ``ValueError`` listing the differing keys with each rank's value. A rank that does not
+    arrive in time makes the others raise ``RuntimeError``."""
+    size = dist.get_world_size(group)
+    gathered: list[Any] = [None] * size
+    try:
+        dist.all_gather_object(gathered, dict(values), group=group)
+    except RuntimeError as e:
+        raise not_every_rank_arrived(what, timeout_s, e) from e
+    keys = sorted({k for g in gathered for k in g})
+    differing = [k for k in keys if len({repr(g.get(k)) for g in gathered}) > 1]
+    if differing:
+        lines = [f"{k}: " + ", ".join(f"rank {r}={g.get(k)!r}" for r, g in enumerate(gathered)) for k in differing]
+        raise ValueError(f"{what} differ across ranks; every rank must use the same values:\n  " + "\n  ".join(lines))
+
+
+def not_every_rank_arrived(what: str, timeout_s: float, error: Exception) -> RuntimeError:
+    """The error for a collective that timed out because some rank never joined it."""
+    return RuntimeError(f"{what}: not every rank arrived within {timeout_s:g} s (a rank failed before this point, "
+                        f"was started with another world size, or runs different code); original error: {error}")
 
 
 def _phase_sizes(name: str, tp: int | None, ep: int | None, block: int) -> tuple[int, int]:
@@ -208,12 +233,18 @@ def initialize_model_parallel(
     moe_decode_expert_model_parallel_size: int | None = None,
     num_experts: int | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    collective_timeout_s: float | None = None,
 ) -> None:
     """Create the groups of :func:`model_parallel_layout` on the initialised default process group.
 
     Before anything else, the arguments are all-gathered over a gloo group with a ``timeout_s`` deadline: if
     the ranks disagree, every rank raises ``ValueError`` listing each rank's values; if a rank does not arrive
-    in time, the others raise ``RuntimeError``. Bad sizes then raise the same ``ValueError`` on every rank.
+    in time, the others raise ``RuntimeError``. Bad sizes then raise the same ``ValueError`` on every rank. The
+    same ``timeout_s`` bounds every later agreement check (configurations, input shapes).
+
+    ``collective_timeout_s``: how long the MoE's collectives wait for a rank that died or never came (NCCL's
+    watchdog aborts the communicator, gloo raises); None keeps the backend's default (10 min for NCCL, 30 min for
+    gloo). Leave room for the first call's kernel compilation on the slowest rank.
     """
     global _STATE
     if not dist.is_available() or not dist.is_initialized():
@@ -231,6 +262,10 @@ def initialize_model_parallel(
         num_experts=num_experts,
     )
     timeout_s = check_float("timeout_s", timeout_s, positive=True)
+    group_timeout = None
+    if collective_timeout_s is not None:
+        group_timeout = datetime.timedelta(seconds=check_float("collective_timeout_s", collective_timeout_s,
+                                                               positive=True))
     world_size, rank = dist.get_world_size(), dist.get_rank()
     try:
         check_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -248,7 +283,7 @@ def initialize_model_parallel(
     for kind in _GROUP_KINDS:
         for ranks in getattr(layout, kind):
             # Every rank creates every group, in the same order (torch.distributed's rule for new_group).
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=group_timeout)
             state.created.append(group)
             if rank in ranks:
                 state.groups[kind] = group
@@ -366,6 +401,12 @@ get_moe_tensor_model_parallel_group, get_moe_tensor_model_parallel_size, get_moe
 get_moe_expert_model_parallel_group, get_moe_expert_model_parallel_size, get_moe_expert_model_parallel_rank = \
     _getters("moe_expert_model_parallel", "MoE expert-parallel group of the phase (``prefill=True``: prefill's, "
              "else decode's)", "moe_{phase}_expert_groups")
+
+
+def expert_distribution_for(expert_parallel_config, prefill: bool):
+    """The expert distribution a phase uses under the current layout (``ExpertParallelConfig.distribution_for``)."""
+    layout = get_parallel_layout()
+    return expert_parallel_config.distribution_for(prefill, layout.moe_prefill[1], layout.moe_decode[1])
 
 
 def get_experts_for_expert_parallel_rank(

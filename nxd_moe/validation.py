@@ -1,8 +1,10 @@
 """Input checks shared by the modules.
 
-Shape and dtype checks are free (they read metadata) and always run. Value checks (NaN/Inf, index
-ranges) read tensor data, which is a device-to-host synchronisation, so they run only when a caller asks
-(``validate_inputs=True``) -- or when weights are loaded, which is never on the hot path.
+Shape and dtype checks are free (they read metadata) and always run. Value checks (NaN/Inf, duplicate experts)
+read tensor data, which is a device-to-host synchronisation, so they run only when a caller asks
+(``validate_inputs=True``) -- or when weights are loaded, which is never on the hot path. The expert-index range
+is the exception: a wrong id would silently drop a token's pair, so it is always checked, in a way that costs no
+host sync (:func:`check_expert_index_range`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ def check_finite(x: torch.Tensor, what: str) -> None:
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{what} contains {bad} NaN/Inf value(s)")
+
+
+def check_expert_index_range(expert_index: torch.Tensor, num_experts: int, what: str) -> None:
+    """Every id of ``expert_index`` lies in ``[0, num_experts)``, checked without a device-to-host sync: an
+    asynchronous assert (``torch._assert_async``) that raises ``RuntimeError`` naming ``what`` at once on a CPU
+    tensor, and on a CUDA tensor stops the process with that message at the next sync (a CUDA graph captures it).
+    XLA tensors are not checked -- an XLA graph cannot assert -- so there, ids in range are the caller's contract
+    (an id outside it routes its pair nowhere)."""
+    if expert_index.numel() == 0 or expert_index.device.type == "xla":
+        return
+    in_range = (expert_index >= 0) & (expert_index < num_experts)
+    torch._assert_async(in_range.all(), f"{what} values must be in [0, {num_experts - 1}]")
 
 
 def _own_tensors(module: nn.Module, prefix: str) -> Iterator[str]:

@@ -17,6 +17,7 @@ from conftest import (
     make_router,
     make_shared,
     randn,
+    randomize_,
     random_routing,
     router_top_k,
 )
@@ -387,6 +388,41 @@ def test_validate_inputs_catches_bad_values(inputs):
             experts(x, a, bad_index)
     # and the good inputs pass
     experts(x, a, i)
+
+
+@pytest.mark.parametrize("backend", ["torch", "nki_sim", "triton"])
+@pytest.mark.parametrize("bad", [E, -1, E + 5])
+def test_expert_index_out_of_range_is_named_by_default(inputs, backend, bad):
+    """Without validate_inputs an id outside [0, E) is still an error (an asynchronous assert, no host sync),
+    not a token silently routed nowhere."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    experts = randomize_(ExpertMLPsV2(make_config(num_experts=E, top_k=K), BlockwiseMatmulConfig(block_size=4),
+                                      backend=backend), seed=0)
+    x, a, i = inputs
+    bad_index = i.clone()
+    bad_index[3, 1] = bad
+    with pytest.raises(RuntimeError, match=rf"ExpertMLPsV2: expert_index values must be in \[0, {E - 1}\]"):
+        experts(x, a, bad_index)
+    experts(x, a, i)
+
+
+def test_experts_do_not_import_the_parallel_layer():
+    """The experts compute on the rows they are given; moving tokens between ranks is nxd_moe.parallel's job, so
+    the arrows point one way: parallel -> experts, never back."""
+    import ast
+    from pathlib import Path
+
+    import nxd_moe.experts
+
+    offenders = []
+    for path in Path(nxd_moe.experts.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n == "nxd_moe.parallel" or
+                          n.startswith("nxd_moe.parallel.")]
+    assert not offenders, offenders
 
 
 def test_moe_validate_inputs():

@@ -331,7 +331,7 @@ def test_shared_quantization_bad_input_is_named(monkeypatch):
         k_fastest(torch.zeros(4, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"shared_experts=True, but the layer has no shared experts"):
         quantize_experts(build_moe("mixtral-8x7b", scale=32, seed=0), "fp8", shared_experts=True)
-    monkeypatch.setattr(SharedExperts, "_tensor_parallel", staticmethod(lambda model_parallel: (None, 2, 0)))
+    monkeypatch.setattr(SharedExperts, "_intermediate_shard", staticmethod(lambda model_parallel: (2, 0)))
     with pytest.raises(NotImplementedError, match=r"quantized shared experts \('mxfp4'\) under tensor parallelism"):
         SharedExperts(H, I, 1, "silu", quantization="mxfp4")
 

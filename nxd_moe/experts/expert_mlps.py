@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -17,24 +18,26 @@ from nxd_moe.config import (
     RoutedExpertsMLPOpsConfig,
     check_bool,
     check_int,
+    config_fingerprint,
     to_torch_dtype,
 )
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, check_backend_supports, get_backend
 from nxd_moe.experts.capacity import expert_capacity
+from nxd_moe.experts.local_routing import local_routing
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
+from nxd_moe.experts.shard import ShardSpec, WeightShard
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
-from nxd_moe.parallel.collectives import CommLedger
-from nxd_moe.parallel.consistency import config_fingerprint
-from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch
-from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
-from nxd_moe.parallel.local_routing import local_routing
-from nxd_moe.experts.shard import ShardSpec
-from nxd_moe.parallel.token_layout import TokenLayout
 from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
-from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
+from nxd_moe.validation import (
+    FiniteWeightsOnLoad,
+    check_expert_index_range,
+    check_finite,
+    check_hidden_states,
+    check_mask_dtype,
+)
 
 
 def _default_init(weight: torch.Tensor) -> None:
@@ -199,22 +202,23 @@ class ExpertMLPsV2(nn.Module):
     can (``ExpertsBackend.fuses_addend``).
 
     ``backend``: ``"torch"`` (default) or any name in :data:`~nxd_moe.experts.backends.BACKENDS`, or an
-    :class:`~nxd_moe.experts.backends.ExpertsBackend` instance. ``validate_inputs=True`` adds value checks
-    (NaN/Inf, index range, duplicate experts per token) that cost a host sync.
+    :class:`~nxd_moe.experts.backends.ExpertsBackend` instance. An ``expert_index`` outside ``[0, E)`` is always an
+    error, checked without a host sync (see :func:`check_expert_index_range`). ``validate_inputs=True`` adds value
+    checks that cost a host sync (NaN/Inf, duplicate experts per token).
 
     With ``hidden_size_actual`` set, the weights are stored at the padded ``hidden_size`` and inputs may have
     either width; the output has the input's width.
 
     Model parallelism (``model_parallel=None``: whenever :mod:`nxd_moe.parallel_state` is initialised with an MoE
-    block of more than one rank; ``False``: never): the module holds only this rank's shard -- the experts of its
-    expert-parallel rank (``expert_parallel_config.expert_distribution``), the slice of the intermediate
-    dimension of its tensor-parallel rank -- for prefill in ``mlp_op`` and, when hybrid sharding splits decode
-    differently, for decode in ``mlp_op_tkg`` (NxD's names). ``forward`` then takes this rank's tokens (see
-    :class:`~nxd_moe.parallel.token_layout.TokenLayout`; without ``token_layout`` the ranks of a TP group share
-    ``(T, H)``) and returns their complete routed output: the dispatch, the expert computation on the local
-    shard and the reductions all happen inside. Load a single-device checkpoint with
-    :func:`nxd_moe.parallel.sharding.load_full_state_dict`. Every rank must build the module with the same
-    arguments; they are compared across ranks once, here.
+    block of more than one rank; ``False``: never): the module holds only this rank's shard (``weight_shards``,
+    one :class:`~nxd_moe.experts.shard.WeightShard` per phase) -- the experts of its expert-parallel rank
+    (``expert_parallel_config.expert_distribution``), the slice of the intermediate dimension of its
+    tensor-parallel rank -- for prefill in ``mlp_op`` and, when hybrid sharding splits decode differently, for
+    decode in ``mlp_op_tkg`` (NxD's names). A sharded module computes the pairs it is handed on the rows it is
+    handed (:meth:`forward_pairs`); moving tokens between ranks is the parallel layer's job:
+    :class:`~nxd_moe.MoE` does it, or :class:`nxd_moe.parallel.ExpertParallel` for the experts alone. Load a
+    single-device checkpoint with :func:`nxd_moe.parallel.sharding.load_full_state_dict`. Every rank must build
+    the module with the same arguments; they are compared across ranks once, here.
     """
 
     def __init__(
@@ -251,20 +255,23 @@ class ExpertMLPsV2(nn.Module):
         self.backend = get_backend(backend)
         check_backend_supports(self.backend, routed_experts_mlp_config.quantization)
         dtype = to_torch_dtype(dtype)
-        self.parallelism = self._parallelism(model_parallel, dtype)
-        if self.parallelism is not None and routed_experts_mlp_config.quantization != "bf16":
+        self.weight_shards = self._weight_shards(model_parallel, dtype)
+        if self.weight_shards is not None and routed_experts_mlp_config.quantization != "bf16":
             raise NotImplementedError(f"ExpertMLPsV2: quantization={routed_experts_mlp_config.quantization!r} with "
                                       "model parallelism is not supported yet; build with model_parallel=False")
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
-        if self.parallelism is None:
+        self._local_slots: dict[tuple[bool, str], torch.Tensor] = {}
+        if self.weight_shards is None:
             self.mlp_op = ExpertsMLPOp(routed_experts_mlp_config, dtype, device)
             return
-        prefill, decode = self.parallelism.prefill, self.parallelism.decode
+        prefill, decode = self.weight_shards
         self.mlp_op = self._shard_op(prefill, dtype, device)
         if not decode.holds_same_weights_as(prefill):
             self.mlp_op_tkg = self._shard_op(decode, dtype, device)
 
-    def _parallelism(self, model_parallel: bool | None, dtype: torch.dtype) -> ExpertsParallelism | None:
+    def _weight_shards(self, model_parallel: bool | None, dtype: torch.dtype
+                       ) -> tuple[WeightShard, WeightShard] | None:
+        """``(prefill, decode)`` shards this rank holds, from :mod:`nxd_moe.parallel_state`; None on one device."""
         if model_parallel is not None:
             check_bool("model_parallel", model_parallel)
         if model_parallel is False:
@@ -282,24 +289,24 @@ class ExpertMLPsV2(nn.Module):
                                expert_parallel_config=self.expert_parallel_config, dtype=dtype,
                                backend=type(self.backend)),
             "ExpertMLPsV2 arguments")
-        layout = parallel_state.get_parallel_layout()
-        shards = {}
+        shards = []
         for prefill in (True, False):
-            distribution = self.expert_parallel_config.distribution_for(prefill, layout.moe_prefill[1],
-                                                                        layout.moe_decode[1])
-            shard = ExpertShard.from_parallel_state(prefill, cfg.num_experts, distribution)
-            if cfg.intermediate_size % shard.tensor_parallel_size:
+            distribution = parallel_state.expert_distribution_for(self.expert_parallel_config, prefill)
+            tp_size = parallel_state.get_moe_tensor_model_parallel_size(prefill)
+            if cfg.intermediate_size % tp_size:
                 raise ValueError(
                     f"intermediate_size ({cfg.intermediate_size}) must be divisible by the MoE tensor-parallel size "
-                    f"of {'prefill' if prefill else 'decode'} ({shard.tensor_parallel_size}); pad the checkpoint "
+                    f"of {'prefill' if prefill else 'decode'} ({tp_size}); pad the checkpoint "
                     "and set intermediate_size_actual to the true size")
-            shards[prefill] = shard
-        return ExpertsParallelism(MoEGroups.from_parallel_state(), shards[True], shards[False])
+            experts = parallel_state.get_experts_for_expert_parallel_rank(
+                parallel_state.get_moe_expert_model_parallel_rank(prefill), cfg.num_experts,
+                parallel_state.get_moe_expert_model_parallel_size(prefill), distribution)
+            shards.append(WeightShard(experts, tp_size, parallel_state.get_moe_tensor_model_parallel_rank(prefill)))
+        return shards[0], shards[1]
 
-    def _shard_op(self, shard: ExpertShard, dtype: torch.dtype, device) -> ExpertsMLPOp:
+    def _shard_op(self, shard: WeightShard, dtype: torch.dtype, device) -> ExpertsMLPOp:
         cfg = self.routed_experts_mlp_config
-        return ExpertsMLPOp(cfg, dtype, device, len(shard.local_experts),
-                            cfg.intermediate_size // shard.tensor_parallel_size)
+        return ExpertsMLPOp(cfg, dtype, device, len(shard.experts), cfg.intermediate_size // shard.intermediate_parts)
 
     @property
     def num_experts(self) -> int:
@@ -313,42 +320,54 @@ class ExpertMLPsV2(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.mlp_op.down_proj.dtype
 
+    @property
+    def is_sharded(self) -> bool:
+        """The module holds one rank's shard of the experts (see the class docstring)."""
+        return self.weight_shards is not None
+
+    def weight_shard(self, decode: bool) -> WeightShard:
+        """The shard of a phase (the whole layer on one device)."""
+        if self.weight_shards is None:
+            return WeightShard(tuple(range(self.num_experts)))
+        return self.weight_shards[1 if decode else 0]
+
     def expert_weights(self) -> ExpertWeights:
         """The experts' weights (on a sharded module: this rank's prefill shard, see :meth:`shard_weights`)."""
-        if self.parallelism is not None:
+        if self.weight_shards is not None:
             return self.shard_weights(decode=False)
         first = self.mlp_op.first_proj
         return ExpertWeights(first.stored_weight(), self.mlp_op.down_proj.stored_weight(), first.bias,
                              self.mlp_op.down_proj.bias, self.activation)
 
     def shard_weights(self, decode: bool) -> ExpertWeights:
-        """This rank's weights for a phase. The down-projection bias is added on TP rank 0 only: the partial
-        outputs are summed over TP ranks, so it is counted once and exactly (NxD divides it by TP instead)."""
-        shard = self.parallelism.shard(decode)
+        """This rank's weights for a phase. The down-projection bias is added on the first intermediate slice only:
+        the partial outputs are summed over the slices, so it is counted once and exactly (NxD divides it by TP
+        instead)."""
+        shard = self.weight_shard(decode)
         op = self.mlp_op_tkg if decode and hasattr(self, "mlp_op_tkg") else self.mlp_op
         cfg = self.routed_experts_mlp_config
-        width = cfg.intermediate_size // shard.tensor_parallel_size
+        width = cfg.intermediate_size // shard.intermediate_parts
         actual = cfg.intermediate_size_actual
         if actual is not None:
-            actual = min(max(actual - shard.tensor_parallel_rank * width, 0), width)
+            actual = min(max(actual - shard.intermediate_part * width, 0), width)
         activation = dataclasses.replace(self.activation, intermediate_size=width,
                                          intermediate_size_actual=None if actual == width else actual)
-        down_bias = op.down_proj.bias if shard.tensor_parallel_rank == 0 else None
+        down_bias = op.down_proj.bias if shard.intermediate_part == 0 else None
         return ExpertWeights(op.first_proj.weight, op.down_proj.weight, op.first_proj.bias, down_bias, activation)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """How each local tensor comes from the single-device checkpoint (see :mod:`nxd_moe.parallel.sharding`)."""
-        if self.parallelism is None:
+        if self.weight_shards is None:
             return {}
         glu = self.routed_experts_mlp_config.glu_mlp
         first = "gate_up_proj" if glu else "up_proj"
         specs = {}
-        phases = [("mlp_op", self.parallelism.prefill)]
+        phases = [("mlp_op", self.weight_shards[0])]
         if hasattr(self, "mlp_op_tkg"):
-            phases.append(("mlp_op_tkg", self.parallelism.decode))
+            phases.append(("mlp_op_tkg", self.weight_shards[1]))
         for name, shard in phases:
-            tp = dict(tp_size=shard.tensor_parallel_size, tp_rank=shard.tensor_parallel_rank)
-            experts = shard.local_experts
+            tp = dict(tp_size=shard.intermediate_parts, tp_rank=shard.intermediate_part)
+            experts = shard.experts
             stride = 2 if glu else 1
             specs[f"{name}.{first}.weight"] = ShardSpec(f"mlp_op.{first}.weight", experts, 2, stride=stride, **tp)
             specs[f"{name}.down_proj.weight"] = ShardSpec("mlp_op.down_proj.weight", experts, 1, **tp)
@@ -356,6 +375,19 @@ class ExpertMLPsV2(nn.Module):
                 specs[f"{name}.{first}.bias"] = ShardSpec(f"mlp_op.{first}.bias", experts, 1, stride=stride, **tp)
                 specs[f"{name}.down_proj.bias"] = ShardSpec("mlp_op.down_proj.bias", experts)
         return specs
+
+    def routing(self, expert_affinities: torch.Tensor, expert_index: torch.Tensor,
+                padding_mask: torch.Tensor | None = None) -> Routing:
+        """The router's output over all ``E`` experts in the algorithms' form (the backend's ``build_routing``)."""
+        cfg = self.routed_experts_mlp_config
+        return self.backend.build_routing(
+            expert_affinities,
+            expert_index.long(),
+            cfg.num_experts,
+            normalize=cfg.normalize_top_k_affinities,
+            prescale=cfg.early_expert_affinity_modulation,
+            padding_mask=None if padding_mask is None else padding_mask.reshape(-1).bool(),
+        )
 
     def forward(
         self,
@@ -367,58 +399,79 @@ class ExpertMLPsV2(nn.Module):
         *,
         mode: ExpertsMode | str | None = None,
         return_stats: bool = False,
-        token_layout: TokenLayout | None = None,
         addend: torch.Tensor | None = None,
     ):
+        if self.weight_shards is not None:
+            raise RuntimeError("ExpertMLPsV2: this module holds one rank's shard of the experts (it was built while "
+                               "nxd_moe.parallel_state was initialised); run it inside MoE(...), or wrap it in "
+                               "nxd_moe.parallel.ExpertParallel(experts), which move the tokens between the ranks")
         cfg = self.routed_experts_mlp_config
-        self._check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
-        if addend is not None and (not isinstance(addend, torch.Tensor) or addend.shape != hidden_states.shape
-                                   or addend.dtype != hidden_states.dtype):
-            raise ValueError(f"ExpertMLPsV2: addend must be a tensor shaped and typed like hidden_states "
-                             f"{tuple(hidden_states.shape)} {hidden_states.dtype}, got "
-                             f"{tuple(getattr(addend, 'shape', ())) or type(addend).__name__}")
+        self.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
+        self.check_addend(addend, hidden_states)
         num_tokens, in_width = hidden_states.shape
-        x = hidden_states
-        if in_width != cfg.hidden_size:
-            x = F.pad(x, (0, cfg.hidden_size - in_width))
-        routing = self.backend.build_routing(
-            expert_affinities,
-            expert_index.long(),
-            cfg.num_experts,
-            normalize=cfg.normalize_top_k_affinities,
-            prescale=cfg.early_expert_affinity_modulation,
-            padding_mask=None if padding_mask is None else padding_mask.reshape(-1).bool(),
-        )
-        if self.parallelism is not None:
-            out, stats = self._parallel_forward(x, routing, seq_len, mode, token_layout)
-        else:
-            mode = self._resolve_mode(mode, num_tokens, seq_len)
-            capacity = (expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-                        if mode is ExpertsMode.CAPACITY_FACTOR else None)
-            # The backend may add the addend in its own last pass (fused) when the widths agree.
-            fused = addend if in_width == cfg.hidden_size else None
-            out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights(),
-                                                                    fused)
-            if fused is not None:
-                addend = None
-            # Only when asked: the counts are a kernel launch, which decode latency would otherwise pay.
-            stats = ExpertsStats(
-                mode=mode,
-                num_tokens=num_tokens,
-                top_k=cfg.top_k,
-                num_experts=cfg.num_experts,
-                tokens_per_expert=routing.expert_mask.sum(dim=0) if mapping is None else mapping.tokens_per_expert,
-                dropped_tokens=dropped,
-                block_size=block_size,
-                num_blocks=n_blocks,
-                capacity=capacity,
-                mapping=mapping,
-            ) if return_stats else None
+        x = self.pad_hidden(hidden_states)
+        routing = self.routing(expert_affinities, expert_index, padding_mask)
+        mode = self.resolve_mode(mode, num_tokens, seq_len)
+        capacity = (expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+                    if mode is ExpertsMode.CAPACITY_FACTOR else None)
+        # The backend may add the addend in its own last pass (fused) when the widths agree.
+        fused = addend if in_width == cfg.hidden_size else None
+        out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights(),
+                                                                fused)
+        if fused is not None:
+            addend = None
+        # Only when asked: the counts are a kernel launch, which decode latency would otherwise pay.
+        stats = ExpertsStats(
+            mode=mode,
+            num_tokens=num_tokens,
+            top_k=cfg.top_k,
+            num_experts=cfg.num_experts,
+            tokens_per_expert=routing.expert_mask.sum(dim=0) if mapping is None else mapping.tokens_per_expert,
+            dropped_tokens=dropped,
+            block_size=block_size,
+            num_blocks=n_blocks,
+            capacity=capacity,
+            mapping=mapping,
+        ) if return_stats else None
         if in_width != cfg.hidden_size:
             out = out[:, :in_width]
         if addend is not None:
             out = out + addend
         return (out, stats) if return_stats else out
+
+    def pad_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``(T, H_actual or H)`` -> ``(T, H)``: zero columns up to the stored ``hidden_size``."""
+        width = self.routed_experts_mlp_config.hidden_size
+        return hidden_states if hidden_states.shape[1] == width else F.pad(hidden_states,
+                                                                           (0, width - hidden_states.shape[1]))
+
+    def forward_pairs(self, rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
+                      mode: ExpertsMode, capacity: int | None, decode: bool) -> tuple[torch.Tensor, PairsComputed]:
+        """The pairs this module is handed, on the rows it is handed, with the weights it holds for the phase.
+
+        ``rows (N, H)``; ``pair_expert (N, k)``: the global expert id of each pair to compute here (an expert this
+        module holds), ``-1`` for the others; ``pair_weight (N, k)``: each pair's combine weight (already
+        normalised). Returns the ``(N, H)`` sum over the computed pairs of ``weight * expert(row)`` restricted to
+        this shard's slice of the intermediate dimension, and what was computed. ``mode`` and ``capacity`` are the
+        whole layer's (the caller resolves them from the layer's token count, as on one device).
+        """
+        cfg = self.routed_experts_mlp_config
+        shard = self.weight_shard(decode)
+        local = local_routing(pair_expert, pair_weight, self._local_slot(decode, rows.device), len(shard.experts),
+                              cfg.early_expert_affinity_modulation)
+        out, _, mapping, block_size, n_blocks = self._run(rows, local, mode, capacity, self.shard_weights(decode))
+        return out, PairsComputed(local.expert_mask.sum(dim=0), mapping, block_size, n_blocks)
+
+    def _local_slot(self, decode: bool, device) -> torch.Tensor:
+        """``(E,)`` local index of each global expert this phase's shard holds, ``-1`` elsewhere (one table per
+        device, built on first use: a captured CUDA graph must not copy from the host)."""
+        key = (decode, str(device))
+        if key not in self._local_slots:
+            experts = self.weight_shard(decode).experts
+            slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
+            slot[list(experts)] = torch.arange(len(experts))
+            self._local_slots[key] = slot.to(device)
+        return self._local_slots[key]
 
     def _run(self, x: torch.Tensor, routing: Routing, mode: ExpertsMode, capacity: int | None,
              weights: ExpertWeights, addend: torch.Tensor | None = None):
@@ -434,7 +487,7 @@ class ExpertMLPsV2(nn.Module):
         if mode is ExpertsMode.BLOCKWISE:
             bcfg = self.blockwise_matmul_config
             block_size = bcfg.block_size
-            # Shapes, not cfg: on an expert-parallel rank the routing covers its local experts and k' pairs.
+            # Shapes, not cfg: on a shard the routing covers its local experts and k' pairs.
             n_blocks = num_blocks(x.shape[0], routing.expert_index.shape[1], routing.expert_mask.shape[1], block_size,
                                   bcfg.pad_num_blocks_to_even)
             mapping = backend.block_mapping(routing, weights, block_size, n_blocks,
@@ -450,69 +503,9 @@ class ExpertMLPsV2(nn.Module):
             out = out + addend
         return out, dropped, mapping, block_size, n_blocks
 
-    def _parallel_forward(self, x: torch.Tensor, routing: Routing, seq_len: int | None, mode,
-                          token_layout: TokenLayout | None) -> tuple[torch.Tensor, ExpertsStats]:
-        """Dispatch this rank's tokens, compute the pairs of its local experts on its shard, combine."""
-        cfg = self.routed_experts_mlp_config
-        groups = self.parallelism.groups
-        num_tokens = x.shape[0]
-        if token_layout is None:
-            token_layout = groups.token_layout(1, num_tokens, sequence_parallel=False)
-        if not isinstance(token_layout, TokenLayout) or token_layout.num_local_tokens != num_tokens:
-            raise ValueError(f"ExpertMLPsV2: token_layout must be a TokenLayout of {num_tokens} local tokens, got "
-                             f"{token_layout!r}")
-        if self.validate_inputs:
-            parallel_state.check_configuration(config_fingerprint(token_layout_shape=(
-                token_layout.batch, token_layout.local_seq_len, token_layout.sequence_parallel, seq_len)),
-                "ExpertMLPsV2 input shapes")
-        decode = seq_len == 1
-        shard = self.parallelism.shard(decode)
-        total = token_layout.num_tokens
-        mode = self._resolve_mode(mode, total, seq_len)
-        capacity = (expert_capacity(total, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-                    if mode is ExpertsMode.CAPACITY_FACTOR else None)
-        weights = self.shard_weights(decode)
-        local_experts = shard.local_experts
-        local_slot = shard.placement.local_slot(shard.expert_parallel_rank, x.device)
-        computed: dict = {"local_tokens_per_expert": torch.zeros(len(local_experts), dtype=torch.int64,
-                                                                 device=x.device)}
-
-        def compute(rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor) -> torch.Tensor:
-            local = local_routing(pair_expert, pair_weight, local_slot, len(local_experts),
-                                  cfg.early_expert_affinity_modulation)
-            out, _, mapping, block_size, n_blocks = self._run(rows, local, mode, capacity, weights)
-            computed.update(local_tokens_per_expert=local.expert_mask.sum(dim=0), mapping=mapping,
-                            block_size=block_size, num_blocks=n_blocks)
-            return out
-
-        pair_expert = torch.where(routing.pair_valid(), routing.expert_index, torch.full_like(routing.expert_index, -1))
-        pair_weight = routing.affinities.gather(1, routing.expert_index)
-        ledger = CommLedger()
-        dispatch = self.expert_parallel_config.dispatch
-        result = get_dispatch(dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout, groups, shard,
-                                                       capacity, compute, ledger))
-        counts = result.pairs_per_expert
-        dropped = (counts - counts.clamp(max=capacity)).sum() if capacity is not None else torch.zeros(
-            (), dtype=torch.int64, device=x.device)
-        stats = ExpertsStats(
-            mode=mode,
-            num_tokens=total,
-            top_k=cfg.top_k,
-            num_experts=cfg.num_experts,
-            tokens_per_expert=counts,
-            dropped_tokens=dropped,
-            block_size=computed.get("block_size"),
-            num_blocks=computed.get("num_blocks"),
-            capacity=capacity,
-            mapping=computed.get("mapping"),
-            dispatch=dispatch,
-            local_experts=local_experts,
-            local_tokens_per_expert=computed["local_tokens_per_expert"],
-            communication=dict(ledger.steps),
-        )
-        return result.output, stats
-
-    def _resolve_mode(self, mode, num_tokens: int, seq_len: int | None) -> ExpertsMode:
+    def resolve_mode(self, mode, num_tokens: int, seq_len: int | None) -> ExpertsMode:
+        """The algorithm for ``num_tokens`` tokens (the whole layer's, under model parallelism): ``mode`` if forced,
+        else the backend's rule."""
         cfg = self.routed_experts_mlp_config
         if mode is None:
             return self.backend.select_mode(num_tokens, seq_len, cfg.top_k, cfg.num_experts,
@@ -527,7 +520,16 @@ class ExpertMLPsV2(nn.Module):
                              "(a value in (0, num_experts / top_k))")
         return mode
 
-    def _check_inputs(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask) -> None:
+    def check_addend(self, addend, hidden_states: torch.Tensor) -> None:
+        if addend is not None and (not isinstance(addend, torch.Tensor) or addend.shape != hidden_states.shape
+                                   or addend.dtype != hidden_states.dtype):
+            raise ValueError(f"ExpertMLPsV2: addend must be a tensor shaped and typed like hidden_states "
+                             f"{tuple(hidden_states.shape)} {hidden_states.dtype}, got "
+                             f"{tuple(getattr(addend, 'shape', ())) or type(addend).__name__}")
+
+    def check_inputs(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask) -> None:
+        """Shapes, dtypes and ranges of one forward's inputs; value checks only with ``validate_inputs``, except
+        the expert-index range, which is always checked without a host sync."""
         cfg = self.routed_experts_mlp_config
         widths = (cfg.hidden_size,) if cfg.hidden_size_actual is None else (cfg.hidden_size, cfg.hidden_size_actual)
         check_hidden_states(hidden_states, widths, "ExpertMLPsV2: hidden_states")
@@ -560,6 +562,18 @@ class ExpertMLPsV2(nn.Module):
             check_finite(hidden_states, "ExpertMLPsV2: hidden_states")
             check_finite(expert_affinities, "ExpertMLPsV2: expert_affinities")
             check_expert_index(expert_index, cfg.num_experts, "ExpertMLPsV2: expert_index")
+        else:
+            check_expert_index_range(expert_index, cfg.num_experts, "ExpertMLPsV2: expert_index")
+
+
+class PairsComputed(NamedTuple):
+    """What :meth:`ExpertMLPsV2.forward_pairs` computed: pairs per local expert ``(E_local,)`` and, for blockwise,
+    the block mapping and its sizes (None otherwise)."""
+
+    tokens_per_local_expert: torch.Tensor
+    mapping: BlockMapping | None
+    block_size: int | None
+    num_blocks: int | None
 
 
 def check_expert_index(expert_index: torch.Tensor, num_experts: int, what: str) -> None:

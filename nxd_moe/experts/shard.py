@@ -22,3 +22,18 @@ class ShardSpec:
     tp_size: int = 1
     tp_rank: int = 0
     stride: int = 1
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """The routed experts' weights one module holds for one phase: the experts whose global ids are
+    ``experts`` (in local order), each cut to part ``intermediate_part`` of ``intermediate_parts`` equal slices of
+    the intermediate dimension. Who computes which pair, and how tokens travel, is the parallel layer's business
+    (:mod:`nxd_moe.parallel`)."""
+
+    experts: tuple[int, ...]
+    intermediate_parts: int = 1
+    intermediate_part: int = 0
+
+    def holds_same_weights_as(self, other: "WeightShard") -> bool:
+        return self == other

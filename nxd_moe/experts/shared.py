@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from nxd_moe import parallel_state
 from nxd_moe.activations import ACT2FN
 from nxd_moe.config import check_bool, check_int, to_torch_dtype
-from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
 from nxd_moe.experts.shard import ShardSpec
 from nxd_moe.quantization.formats import Shape, get_format
 from nxd_moe.validation import FiniteWeightsOnLoad, check_hidden_states
@@ -100,14 +99,17 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
     changes nothing.
 
     Under tensor parallelism (``model_parallel=None``: whenever :mod:`nxd_moe.parallel_state` has a TP group of
-    more than one rank; ``False``: never) the shared experts run over the TP group, whose ranks share tokens:
+    more than one rank; ``False``: never) the module takes part in a shared expert split over the TP group,
+    ``intermediate_shard = (TP, tp_rank)``:
 
-    - ``sequence_parallel_enabled=True``: weights are replicated. A sequence-parallel input (prefill) is computed
-      locally, with no communication; a shared input (decode) uses this rank's slice of the intermediate
-      dimension of the replicated weights (a view, no copy) and all-reduces: NxD's SP-prefill / TP-decode split.
-    - ``sequence_parallel_enabled=False``: each rank holds only its slice of the intermediate dimension
-      (``[gate_r; up_r]`` for the fused projection); partial outputs are all-reduced, or, for a
-      sequence-parallel input, the group's tokens are all-gathered first and the output reduce-scattered.
+    - ``sequence_parallel_enabled=True``: weights are replicated; :meth:`forward` computes a sequence-parallel
+      input (prefill) locally, and :meth:`partial` uses this rank's slice of the intermediate dimension (a view,
+      no copy) for a shared input (decode): NxD's SP-prefill / TP-decode split.
+    - ``sequence_parallel_enabled=False``: the module holds only its slice of the intermediate dimension
+      (``[gate_r; up_r]`` for the fused projection) and only :meth:`partial` runs.
+
+    The reductions over the TP group are the parallel layer's (:mod:`nxd_moe.parallel.shared_experts`, driven by
+    :class:`~nxd_moe.MoE`).
     """
 
     def __init__(
@@ -138,14 +140,14 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         self.transpose_weights = check_bool("SharedExperts.transpose_weights", transpose_weights)
         dtype = to_torch_dtype(dtype, "SharedExperts.dtype")
         self.intermediate_size = intermediate_size * num_shared_experts
-        self.tensor_parallel = self._tensor_parallel(model_parallel)
+        self.intermediate_shard = self._intermediate_shard(model_parallel)
         quantization = get_format(quantization, "SharedExperts.quantization").name
-        if quantization != "bf16" and self.tensor_parallel is not None:
+        if quantization != "bf16" and self.intermediate_shard is not None:
             raise NotImplementedError(f"SharedExperts: quantized shared experts ({quantization!r}) under tensor "
                                       "parallelism are not supported yet; use quantization='bf16'")
         width = self.intermediate_size
-        if self.tensor_parallel is not None:
-            size = self.tensor_parallel[1]
+        if self.intermediate_shard is not None:
+            size = self.intermediate_shard[0]
             if width % size:
                 raise ValueError(f"SharedExperts: intermediate_size * num_shared_experts ({width}) must be divisible "
                                  f"by the tensor-parallel size ({size})")
@@ -163,8 +165,8 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         )
 
     @staticmethod
-    def _tensor_parallel(model_parallel: bool | None):
-        """``(group, size, rank)`` of the TP group this module runs over, or None."""
+    def _intermediate_shard(model_parallel: bool | None) -> tuple[int, int] | None:
+        """``(parts, part)``: this rank's slice of the intermediate dimension under TP, or None."""
         if model_parallel is not None:
             check_bool("SharedExperts.model_parallel", model_parallel)
         if model_parallel is False or not parallel_state.model_parallel_is_initialized():
@@ -175,14 +177,19 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         size = parallel_state.get_tensor_model_parallel_size()
         if size == 1:
             return None
-        return parallel_state.get_tensor_model_parallel_group(), size, parallel_state.get_tensor_model_parallel_rank()
+        return size, parallel_state.get_tensor_model_parallel_rank()
+
+    @property
+    def holds_whole_weights(self) -> bool:
+        """:meth:`forward` can compute the whole shared expert here (one device, or replicated weights)."""
+        return self.intermediate_shard is None or self.sequence_parallel_enabled
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """TP slices of the intermediate dimension (see :mod:`nxd_moe.parallel.sharding`); replicated weights
         (``sequence_parallel_enabled``) have none."""
-        if self.tensor_parallel is None or self.sequence_parallel_enabled:
+        if self.holds_whole_weights:
             return {}
-        _, size, rank = self.tensor_parallel
+        size, rank = self.intermediate_shard
         inner = 1 if self.transpose_weights else 0  # the intermediate dim of gate/up; down has it on the other side
         names = ["gate_up_proj"] if self.fused_gate_up_projection else ["gate_proj", "up_proj"]
         specs = {f"{n}.weight": ShardSpec(f"{n}.weight", dim=inner, tp_size=size, tp_rank=rank,
@@ -190,27 +197,41 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         specs["down_proj.weight"] = ShardSpec("down_proj.weight", dim=1 - inner, tp_size=size, tp_rank=rank)
         return specs
 
-    def forward(self, hidden_states: torch.Tensor, seq_len: int | None = None, *,
-                sequence_parallel: bool = False) -> torch.Tensor:
-        """``(..., H) -> (..., H)``. ``seq_len`` is accepted for NxD compatibility (decode vs prefill).
-
-        ``sequence_parallel``: under tensor parallelism, ``hidden_states (B, S_r, H)`` is this rank's sequence
-        shard (else the TP group shares the tokens); ignored on one device."""
+    def forward(self, hidden_states: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """``(..., H) -> (..., H)``: the whole shared expert. ``seq_len`` is accepted for NxD compatibility."""
         check_hidden_states(hidden_states, self.hidden_size, "SharedExperts: hidden_states")
-        if self.tensor_parallel is not None and not (sequence_parallel and self.sequence_parallel_enabled):
-            return self._tensor_parallel_forward(hidden_states, sequence_parallel)
+        if not self.holds_whole_weights:
+            raise RuntimeError("SharedExperts: this module holds one tensor-parallel rank's slice of the shared "
+                               "experts; run it inside MoE(...), which reduces the slices over the TP group "
+                               "(nxd_moe.parallel.shared_experts)")
         if self.fused_gate_up_projection:
             gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
-        out = self.down_proj(ACT2FN[self.hidden_act](gate) * up)
-        if self.shared_expert_gate is not None:
-            out = torch.sigmoid(self.shared_expert_gate(hidden_states)) * out
-        return out
+        return self._gated(self.down_proj(ACT2FN[self.hidden_act](gate) * up), hidden_states)
+
+    def partial(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``(..., H) -> (..., H)``: the contribution of this rank's slice of the intermediate dimension; the slices'
+        contributions sum to :meth:`forward` (the per-token gate applies to each slice, so it commutes)."""
+        check_hidden_states(hidden_states, self.hidden_size, "SharedExperts: hidden_states")
+        if self.intermediate_shard is None:
+            return self(hidden_states)
+
+        def linear(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return inp @ weight if self.transpose_weights else F.linear(inp, weight)
+
+        gate_w, up_w, down_w = self._slices()
+        out = linear(ACT2FN[self.hidden_act](linear(hidden_states, gate_w)) * linear(hidden_states, up_w), down_w)
+        return self._gated(out, hidden_states)
+
+    def _gated(self, out: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.shared_expert_gate is None:
+            return out
+        return torch.sigmoid(self.shared_expert_gate(hidden_states)) * out
 
     def _slices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's ``gate``, ``up`` and ``down`` weights in their stored orientation (views)."""
-        _, size, rank = self.tensor_parallel
+        size, rank = self.intermediate_shard
         inner = 1 if self.transpose_weights else 0
         if self.fused_gate_up_projection:
             gate, up = self.gate_up_proj.weight.chunk(2, dim=inner)
@@ -222,26 +243,3 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
             gate, up = (w.narrow(inner, rank * width, width) for w in (gate, up))
             down = down.narrow(1 - inner, rank * width, width)
         return gate, up, down
-
-    def _tensor_parallel_forward(self, hidden_states: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-        group = self.tensor_parallel[0]
-        ledger = CommLedger()
-        x = hidden_states
-        if sequence_parallel:
-            if x.dim() != 3:
-                raise ValueError(f"SharedExperts: a sequence-parallel input must be (B, S_r, H), got {tuple(x.shape)}")
-            gathered = all_gather(x, group, ledger, "shared_gather")  # (TP, B, S_r, H)
-            x = gathered.transpose(0, 1).reshape(x.shape[0], -1, x.shape[-1])
-
-        def linear(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            return inp @ weight if self.transpose_weights else F.linear(inp, weight)
-
-        gate_w, up_w, down_w = self._slices()
-        out = linear(ACT2FN[self.hidden_act](linear(x, gate_w)) * linear(x, up_w), down_w)
-        if self.shared_expert_gate is not None:
-            out = torch.sigmoid(self.shared_expert_gate(x)) * out
-        if not sequence_parallel:
-            return all_reduce(out, group, ledger, "shared_reduce")
-        size = self.tensor_parallel[1]
-        per_rank = out.reshape(out.shape[0], size, -1, out.shape[-1]).transpose(0, 1)
-        return reduce_scatter(per_rank, group, ledger, "shared_reduce")

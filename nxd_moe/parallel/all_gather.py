@@ -19,22 +19,24 @@ import torch
 from nxd_moe.parallel.collectives import all_gather, all_reduce, reduce_scatter
 from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
 from nxd_moe.parallel.payload import pack, unpack
-from nxd_moe.parallel.placement import assign_pairs, pair_positions
+from nxd_moe.parallel.placement import assign_pairs, needs_positions, pair_positions
 
 
 def all_gather_dispatch(inputs: DispatchInputs) -> DispatchResult:
     """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
-    hidden, pair_expert, pair_weight, layout, groups, shard, capacity, compute, ledger = inputs
+    hidden, layout, groups, shard, ledger = inputs.hidden, inputs.layout, inputs.groups, inputs.shard, inputs.ledger
     sp = layout.sequence_parallel
     gather_group = groups.block_group if sp else groups.token_dp_group
-    payload, specs = pack([hidden, pair_expert.to(torch.int32), pair_weight])
+    payload, specs = pack([hidden, inputs.pair_expert.to(torch.int32), inputs.pair_weight])
     gathered = all_gather(payload, gather_group, ledger, "dispatch").reshape(-1, payload.shape[1])
     rows, experts, weights = unpack(layout.to_token_order(gathered), specs)
     experts = experts.long()
-    position, pairs_per_expert = pair_positions(experts, shard.placement.num_experts)
-    owner = assign_pairs(shard.placement, experts, position, pairs_per_expert, capacity)
+    position = pairs_per_expert = None
+    if inputs.count_pairs or needs_positions(shard.placement, inputs.capacity):
+        position, pairs_per_expert = pair_positions(experts, shard.placement.num_experts)
+    owner = assign_pairs(shard.placement, experts, position, pairs_per_expert, inputs.capacity)
     mine = torch.where(owner == shard.expert_parallel_rank, experts, torch.full_like(experts, -1))
-    partial = compute(rows, mine, weights)
+    partial = inputs.compute(rows, mine, weights)
     if sp:
         per_rank = layout.from_token_order(partial).reshape(groups.block_size, -1, partial.shape[-1])
         return DispatchResult(reduce_scatter(per_rank, groups.block_group, ledger, "combine"), pairs_per_expert)

@@ -1,37 +1,69 @@
-"""Expert-parallel dispatch by all-to-all-v: each token goes only to the ranks that compute one of its experts.
+"""Expert-parallel dispatch by all-to-all: each token goes only to the ranks that compute one of its experts.
 
-Steps, over the MoE model-parallel block:
+Steps, over the MoE model-parallel block (``M = TP * EP`` ranks):
 
 1. **Ownership.** With sequence parallelism a rank dispatches its own shard; otherwise the ranks of a token
    group split the group's (shared) tokens into equal chunks, so every token is dispatched once.
-2. **Positions.** Ranks all-gather their per-expert pair counts (per run of consecutive token ids), which gives
-   every pair its position among its expert's pairs in the block's token order: the input of the replica split
-   (EPLB) and of capacity-factor dropping, identical to what one device or the all-gather dispatch computes.
-3. **Counts exchange**, then the **dispatch**: a token is sent once to each rank of every EP rank that computes
-   one of its pairs (all TP ranks of that EP rank: each computes its slice of the intermediate dimension), with
-   its top-k expert ids (``-1`` for pairs the destination does not compute), weights and token id, packed in
-   one row.
-4. The destination computes its pairs on the received tokens in token order, and the **combine** sends each
-   token's partial output back; the owner sums them (in at least fp32). Without sequence parallelism the token
-   group then all-gathers its chunks.
+2. **Positions** (only with replicated experts, a capacity, or statistics asked for). Ranks all-gather their
+   per-expert pair counts (per run of consecutive token ids), which gives every pair its position among its
+   expert's pairs in the block's token order: the input of the replica split (EPLB) and of capacity-factor
+   dropping, identical to what one device or the all-gather dispatch computes. A pair beyond the capacity is
+   assigned to no rank, so it is never sent. Otherwise a pair's rank is a table lookup.
+3. **Dispatch.** A token is sent once to each rank of every EP rank that computes one of its pairs (all TP ranks
+   of that EP rank: each computes its slice of the intermediate dimension), with its top-k expert ids (``-1`` for
+   pairs the destination does not compute) and weights, packed in one row. Two ways
+   (``ExpertParallelConfig.all_to_all_splits``):
 
-Bytes moved scale with the tokens each rank needs, not with all tokens: fewer than the all-gather dispatch
-whenever a token's k experts do not cover every EP rank (E > k). Sizes depend on the routing, so this dispatch
-syncs with the host once per forward (the counts), like every all-to-all-v on ``torch.distributed``.
+   - ``static``: every destination gets a buffer of ``U`` rows (``U``: the tokens this rank owns), the rows
+     it needs first and padding rows (no pair) after; the layout is computed on the device and the exchange has
+     equal splits, so nothing is read on the host and a CUDA graph captures the step. A token goes to a rank at
+     most once, so ``U`` rows always suffice: no token is ever dropped, whatever the routing.
+   - ``exact``: the ranks first exchange how many rows they send each other (read on the host: one sync per
+     forward), then send only those rows, in token order.
+4. The destination computes its pairs on the rows it received, and the **combine** sends each row's partial
+   output back to where it came from; the owner sums a token's partials (in at least fp32, destinations in rank
+   order: deterministic). Without sequence parallelism the token group then all-gathers its chunks.
+
+Padding rows cost the static exchange bytes on the wire, but no compute in a backend that skips rows without
+pairs (the triton backend counts pairs on the device).
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nxd_moe.experts.routing_inputs import expert_mask
-from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all_v, exchange_counts
+from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all, all_to_all_v, exchange_counts
 from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
 from nxd_moe.parallel.layout import MoEGroups
 from nxd_moe.parallel.payload import pack, unpack
-from nxd_moe.parallel.placement import assign_pairs
+from nxd_moe.parallel.placement import assign_pairs, needs_positions
 from nxd_moe.parallel.token_layout import TokenLayout
+
+
+class OwnedPairs(NamedTuple):
+    """The ``U`` rows this rank dispatches (its chunk or shard, padded to the same ``U`` on every rank):
+    ``rows (U, H)``, ``experts (U, k)`` global ids (``-1``: no pair), ``weights (U, k)``, ``token_ids (U,)``
+    (``-1`` for padding), ``owner (U, k)`` EP rank computing each pair (``-1``: none), ``pairs_per_expert (E,)``
+    in the whole block."""
+
+    rows: torch.Tensor
+    experts: torch.Tensor
+    weights: torch.Tensor
+    token_ids: torch.Tensor
+    owner: torch.Tensor
+    pairs_per_expert: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_starts(layout: TokenLayout, block_size: int, device: str) -> torch.Tensor:
+    """``(M * segments,)`` first token id of every segment of every block rank (cached per device: a captured CUDA
+    graph must not copy from the host)."""
+    return torch.tensor([layout.segment_starts(r) for r in range(block_size)], device=device)
 
 
 def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGroups, num_experts: int,
@@ -40,7 +72,7 @@ def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGrou
     pairs per expert in the block. Owned rows are ``num_segments`` runs of ``segment_len`` consecutive ids."""
     hits = expert_mask(experts, num_experts).to(torch.int64).view(layout.num_segments, layout.segment_len, -1)
     counts = all_gather(hits.sum(dim=1), groups.block_group, ledger, "expert_counts")  # (M, segments, E)
-    starts = torch.tensor([layout.segment_starts(r) for r in range(groups.block_size)], device=experts.device)
+    starts = _segment_starts(layout, groups.block_size, str(experts.device))
     # A segment's pairs come after those of every segment that starts before it (segments never overlap).
     before = starts.reshape(1, -1) < starts[groups.block_rank].reshape(-1, 1)  # (segments, M * segments)
     offsets = torch.where(before.unsqueeze(-1), counts.reshape(1, -1, num_experts), 0).sum(dim=1)
@@ -49,54 +81,102 @@ def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGrou
     return torch.where(experts >= 0, position, 0), counts.sum(dim=(0, 1))
 
 
-def all_to_all_dispatch(inputs: DispatchInputs) -> DispatchResult:
-    """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
-    hidden, pair_expert, pair_weight, layout, groups, shard, capacity, compute, ledger = inputs
-    num_experts = shard.placement.num_experts
-    block, me = groups.block_group, groups.block_rank
+def owned_pairs(inputs: DispatchInputs) -> OwnedPairs:
+    """Steps 1 and 2 of the module docstring."""
+    layout, shard = inputs.layout, inputs.shard
     start, stop, _ = layout.chunk()
     pad = layout.num_segments * layout.segment_len - (stop - start)
-    rows = F.pad(hidden[start:stop], (0, 0, 0, pad))
-    experts = F.pad(pair_expert[start:stop].long(), (0, 0, 0, pad), value=-1)
-    weights = F.pad(pair_weight[start:stop], (0, 0, 0, pad))
-    token_ids = F.pad(layout.token_ids(device=hidden.device)[start:stop], (0, pad), value=-1)
+    rows = F.pad(inputs.hidden[start:stop], (0, 0, 0, pad))
+    experts = F.pad(inputs.pair_expert[start:stop].long(), (0, 0, 0, pad), value=-1)
+    weights = F.pad(inputs.pair_weight[start:stop], (0, 0, 0, pad))
+    token_ids = F.pad(layout.token_ids(device=rows.device)[start:stop], (0, pad), value=-1)
+    position = pairs_per_expert = None
+    if inputs.count_pairs or needs_positions(shard.placement, inputs.capacity):
+        position, pairs_per_expert = _block_positions(experts, layout, inputs.groups, shard.placement.num_experts,
+                                                      inputs.ledger)
+    owner = assign_pairs(shard.placement, experts, position, pairs_per_expert, inputs.capacity)
+    return OwnedPairs(rows, experts, weights, token_ids, owner, pairs_per_expert)
 
-    position, pairs_per_expert = _block_positions(experts, layout, groups, num_experts, ledger)
-    owner = assign_pairs(shard.placement, experts, position, pairs_per_expert, capacity)
+
+def _static_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
+    """Dispatch, compute and combine with ``U`` rows per destination (step 3, ``static``): ``(U, H)`` summed
+    partial outputs in at least fp32."""
+    groups, tp = inputs.groups, inputs.shard.tensor_parallel_size
+    rows, experts, owner = owned.rows, owned.experts, owned.owner
+    num_rows, device = rows.shape[0], rows.device
+    ranks = groups.block_size
+    # Block rank r is EP rank r // TP: every TP rank of an EP rank gets the same rows.
+    rank_ep = torch.arange(ranks, device=device) // tp
+    sends = (owner.unsqueeze(1) == rank_ep.view(1, ranks, 1)).any(dim=2)  # (U, M)
+    slot = torch.cumsum(sends, dim=0) - sends.to(torch.int64)  # (U, M): the row's place in r's buffer
+    at = torch.where(sends, torch.arange(ranks, device=device) * num_rows + slot, ranks * num_rows)
+    source = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, ranks)
+    # (M * U,) row sent in each buffer slot; U (an appended empty row) where the slot is padding. Only the dump
+    # slot M * U is written twice.
+    source_row = torch.full((ranks * num_rows + 1,), num_rows, dtype=torch.int64, device=device)
+    source_row = source_row.scatter(0, at.reshape(-1), source.reshape(-1))[:-1]
+    slot_ep = torch.arange(ranks * num_rows, device=device) // num_rows // tp
+    padded_experts = F.pad(experts, (0, 0, 0, 1), value=-1)[source_row]
+    padded_owner = F.pad(owner, (0, 0, 0, 1), value=-1)[source_row]
+    # Each copy carries only the pairs its destination computes.
+    sent_experts = torch.where(padded_owner == slot_ep.unsqueeze(1), padded_experts, -1)
+    payload, specs = pack([F.pad(rows, (0, 0, 0, 1))[source_row], sent_experts.to(torch.int32),
+                           F.pad(owned.weights, (0, 0, 0, 1))[source_row]])
+    received = all_to_all(payload, groups.block_group, inputs.ledger, "dispatch")
+    recv_rows, recv_experts, recv_weights = unpack(received, specs)
+    partial = inputs.compute(recv_rows, recv_experts.long(), recv_weights)
+    returned = all_to_all(partial, groups.block_group, inputs.ledger, "combine").view(ranks, num_rows, -1)
+    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+    out = torch.zeros(rows.shape, dtype=acc_dtype, device=device)
+    zero = torch.zeros((), dtype=acc_dtype, device=device)
+    for r in range(ranks):  # destinations in rank order: deterministic
+        out += torch.where(sends[:, r:r + 1], returned[r].index_select(0, slot[:, r]).to(acc_dtype), zero)
+    return out
+
+
+def _exact_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
+    """Dispatch, compute and combine with counts exchanged first (step 3, ``exact``; one host sync)."""
+    groups, shard, ledger = inputs.groups, inputs.shard, inputs.ledger
+    rows, experts, owner = owned.rows, owned.experts, owned.owner
+    block, me = groups.block_group, groups.block_rank
     ep_ranks = torch.arange(shard.expert_parallel_size, device=owner.device)
     hit = (owner.unsqueeze(-1) == ep_ranks).any(dim=1)  # (U, EP): the token has a pair on that EP rank
     ep_rank_and_row = hit.t().nonzero()  # sorted by EP rank, then row: one host sync for all destinations
     per_ep_rank = ep_rank_and_row[:, 1].split(hit.sum(dim=0).tolist())
-    # Block rank r is EP rank r // TP: every TP rank of an EP rank gets the same tokens.
     send_index = [per_ep_rank[r // shard.tensor_parallel_size] for r in range(groups.block_size)]
     send_counts = [int(index.numel()) for index in send_index]
     index = torch.cat(send_index)
     destination = torch.cat([torch.full_like(i, r // shard.tensor_parallel_size) for r, i in enumerate(send_index)])
-    # Each copy carries only the pairs its destination computes.
     sent_experts = torch.where(owner[index] == destination.unsqueeze(1), experts[index], -1)
-    payload, specs = pack([rows[index], sent_experts.to(torch.int32), weights[index], token_ids[index]])
-    recv_counts = exchange_counts(torch.tensor(send_counts, device=hidden.device), block, me, ledger, "send_counts")
+    payload, specs = pack([rows[index], sent_experts.to(torch.int32), owned.weights[index],
+                           owned.token_ids[index]])
+    recv_counts = exchange_counts(torch.tensor(send_counts, device=rows.device), block, me, ledger, "send_counts")
     received = all_to_all_v(payload, send_counts, recv_counts, block, me, ledger, "dispatch")
     recv_rows, recv_experts, recv_weights, recv_ids = unpack(received, specs)
-
     if recv_rows.shape[0]:
-        # Token order, as on one device: capacity and block layouts then match it exactly.
+        # Token order, as on one device: block layouts then match it exactly.
         order = torch.argsort(recv_ids, stable=True)
-        computed = compute(recv_rows[order], recv_experts[order].long(), recv_weights[order])
+        computed = inputs.compute(recv_rows[order], recv_experts[order].long(), recv_weights[order])
         partial = torch.empty_like(computed).index_copy_(0, order, computed)
     else:
-        partial = recv_rows.new_zeros((0, hidden.shape[-1]))
+        partial = recv_rows.new_zeros((0, rows.shape[-1]))
     returned = all_to_all_v(partial, recv_counts, send_counts, block, me, ledger, "combine")
-
-    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    out = torch.zeros(rows.shape, dtype=acc_dtype, device=hidden.device)
+    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
+    out = torch.zeros(rows.shape, dtype=acc_dtype, device=rows.device)
     offset = 0
     for sent_rows, count in zip(send_index, send_counts):
         # One index_add per destination, each over distinct rows: deterministic on every device.
         out.index_add_(0, sent_rows, returned[offset:offset + count].to(acc_dtype))
         offset += count
-    out = out.to(hidden.dtype)
-    if layout.sequence_parallel:
-        return DispatchResult(out, pairs_per_expert)
-    chunks = all_gather(out, groups.token_group, ledger, "gather_outputs")
-    return DispatchResult(chunks.reshape(-1, out.shape[-1])[: layout.num_local_tokens], pairs_per_expert)
+    return out
+
+
+def all_to_all_dispatch(inputs: DispatchInputs) -> DispatchResult:
+    """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
+    owned = owned_pairs(inputs)
+    exchange = _static_exchange if inputs.all_to_all_splits == "static" else _exact_exchange
+    out = exchange(owned, inputs).to(inputs.hidden.dtype)
+    if inputs.layout.sequence_parallel:
+        return DispatchResult(out, owned.pairs_per_expert)
+    chunks = all_gather(out, inputs.groups.token_group, inputs.ledger, "gather_outputs")
+    return DispatchResult(chunks.reshape(-1, out.shape[-1])[: inputs.layout.num_local_tokens], owned.pairs_per_expert)

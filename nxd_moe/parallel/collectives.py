@@ -106,6 +106,20 @@ def all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Seque
     return out
 
 
+def all_to_all(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.Tensor:
+    """``x (G * n, ...)``: rows ``[r * n, (r + 1) * n)`` go to group rank ``r``; returns the ``(G * n, ...)`` rows
+    received, in group-rank order. Equal splits: no sizes on the host, so a CUDA graph can capture it."""
+    size = group_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"all_to_all: {x.shape[0]} rows do not split into {size} equal parts")
+    if size == 1:
+        return x
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    ledger.add(step, (size - 1) * _nbytes(x) // size)
+    return out
+
+
 def exchange_counts(send_counts: torch.Tensor, group, rank: int, ledger: CommLedger, step: str) -> list[int]:
     """Each rank tells every other how many rows it will send it: ``(G,)`` int64 -> the ``(G,)`` counts this rank
     receives, as Python ints (a host sync: the next all-to-all-v needs its sizes on the host)."""

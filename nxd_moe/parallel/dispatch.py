@@ -10,8 +10,8 @@ experts, its slice of the intermediate dimension).
 
 - ``all_gather`` (NxD's way): every rank gathers all tokens of the block, masks to its local experts, and the
   partial outputs are reduce-scattered back. Static shapes.
-- ``all_to_all_v``: ranks exchange how many tokens they send each other, then send each token only to the ranks
-  holding one of its experts, and send the results back. Shapes depend on the routing (a host sync per forward).
+- ``all_to_all_v``: each token goes only to the ranks holding one of its experts, and the results come back;
+  static per-destination buffers (no host sync, the default) or exact counts exchanged first (a host sync).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class DispatchInputs(NamedTuple):
     """What every dispatch takes: this rank's tokens and routing (see the module docstring), where they sit in the
     block (``layout``), the groups they move through, this rank's share of the experts for the phase (``shard``),
-    the per-expert ``capacity`` of the block's tokens (capacity-factor mode) or None, ``compute``, and the
-    ``ledger`` that counts the bytes moved."""
+    the per-expert ``capacity`` of the block's tokens (capacity-factor mode) or None, ``compute``, the
+    ``ledger`` that counts the bytes moved, how an all-to-all sizes its buffers
+    (``ExpertParallelConfig.all_to_all_splits``), and whether the block's pairs per expert are wanted (statistics:
+    without replicas or a capacity they cost an extra collective in an all-to-all)."""
 
     hidden: torch.Tensor
     pair_expert: torch.Tensor
@@ -43,14 +45,16 @@ class DispatchInputs(NamedTuple):
     capacity: int | None
     compute: Compute
     ledger: CommLedger
+    all_to_all_splits: str = "static"
+    count_pairs: bool = True
 
 
 class DispatchResult(NamedTuple):
     """``output (T_r, H)`` for this rank's tokens; ``pairs_per_expert (E,)`` valid pairs of each expert in the whole
-    block (before any capacity drop)."""
+    block (before any capacity drop; None unless ``count_pairs``, replicas or a capacity needed them)."""
 
     output: torch.Tensor
-    pairs_per_expert: torch.Tensor
+    pairs_per_expert: torch.Tensor | None
 
 
 def get_dispatch(name: str) -> Callable[[DispatchInputs], DispatchResult]:

@@ -92,16 +92,21 @@ class ExpertPlacement:
         counts = torch.tensor([len(r) for r in self.replicas], dtype=torch.int64)
         return table.to(device), counts.to(device)
 
-    def pair_ranks(self, pair_expert: torch.Tensor, position: torch.Tensor, pairs_per_expert: torch.Tensor
-                   ) -> torch.Tensor:
+    def pair_ranks(self, pair_expert: torch.Tensor, position: torch.Tensor | None = None,
+                   pairs_per_expert: torch.Tensor | None = None) -> torch.Tensor:
         """``(T, k)`` EP rank that computes each pair (``-1`` for ``pair_expert == -1``).
 
         ``position (T, k)``: the pair's index among its expert's pairs (token order); ``pairs_per_expert (E,)``:
         how many pairs each expert has in all. Copy ``floor(position * R / n)`` of the expert serves the pair.
+        Without replicas every expert has one copy, and the two may be None (a table lookup).
         """
         table, copies = self.replica_table(pair_expert.device)
         valid = pair_expert >= 0
         expert = pair_expert.clamp(min=0).long()
+        if position is None:
+            if self.has_redundancy:
+                raise ValueError("pair_ranks: a placement with replicated experts needs the pairs' positions")
+            return torch.where(valid, table[:, 0][expert], -1)
         n = pairs_per_expert.long()[expert].clamp(min=1)
         replica = (torch.where(valid, position.long(), 0) * copies[expert]) // n
         rank = table[expert, replica]
@@ -118,10 +123,16 @@ def pair_positions(pair_expert: torch.Tensor, num_experts: int) -> tuple[torch.T
 
 
 
-def assign_pairs(placement: ExpertPlacement, pair_expert: torch.Tensor, position: torch.Tensor,
-                 pairs_per_expert: torch.Tensor, capacity: int | None) -> torch.Tensor:
+def needs_positions(placement: ExpertPlacement, capacity: int | None) -> bool:
+    """Whether :func:`assign_pairs` needs the pairs' positions (replicas split by position; capacity drops by it)."""
+    return placement.has_redundancy or capacity is not None
+
+
+def assign_pairs(placement: ExpertPlacement, pair_expert: torch.Tensor, position: torch.Tensor | None,
+                 pairs_per_expert: torch.Tensor | None, capacity: int | None) -> torch.Tensor:
     """``(T, k)`` EP rank computing each pair, ``-1`` for invalid pairs and, with a ``capacity``, for the pairs
-    beyond it (an expert keeps its first ``capacity`` pairs in token order, as on one device)."""
+    beyond it (an expert keeps its first ``capacity`` pairs in token order, as on one device). ``position`` and
+    ``pairs_per_expert`` may be None where :func:`needs_positions` says so."""
     if capacity is not None:
         pair_expert = torch.where(position < capacity, pair_expert, torch.full_like(pair_expert, -1))
         pairs_per_expert = pairs_per_expert.clamp(max=capacity)

@@ -60,10 +60,10 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
     if shared_experts and shared is None:
         raise ValueError("quantize_experts: shared_experts=True, but the layer has no shared experts")
     check_backend_supports(experts.backend, fmt.name)
-    if experts.parallelism is not None:
+    if experts.is_sharded:
         raise NotImplementedError("quantize_experts: quantizing a model-parallel layer is not supported yet; "
                                   "quantize the single-device layer")
-    if shared is not None and shared.tensor_parallel is not None and fmt.quantized:
+    if shared is not None and shared.intermediate_shard is not None and fmt.quantized:
         raise NotImplementedError("quantize_experts: quantizing tensor-parallel shared experts is not supported yet")
     op = experts.mlp_op
     first = "gate_up_proj" if hasattr(op, "gate_up_proj") else "up_proj"

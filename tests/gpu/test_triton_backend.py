@@ -167,10 +167,10 @@ def test_layer_picks_gpu_modes():
     """Decode is selective loading on a GPU even when T*k >= E (NxD would pick all-experts there)."""
     config = make_config(8, 16, 8, 4, "glu_silu")
     tested, reference = _pair(config)
-    assert tested._resolve_mode(None, 16, 1) is ExpertsMode.SELECTIVE_LOADING
-    assert reference._resolve_mode(None, 16, 1) is ExpertsMode.ALL_EXPERTS
-    assert tested._resolve_mode(None, 64, None) is ExpertsMode.BLOCKWISE
-    assert tested._resolve_mode("all_experts", 16, 1) is ExpertsMode.ALL_EXPERTS
+    assert tested.resolve_mode(None, 16, 1) is ExpertsMode.SELECTIVE_LOADING
+    assert reference.resolve_mode(None, 16, 1) is ExpertsMode.ALL_EXPERTS
+    assert tested.resolve_mode(None, 64, None) is ExpertsMode.BLOCKWISE
+    assert tested.resolve_mode("all_experts", 16, 1) is ExpertsMode.ALL_EXPERTS
 
 
 def test_moe_with_shared_expert_matches_reference():

@@ -23,7 +23,18 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from conftest import FP32_ATOL, MODES, assert_close, make_config, make_router, random_routing, randn, randomize_  # noqa: E402
+from conftest import (  # noqa: E402
+    BF16_ATOL,
+    FP32_ATOL,
+    MODES,
+    assert_close,
+    make_config,
+    make_router,
+    no_host_sync,
+    random_routing,
+    randn,
+    randomize_,
+)
 from nxd_moe import (  # noqa: E402
     BlockwiseMatmulConfig,
     ExpertMLPsV2,
@@ -33,10 +44,13 @@ from nxd_moe import (  # noqa: E402
     parallel_state,
 )
 from nxd_moe.config import ExpertParallelConfig  # noqa: E402
+from nxd_moe.parallel import ExpertParallel  # noqa: E402
 from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads  # noqa: E402
 from nxd_moe.parallel.sharding import load_full_state_dict  # noqa: E402
 
 DISPATCHES = ("all_gather", "all_to_all_v")
+# (dispatch, all_to_all_splits): every way tokens travel.
+DISPATCH_WAYS = (("all_gather", "static"), ("all_to_all_v", "static"), ("all_to_all_v", "exact"))
 
 # Expert/router variants, so that each layout also exercises different expert features.
 VARIANTS = {
@@ -64,13 +78,14 @@ def init(tp: int, ep: int, prefill: tuple[int, int] | None = None, decode: tuple
 
 def make_moe(model_parallel: bool | None, *, variant: str = "qwen", sp: bool = False, shared: str | None = None,
              dispatch: str = "all_gather", distribution=None, block_size: int = 4, backend: str = "torch",
-             **overrides) -> MoE:
+             splits: str = "static", **overrides) -> MoE:
     spec = {"num_experts": 8, "top_k": 2, "hidden_size": 16, "intermediate_size": 8, **VARIANTS[variant], **overrides}
     router_kind = spec.pop("router")
     cfg = make_config(**spec)
     router = make_router(router_kind, cfg.num_experts, cfg.top_k, cfg.hidden_size, seed=2)
     experts = ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=block_size),
-                           expert_parallel_config=ExpertParallelConfig(dispatch, distribution),
+                           expert_parallel_config=ExpertParallelConfig(dispatch, distribution,
+                                                                       all_to_all_splits=splits),
                            model_parallel=model_parallel, backend=backend)
     shared_experts = None if shared is None else SharedExperts(
         cfg.hidden_size, 8, 1, "silu", fused_gate_up_projection=True, sequence_parallel_enabled=shared == "sp",
@@ -90,14 +105,16 @@ def full_experts(cfg: RoutedExpertsMLPOpsConfig, seed: int) -> ExpertMLPsV2:
     return randomize_(ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=False), seed=seed)
 
 
-def parallel_experts(full: ExpertMLPsV2, dispatch: str, distribution=None) -> ExpertMLPsV2:
-    """The parallel twin of ``full`` (same configs), holding this rank's shard of its weights."""
-    placed = ExpertParallelConfig(dispatch, distribution)
-    return load_full_state_dict(ExpertMLPsV2(full.routed_experts_mlp_config, full.blockwise_matmul_config,
-                                             expert_parallel_config=placed), full.state_dict())
+def parallel_experts(full: ExpertMLPsV2, dispatch: str, distribution=None, splits: str = "static"
+                     ) -> ExpertParallel:
+    """The parallel twin of ``full`` (same configs): this rank's shard of its weights, run over the block."""
+    placed = ExpertParallelConfig(dispatch, distribution, all_to_all_splits=splits)
+    return ExpertParallel(load_full_state_dict(ExpertMLPsV2(full.routed_experts_mlp_config,
+                                                            full.blockwise_matmul_config,
+                                                            expert_parallel_config=placed), full.state_dict()))
 
 
-def check_rows(par: ExpertMLPsV2, inputs: tuple, rows: slice, expected: torch.Tensor, msg: str, **kwargs):
+def check_rows(par: ExpertParallel, inputs: tuple, rows: slice, expected: torch.Tensor, msg: str, **kwargs):
     """``par`` on rows ``rows`` of the block-wide ``inputs`` (hidden, affinities, expert index) gives
     ``expected``; returns its stats."""
     out, stats = par(*(t[rows] for t in inputs), return_stats=True, **kwargs)
@@ -147,10 +164,11 @@ def gather_objects(value):
 
 
 def layout(tp: int, ep: int, sp: bool, dispatch: str, variant: str, shared: str | None, prefill=None, decode=None,
-           decode_batches: tuple[int, int] = (1, 4), backend: str = "torch") -> Callable[[], None]:
+           decode_batches: tuple[int, int] = (1, 4), backend: str = "torch", splits: str = "static"
+           ) -> Callable[[], None]:
     def run():
         init(tp, ep, prefill, decode)
-        full, par = pair(variant=variant, sp=sp, shared=shared, dispatch=dispatch, backend=backend)
+        full, par = pair(variant=variant, sp=sp, shared=shared, dispatch=dispatch, backend=backend, splits=splits)
         stats = check_moe(full, par, 2, 8, seed=10, padding=True)
         assert stats.mode.value == "blockwise" and stats.dispatch == dispatch, stats.summary()
         small, large = decode_batches
@@ -174,8 +192,8 @@ def forced_modes(tp: int, ep: int) -> Callable[[], None]:
         hidden = randn(groups * per_group, 16, seed=20)
         affinities, index = random_routing(groups * per_group, 8, 2, seed=21, skew=0.3)
         real = randn(groups * per_group, seed=22) > -1.0
-        for dispatch in DISPATCHES:
-            par = parallel_experts(full, dispatch)
+        for dispatch, splits in DISPATCH_WAYS:
+            par = parallel_experts(full, dispatch, splits=splits)
             for mode in MODES:
                 expected, ref_stats = full(hidden, affinities, index, padding_mask=real, mode=mode, return_stats=True)
                 for sp in (False, True):
@@ -183,9 +201,9 @@ def forced_modes(tp: int, ep: int) -> Callable[[], None]:
                     if sp:
                         width = per_group // tp_size
                         rows = slice(d * per_group + j * width, d * per_group + (j + 1) * width)
-                    token_layout = par.parallelism.groups.token_layout(1, rows.stop - rows.start, sp)
+                    token_layout = par.groups.token_layout(1, rows.stop - rows.start, sp)
                     stats = check_rows(par, (hidden, affinities, index), rows, expected[rows],
-                                       f"{dispatch} {mode} sp={sp}", padding_mask=real[rows], mode=mode,
+                                       f"{dispatch}/{splits} {mode} sp={sp}", padding_mask=real[rows], mode=mode,
                                        token_layout=token_layout)
                     assert int(stats.dropped_tokens) == int(ref_stats.dropped_tokens)
                     assert torch.equal(stats.tokens_per_expert, ref_stats.tokens_per_expert)
@@ -247,8 +265,8 @@ def eplb(dispatch: str) -> Callable[[], None]:
 
 
 def bytes_moved() -> None:
-    """Both dispatches agree with one device; the bytes each reports equal a count made from the routing alone;
-    all-to-all-v moves fewer (E = 16 > k = 2)."""
+    """Every dispatch agrees with one device; the bytes each reports equal a count made from the routing alone; the
+    exact all-to-all moves fewer than the all-gather (E = 16 > k = 2); the static one moves its fixed buffers."""
     init(1, 4)
     num_experts, top_k, hidden_size, per_rank = 16, 2, 64, 12
     cfg = make_config(num_experts=num_experts, top_k=top_k, hidden_size=hidden_size, intermediate_size=8)
@@ -259,23 +277,29 @@ def bytes_moved() -> None:
     rows = slice(me * per_rank, (me + 1) * per_rank)
     expected = full(hidden, affinities, index)[rows]
     reported = {}
-    for dispatch in DISPATCHES:
-        reported[dispatch] = check_rows(parallel_experts(full, dispatch), (hidden, affinities, index), rows, expected,
-                                        dispatch).communication
+    for dispatch, splits in DISPATCH_WAYS:
+        reported[dispatch, splits] = check_rows(parallel_experts(full, dispatch, splits=splits),
+                                                (hidden, affinities, index), rows, expected, dispatch).communication
     owner = index // (num_experts // ranks)  # contiguous placement
     hits = torch.stack([(owner == r).any(dim=1) for r in range(ranks)], dim=1)  # (T, ranks)
     source = torch.arange(ranks * per_rank) // per_rank
     h_bytes, routing_bytes = hidden_size * 4, top_k * 4 + top_k * 4  # fp32 rows; int32 ids + fp32 weights
     others = ranks - 1
-    assert reported["all_gather"] == {"dispatch": others * per_rank * (h_bytes + routing_bytes),
-                                      "combine": others * per_rank * h_bytes}, reported["all_gather"]
+    gathered = reported["all_gather", "static"]
+    assert gathered == {"dispatch": others * per_rank * (h_bytes + routing_bytes),
+                        "combine": others * per_rank * h_bytes}, gathered
+    # Static buffers: every other rank sends this rank per_rank rows, padding included.
+    assert reported["all_to_all_v", "static"] == {"expert_counts": others * num_experts * 8,
+                                                  "dispatch": others * per_rank * (h_bytes + routing_bytes),
+                                                  "combine": others * per_rank * h_bytes}, \
+        reported["all_to_all_v", "static"]
     received = int((hits[:, me] & (source != me)).sum())
     sent_away = int(hits[rows].sum()) - int(hits[rows, me].sum())
-    assert reported["all_to_all_v"] == {"expert_counts": others * num_experts * 8, "send_counts": others * 8,
-                                        "dispatch": received * (h_bytes + routing_bytes + 8),
-                                        "combine": sent_away * h_bytes}, reported["all_to_all_v"]
+    assert reported["all_to_all_v", "exact"] == {"expert_counts": others * num_experts * 8, "send_counts": others * 8,
+                                                 "dispatch": received * (h_bytes + routing_bytes + 8),
+                                                 "combine": sent_away * h_bytes}, reported["all_to_all_v", "exact"]
     totals = gather_objects({k: sum(v.values()) for k, v in reported.items()})
-    assert sum(t["all_to_all_v"] for t in totals) < sum(t["all_gather"] for t in totals), totals
+    assert sum(t["all_to_all_v", "exact"] for t in totals) < sum(t["all_gather", "static"] for t in totals), totals
 
 
 def negative_control(dispatch: str) -> Callable[[], None]:
@@ -314,9 +338,57 @@ def idle_ranks() -> None:
     index = torch.tensor([[0, 1], [1, 0]]).repeat(ranks * per_rank // 2 + 1, 1)[: ranks * per_rank]
     rows = slice(me * per_rank, (me + 1) * per_rank)
     expected = full(hidden, affinities, index)[rows]
-    for dispatch in DISPATCHES:
-        stats = check_rows(parallel_experts(full, dispatch), (hidden, affinities, index), rows, expected, dispatch)
+    for dispatch, splits in DISPATCH_WAYS:
+        stats = check_rows(parallel_experts(full, dispatch, splits=splits), (hidden, affinities, index), rows,
+                           expected, f"{dispatch}/{splits}")
         assert stats.summary()["rank_load"] == (2 * ranks * per_rank if me == 0 else 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# no host sync, CUDA graphs
+
+
+def no_sync(tp: int, ep: int, sp: bool) -> Callable[[], None]:
+    """After a first call (kernel set-up, the ranks' agreement on the input shapes), a parallel forward reads no
+    tensor value on the host, for every dispatch way but the exact all-to-all, in prefill and decode."""
+    def run():
+        init(tp, ep)
+        for dispatch, splits in DISPATCH_WAYS[:2]:
+            full, par = pair(variant="qwen", sp=sp, shared="sp", dispatch=dispatch, splits=splits)
+            for batch, seq in ((2, 8), (4, 1)):
+                check_moe(full, par, batch, seq, seed=13)
+                _, groups, _, _ = coordinates()
+                x = local_view(randn(groups * batch, seq, full.hidden_size, seed=14), batch, sp and seq > 1)
+                with torch.no_grad():
+                    par(x)  # without statistics: another set of collectives, agreed on once
+                    with no_host_sync():
+                        par(x)
+    return run
+
+
+def cuda_graph_replay(tp: int, ep: int, dispatch: str, backend: str) -> Callable[[], None]:
+    """NCCL: the whole parallel step (router, dispatch, experts, combine, shared experts) captured in one CUDA graph
+    and replayed with new inputs (new routings) equals eager, and eager equals the single-device layer."""
+    def run():
+        from nxd_moe.graphs import capture
+
+        init(tp, ep)
+        device = torch.device("cuda", torch.cuda.current_device())
+        full, par = pair(variant="qwen", sp=False, shared="tp", dispatch=dispatch, backend=backend)
+        full, par = full.to(device, torch.bfloat16), par.to(device, torch.bfloat16)
+        _, groups, _, _ = coordinates()
+        for batch, seq in ((4, 1), (2, 16)):
+            xs = [randn(groups * batch, seq, full.hidden_size, seed=100 + i).to(device, torch.bfloat16)
+                  for i in range(3)]
+            step = capture(lambda x: par(x)[0], local_view(xs[0], batch, False))
+            for x in xs:
+                with torch.no_grad():
+                    expected = local_view(full(x)[0], batch, False)
+                    eager = par(local_view(x, batch, False))[0]
+                replayed = step(local_view(x, batch, False)).clone()
+                assert torch.equal(replayed, eager), (replayed - eager).abs().max()
+                assert_close(eager.float(), expected.float(), BF16_ATOL, msg=f"{dispatch} B={batch} S={seq}")
+    return run
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -372,14 +444,22 @@ def distribution_missing_expert() -> None:
 
 
 def shapes_disagree() -> None:
-    """With ``validate_inputs`` ranks that pass different token counts fail together instead of exchanging
-    mismatched buffers."""
+    """Ranks that pass different token counts, or different dtypes, fail together (a named error on every rank,
+    within seconds) instead of exchanging mismatched buffers; inputs agreed on once are not checked again."""
     init(1, dist.get_world_size())
-    experts = ExpertMLPsV2(make_config(num_experts=4), validate_inputs=True)
+    full = full_experts(make_config(num_experts=4), seed=9)
+    experts = parallel_experts(full, "all_to_all_v")
     tokens = 4 + 2 * dist.get_rank()
     affinities, index = random_routing(tokens, 4, 2, seed=90)
-    expect_error(ValueError, "ExpertMLPsV2 input shapes differ", "token_layout_shape",
+    expect_error(ValueError, "MoE inputs differ across ranks", "hidden_states", "rank 1='((6, 16)",
                  call=lambda: experts(randn(tokens, 16, seed=91), affinities, index))
+    affinities, index = random_routing(4, 4, 2, seed=92)
+    x = randn(4, 16, seed=93)
+    if dist.get_rank() == 1:  # a rank whose layer and inputs were cast after construction
+        experts.experts.double()
+        x, affinities = x.double(), affinities.double()
+    expect_error(ValueError, "MoE inputs differ across ranks", "torch.float64",
+                 call=lambda: experts(x, affinities, index))
 
 
 def rank_never_arrives() -> None:
@@ -408,7 +488,7 @@ def hf_checkpoint() -> None:
     config = model.config
     block = model.model.layers[1].mlp.eval()
     moe = load_hf_layer(build_moe(from_hf_config(config), block_size=4), model.state_dict(), config, 1)
-    assert moe.expert_mlps.parallelism is not None and moe.shared_experts.tensor_parallel is not None
+    assert moe.expert_mlps.is_sharded and moe.shared_experts.intermediate_shard is not None
     x = randn(1, 6, 32, seed=70)
     with torch.no_grad():
         expected = block(x)
@@ -425,9 +505,9 @@ def _layouts(entries) -> dict[str, Callable[[], None]]:
     out = {}
     for name, tp, ep, variant, shared, extra in entries:
         for sp in (True, False):
-            for dispatch in DISPATCHES:
-                out[f"{name}/{'sp' if sp else 'nosp'}/{dispatch}"] = layout(tp, ep, sp, dispatch, variant,
-                                                                             shared(sp), **extra)
+            for dispatch, splits in DISPATCH_WAYS:
+                out[f"{name}/{'sp' if sp else 'nosp'}/{dispatch}/{splits}"] = layout(
+                    tp, ep, sp, dispatch, variant, shared(sp), splits=splits, **extra)
     return out
 
 
@@ -447,6 +527,8 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
         "capacity/tp2/sp/all_gather": capacity(2, 1, True, "all_gather"),
         "modes/ep2": forced_modes(1, 2),
         "hf_checkpoint/tp2": hf_checkpoint,
+        "no_sync/ep2/nosp": no_sync(1, 2, False),
+        "no_sync/tp2/sp": no_sync(2, 1, True),
         "errors/disagreeing_sizes": disagreeing_sizes,
         "errors/not_dividing_world": not_dividing_world,
         "errors/experts_not_dividing": experts_not_dividing,
@@ -482,10 +564,23 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
 }
 
 
+# NCCL worlds (one GPU per rank; skipped without them): CUDA-graph capture of the parallel step.
+SUITES["nccl2"] = {
+    f"graph/{name}/{dispatch}/{backend}": cuda_graph_replay(tp, ep, dispatch, backend)
+    for name, tp, ep in (("ep2", 1, 2), ("tp2", 2, 1))
+    for dispatch in DISPATCHES
+    for backend in ("torch", "triton")
+}
+
+
 def main() -> None:
     suite, out_dir = sys.argv[1], Path(sys.argv[2])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    if suite.startswith("nccl"):
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     results: dict[str, str] = {}
     path = out_dir / f"rank{rank}.json"

@@ -18,7 +18,8 @@ from nxd_moe.config import ExpertParallelConfig
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
 from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads, replica_counts
-from nxd_moe.parallel.local_routing import local_routing
+from nxd_moe.experts.local_routing import local_routing
+from nxd_moe.parallel import ExpertParallel
 from nxd_moe.parallel.payload import pack, unpack
 from nxd_moe.parallel.placement import ExpertPlacement, pair_positions
 from nxd_moe.parallel.sharding import ShardSpec, shard_state_dict, shard_tensor, tensor_parallel_slice
@@ -359,18 +360,21 @@ def single_rank_world():
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all_v"])
-def test_world_of_one(single_rank_world, dispatch):
+@pytest.mark.parametrize("dispatch,splits", [("all_gather", "static"), ("all_to_all_v", "static"),
+                                             ("all_to_all_v", "exact")])
+def test_world_of_one(single_rank_world, dispatch, splits):
     assert parallel_state.get_moe_model_parallel_size() == 1
     cfg = make_config(num_experts=4, top_k=2)
     plain = make_experts(cfg)
-    assert ExpertMLPsV2(cfg).parallelism is None  # initialised, but nothing to split: the single-device layer
+    assert not ExpertMLPsV2(cfg).is_sharded  # initialised, but nothing to split: the single-device layer
     forced = ExpertMLPsV2(cfg, backend=TorchBackend(), model_parallel=True,
-                          expert_parallel_config=ExpertParallelConfig(dispatch))
+                          expert_parallel_config=ExpertParallelConfig(dispatch, all_to_all_splits=splits))
     forced.load_state_dict(plain.state_dict())
     hidden = randn(9, 16, seed=4)
     affinities, index = random_routing(9, 4, 2, seed=5)
-    out, stats = forced(hidden, affinities, index, return_stats=True)
+    with pytest.raises(RuntimeError, match="holds one rank's shard"):
+        forced(hidden, affinities, index)
+    out, stats = ExpertParallel(forced)(hidden, affinities, index, return_stats=True)
     assert_close(out, plain(hidden, affinities, index), 1e-6)
     assert stats.communication == {} and stats.summary()["bytes_moved"] == 0
     with pytest.raises(RuntimeError, match="already initialized"):

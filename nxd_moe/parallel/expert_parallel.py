@@ -1,0 +1,158 @@
+"""Routed experts across the ranks of an MoE block: dispatch this rank's tokens, compute the local pairs, combine.
+
+:class:`ExpertParallel` drives a sharded :class:`~nxd_moe.experts.ExpertMLPsV2` -- which holds its rank's weights
+and computes the pairs it is handed (:meth:`~nxd_moe.experts.ExpertMLPsV2.forward_pairs`) -- over the MoE
+model-parallel block: the router's top-k travel with the tokens (never the ``(T, E)`` affinities), a dispatch
+(:mod:`~nxd_moe.parallel.all_gather` or :mod:`~nxd_moe.parallel.all_to_all`) brings each rank the pairs its
+experts compute, and the partial outputs are summed back onto the ranks that own the tokens.
+
+Everything is static: sizes come from the token shape and the group sizes, never from the routing (unless an
+``exact`` all-to-all is asked for), so a CUDA graph captures the whole step and replays it with new routings.
+Ranks agree on the inputs' shapes and dtypes once per new shape (a named error on every rank otherwise); later
+calls with a shape already agreed on cost nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nxd_moe import parallel_state
+from nxd_moe.config import config_fingerprint
+from nxd_moe.experts.capacity import expert_capacity
+from nxd_moe.experts.expert_mlps import ExpertMLPsV2, ExpertsStats, PairsComputed
+from nxd_moe.experts.mode import ExpertsMode
+from nxd_moe.parallel.collectives import CommLedger
+from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch
+from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
+from nxd_moe.parallel.token_layout import TokenLayout
+
+
+class ExpertParallel:
+    """Runs ``experts`` (an :class:`~nxd_moe.experts.ExpertMLPsV2` built while :mod:`nxd_moe.parallel_state` was
+    initialised, so holding this rank's shard) over the MoE block.
+
+    ``__call__(hidden_states (T_r, H), expert_affinities (T_r, E), expert_index (T_r, k), seq_len=None,
+    padding_mask=None, *, mode=None, return_stats=False, token_layout=None, addend=None)`` takes this rank's tokens
+    (see :class:`~nxd_moe.parallel.token_layout.TokenLayout`; without ``token_layout`` the ranks of a TP group
+    share ``(T_r, H)``) and returns their complete routed output (``+ addend``), like ``ExpertMLPsV2.forward`` on
+    one device. The mode and the capacity are the whole block's, as one device would choose them.
+    """
+
+    def __init__(self, experts: ExpertMLPsV2):
+        if not isinstance(experts, ExpertMLPsV2) or not experts.is_sharded:
+            raise ValueError("ExpertParallel needs an ExpertMLPsV2 that holds a shard (built while "
+                             "nxd_moe.parallel_state was initialised, model_parallel not False)")
+        cfg = experts.routed_experts_mlp_config
+        shards = {}
+        for prefill in (True, False):
+            distribution = parallel_state.expert_distribution_for(experts.expert_parallel_config, prefill)
+            shard = ExpertShard.from_parallel_state(prefill, cfg.num_experts, distribution)
+            held = experts.weight_shard(decode=not prefill)
+            if (shard.local_experts, shard.tensor_parallel_size, shard.tensor_parallel_rank) != \
+                    (held.experts, held.intermediate_parts, held.intermediate_part):
+                raise RuntimeError("ExpertParallel: the experts were built under another parallel layout than the "
+                                   "one nxd_moe.parallel_state holds now; build them again")
+            shards[prefill] = shard
+        self.experts = experts
+        self.parallelism = ExpertsParallelism(MoEGroups.from_parallel_state(), shards[True], shards[False])
+        self._agreed_inputs: set[tuple] = set()
+
+    @property
+    def groups(self) -> MoEGroups:
+        return self.parallelism.groups
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        expert_affinities: torch.Tensor,
+        expert_index: torch.Tensor,
+        seq_len: int | None = None,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        mode: ExpertsMode | str | None = None,
+        return_stats: bool = False,
+        token_layout: TokenLayout | None = None,
+        addend: torch.Tensor | None = None,
+    ):
+        experts = self.experts
+        cfg = experts.routed_experts_mlp_config
+        experts.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
+        experts.check_addend(addend, hidden_states)
+        num_tokens, in_width = hidden_states.shape
+        if token_layout is None:
+            token_layout = self.groups.token_layout(1, num_tokens, sequence_parallel=False)
+        if not isinstance(token_layout, TokenLayout) or token_layout.num_local_tokens != num_tokens:
+            raise ValueError(f"ExpertParallel: token_layout must be a TokenLayout of {num_tokens} local tokens, got "
+                             f"{token_layout!r}")
+        self._agree_on_inputs(hidden_states, token_layout, seq_len, mode, padding_mask is not None, addend,
+                              return_stats)
+        x = experts.pad_hidden(hidden_states)
+        routing = experts.routing(expert_affinities, expert_index, padding_mask)
+        decode = seq_len == 1
+        shard = self.parallelism.shard(decode)
+        total = token_layout.num_tokens
+        mode = experts.resolve_mode(mode, total, seq_len)
+        capacity = (expert_capacity(total, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+                    if mode is ExpertsMode.CAPACITY_FACTOR else None)
+        computed = {}
+
+        def compute(rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor) -> torch.Tensor:
+            out, computed["pairs"] = experts.forward_pairs(rows, pair_expert, pair_weight, mode, capacity, decode)
+            return out
+
+        pair_expert = torch.where(routing.pair_valid(), routing.expert_index, torch.full_like(routing.expert_index, -1))
+        pair_weight = routing.affinities.gather(1, routing.expert_index)
+        ledger = CommLedger()
+        epc = experts.expert_parallel_config
+        result = get_dispatch(epc.dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout, self.groups,
+                                                           shard, capacity, compute, ledger, epc.all_to_all_splits,
+                                                           count_pairs=return_stats))
+        out = result.output
+        if in_width != cfg.hidden_size:
+            out = out[:, :in_width]
+        if addend is not None:
+            out = out + addend
+        if not return_stats:
+            return out
+        counts = result.pairs_per_expert
+        # An exact all-to-all that brought this rank no row computed nothing.
+        pairs = computed.get("pairs") or PairsComputed(
+            torch.zeros(len(shard.local_experts), dtype=torch.int64, device=x.device), None, None, None)
+        dropped = (counts - counts.clamp(max=capacity)).sum() if capacity is not None else torch.zeros(
+            (), dtype=torch.int64, device=x.device)
+        stats = ExpertsStats(
+            mode=mode,
+            num_tokens=total,
+            top_k=cfg.top_k,
+            num_experts=cfg.num_experts,
+            tokens_per_expert=counts,
+            dropped_tokens=dropped,
+            block_size=pairs.block_size,
+            num_blocks=pairs.num_blocks,
+            capacity=capacity,
+            mapping=pairs.mapping,
+            dispatch=epc.dispatch,
+            local_experts=shard.local_experts,
+            local_tokens_per_expert=pairs.tokens_per_local_expert,
+            communication=dict(ledger.steps),
+        )
+        return out, stats
+
+    def _agree_on_inputs(self, hidden_states: torch.Tensor, token_layout: TokenLayout, seq_len: int | None, mode,
+                         padded: bool, addend: torch.Tensor | None, return_stats: bool) -> None:
+        """Every rank of the world passes inputs of the same shapes and dtypes: checked (an all-gather over the
+        gloo check group, with ``parallel_state``'s timeout) the first time this rank sees a combination (statistics
+        included: they change which collectives run), so ranks
+        that disagree all raise one ``ValueError`` naming each rank's values instead of exchanging mismatched
+        buffers. Shapes already agreed on are not checked again (no cost in a replayed step)."""
+        key = (tuple(hidden_states.shape), hidden_states.dtype, token_layout.batch, token_layout.local_seq_len,
+               token_layout.sequence_parallel, seq_len, None if mode is None else str(mode), padded,
+               addend is not None, return_stats)
+        if key in self._agreed_inputs:
+            return
+        parallel_state.check_configuration(config_fingerprint(
+            hidden_states=(tuple(hidden_states.shape), hidden_states.dtype),
+            token_layout=(token_layout.batch, token_layout.local_seq_len, token_layout.sequence_parallel),
+            seq_len=seq_len, mode=key[6], padding_mask=padded, addend=addend is not None,
+            return_stats=return_stats), "MoE inputs")
+        self._agreed_inputs.add(key)
