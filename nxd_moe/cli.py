@@ -30,6 +30,7 @@ import torch.distributed as dist
 from nxd_moe import parallel_state
 from nxd_moe.build import build_moe, scaled_model
 from nxd_moe.config import (
+    ALL_TO_ALL_SPLITS,
     EXPERT_PARALLEL_DISPATCHES,
     ExpertParallelConfig,
     MoEModelConfig,
@@ -213,9 +214,6 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
 def run(args: argparse.Namespace) -> dict | None:
     """The report (on rank 0 of a model-parallel run; None on the other ranks)."""
     if _is_parallel(args):
-        if args.device != "cpu":
-            raise ValueError(f"--device {args.device}: model-parallel runs (--tp/--ep/--sp, torchrun) run on the CPU "
-                             "(gloo); run one device with --device cuda")
         return run_parallel(args)
     device = resolve_device(args.device, args.backend)
     model, dtype, scale = _setup(args)
@@ -245,7 +243,8 @@ def run(args: argparse.Namespace) -> dict | None:
     return _report(args, model, scale, dtype, moe, prefill, decode)
 
 
-def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeats: int) -> dict:
+def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeats: int, device: torch.device
+                   ) -> dict:
     """One step on this rank's part of the block's input ``x (D * batch, S, H)``; error against the float64
     reference of the same tokens, gathered over the ranks (time: the slowest rank's)."""
     d, j = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
@@ -256,12 +255,13 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
         width = t.shape[1] // tp
         return t[:, j * width:(j + 1) * width] if sharded else t
 
-    local = mine(x)
+    local = mine(x).to(device)
     with torch.inference_mode():
-        (output, stats), ms = _timed_ms(lambda: moe(local, return_stats=True), repeats)
+        (output, stats), ms = _timed_ms(lambda: moe(local, return_stats=True), repeats, device)
         # Capacity drops depend on every token of the block; otherwise this rank's tokens are enough.
         reference = (mine(reference_for_moe(full, x, capacity=stats.capacity)) if stats.capacity is not None
-                     else reference_for_moe(full, local))
+                     else reference_for_moe(full, local.cpu()))
+        output = output.cpu()
     summary = stats.summary()
     mine_numbers = {"err": float((output.double() - reference).abs().max()), "ref": float(reference.abs().max()),
                     "ms": ms, "bytes": summary["bytes_moved"], "load": summary["rank_load"]}
@@ -280,15 +280,20 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
 
 
 def run_parallel(args: argparse.Namespace) -> dict | None:
-    """The run job on every rank of a ``torchrun`` launch (gloo); the single-device layer with the same seed is
-    built on each rank for the reference and sharded into the parallel one."""
+    """The run job on every rank of a ``torchrun`` launch (gloo on CPU; NCCL with ``--device cuda``, one GPU per
+    local rank); the single-device layer with the same seed is built on each rank (on the CPU) for the reference
+    and sharded into the parallel one."""
     if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
         raise ValueError(f"--tp {args.tp} --ep {args.ep} runs on {args.tp * args.ep} processes: launch with "
                          f"torchrun --nproc-per-node {args.tp * args.ep} -m nxd_moe.cli run ...")
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(str(device), args.backend)
     model, dtype, scale = _setup(args)
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
         parallel_state.initialize_model_parallel(args.tp, args.ep, moe_decode_tensor_model_parallel_size=args.decode_tp,
                                                  moe_decode_expert_model_parallel_size=args.decode_ep)
@@ -297,15 +302,16 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
         common = dict(scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, sequence_parallel=args.sp,
                       **_overrides(args))
         full = build_moe(model, model_parallel=False, **common)
-        moe = load_full_state_dict(build_moe(model, expert_parallel_config=ExpertParallelConfig(args.dispatch),
-                                             **common), full.state_dict())
+        placement = ExpertParallelConfig(args.dispatch, all_to_all_splits=args.all_to_all_splits)
+        moe = load_full_state_dict(build_moe(model, expert_parallel_config=placement, device=device, **common),
+                                   full.state_dict())
         cfg = full.expert_mlps.routed_experts_mlp_config
         groups = parallel_state.get_expert_model_parallel_size()
         generator = torch.Generator().manual_seed(args.seed + 1)
         prefill_x = torch.randn(groups, args.tokens, cfg.hidden_size, generator=generator).to(dtype)
         decode_x = torch.randn(groups * args.decode_batch, 1, cfg.hidden_size, generator=generator).to(dtype)
-        prefill = _parallel_step(full, moe, prefill_x, 1, args.sp, args.repeats)
-        decode = _parallel_step(full, moe, decode_x, args.decode_batch, False, args.repeats)
+        prefill = _parallel_step(full, moe, prefill_x, 1, args.sp, args.repeats, device)
+        decode = _parallel_step(full, moe, decode_x, args.decode_batch, False, args.repeats, device)
         layout = parallel_state.get_parallel_layout()
         rank = dist.get_rank()
     finally:
@@ -315,7 +321,7 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
     if rank:
         return None
     prefill["tokens"], decode["batch"] = args.tokens, args.decode_batch
-    return _report(args, model, scale, dtype, full, prefill, decode, parallel={
+    report = _report(args, model, scale, dtype, full, prefill, decode, parallel={
         "world_size": layout.world_size,
         "tensor_model_parallel_size": layout.tensor_model_parallel_size,
         "expert_model_parallel_size": layout.expert_model_parallel_size,
@@ -323,8 +329,11 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
         "moe_decode": list(layout.moe_decode),
         "sequence_parallel": args.sp,
         "dispatch": args.dispatch,
+        "all_to_all_splits": args.all_to_all_splits,
         "token_groups": groups,
     })
+    report["device"] = str(device.type)  # the parallel layer's (the reference ran on the CPU)
+    return report
 
 
 def _kib(values: list[int]) -> str:
@@ -418,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--sp", action="store_true", help="sequence parallelism in prefill (shards --tokens over --tp)")
     run_p.add_argument("--dispatch", default="all_gather", choices=EXPERT_PARALLEL_DISPATCHES,
                        help="expert-parallel token dispatch (default all_gather, NxD's)")
+    run_p.add_argument("--all-to-all-splits", default="static", choices=ALL_TO_ALL_SPLITS,
+                       help="all_to_all_v buffers: static (default; no host sync, CUDA-graph capturable) or exact "
+                            "(counts exchanged first: fewer bytes, one host sync per step)")
     run_p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     run_p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
 

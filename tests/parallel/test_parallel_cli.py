@@ -28,7 +28,7 @@ def test_torchrun_tp_ep_sp_all_to_all_v():
     report = json.loads(done.stdout)  # rank 0 alone prints
     assert report["parallel"] == {"world_size": 2, "tensor_model_parallel_size": 1, "expert_model_parallel_size": 2,
                                   "moe_prefill": [1, 2], "moe_decode": [1, 2], "sequence_parallel": True,
-                                  "dispatch": "all_to_all_v", "token_groups": 2}
+                                  "dispatch": "all_to_all_v", "all_to_all_splits": "static", "token_groups": 2}
     assert report["shared_experts"] and report["router"] == "GroupLimitedRouter"
     for step in (report["prefill"], report["decode"]):
         assert step["max_abs_err"] < 1e-5 * max(1.0, step["max_abs_ref"])
