@@ -1,30 +1,31 @@
-"""Expert-parallel MoE on several GPUs (NCCL) or CPU processes (gloo): all-gather vs all-to-all-v dispatch, and
-EP scaling of a DeepSeek-V3-sized layer.
+"""Expert-parallel MoE on several GPUs (NCCL), CUDA-graph replay, against one GPU doing all the work.
 
 What is measured
 ----------------
-One MoE layer of DeepSeek-V3 (``configs/deepseek-v3.yaml``: H=7168, I=2048, 256 routed experts, top-8,
-group-limited router, one shared expert; ``--scale`` divides H and I), random weights, bf16 on GPU (fp32 on CPU),
-expert parallelism over all ranks of the world (TP=1, EP=N: each rank is its own token group, as with
-data-parallel attention, and feeds its own tokens).
+For each model layer (``--configs``: Qwen3-30B-A3B and DeepSeek-V3 at full size by default) and weight format
+(``--formats``: bf16, fp8_block), expert parallelism over every rank of a world (TP=1, EP=N; each rank is its own
+token group and feeds its own tokens, as with data-parallel attention), both dispatches (``all_gather``, NxD's;
+``all_to_all_v`` with static per-destination buffers), each step captured in ONE CUDA graph and replayed:
 
-1. **Dispatch** (worlds of 2 and more ranks): for each prefill length and decode batch *per rank*, the layer's
-   latency with ``all_gather`` (NxD's: every rank gathers every token, computes its local experts, reduce-scatter)
-   and with ``all_to_all_v`` (tokens go only to the ranks that hold one of their experts), interleaved
-   repetition by repetition; the bytes each rank received (the layer's own count, ``ExpertsStats.communication``);
-   ratios a2a / all-gather; and the largest difference between the two dispatches' outputs.
-2. **EP scaling**: a fixed *global* prefill (``--scaling-prefill-tokens``) and decode batch
-   (``--scaling-decode-batch``) split over 1, 2, 4 ... ranks (EP = world size; EP=1 is the single-device layer
-   holding all experts): latency, tokens/s and speed-up over EP=1, for both dispatches.
+- **steps**: decode with ``--decode`` tokens per rank and prefill with ``--prefill`` tokens per rank. Per step:
+  the slowest rank's replay time; the single-GPU layer's replay time for the same TOTAL tokens (world 1, same run);
+  the ratio; bytes each rank sends (the layer's own count: static buffers, padding included, so wire bytes); the
+  achieved NVLink GB/s of those bytes over the step; and the floor = max(expert-weight bytes this rank reads /
+  HBM bandwidth, FLOPs / bf16 matmul rate, dispatch + combine bytes / NVLink bandwidth), with HBM, matmul and
+  NVLink (a large all-to-all) bandwidths measured in the same run.
+- **dispatch_combine**: the DeepEP-comparable figure -- dispatch + combine alone (the experts replaced by the
+  identity) of a 128-token DeepSeek-V3 decode batch (7168 hidden, top-8) per rank, graph-replayed.
+- **orchestration** (world 1 only): the parallel path forced onto one GPU (``model_parallel=True``; its
+  collectives are no-ops) against the single-device layer -- the cost of the dispatch/combine bookkeeping itself.
+- **ep_model**: EP 8..64 predicted from the measured parts (written in the JSON with its assumptions).
 
-Method: after warm-up, each repetition runs every contender once (rotating the start); a call is timed from a
-barrier + device sync to a device sync; the reported time is the median over repetitions of the slowest rank
-(a layer waits for its slowest rank), with p10/p90. Routing comes from the layer's own router on random inputs
-(roughly uniform over experts; no EPLB).
+Method: after warm-up and capture, each rank replays ``--replays`` times between two CUDA events, ``--repeats``
+times (barrier first); a rank's time is the median per replay; the step's time is the slowest rank's. Routing
+comes from the layer's own router on random inputs (roughly uniform; no EPLB).
 
-Run: ``python benchmarks/parallel.py --device cuda --worlds 1,2,4 --out benchmarks/results/parallel.json``
-(the script starts ``torchrun`` itself for each world size). CPU smoke test (gloo, tiny shapes, seconds):
-``python benchmarks/parallel.py --quick``. Output: one JSON object on stdout (and ``--out``).
+Run: ``python benchmarks/parallel.py --worlds 1,2 --out benchmarks/results/parallel_ep2_h200.json`` on a machine
+with 2 GPUs (the script starts ``torchrun`` itself per world size). CPU smoke test (gloo, tiny shapes, eager):
+``python benchmarks/parallel.py --quick``. Output: one JSON object on stdout (and ``--out``), a table on stderr.
 """
 
 from __future__ import annotations
@@ -48,65 +49,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nxd_moe import build_moe, load_model_config, parallel_state  # noqa: E402
-from nxd_moe.config import EXPERT_PARALLEL_DISPATCHES, ExpertParallelConfig  # noqa: E402
+from nxd_moe.config import ExpertParallelConfig  # noqa: E402
+from nxd_moe.graphs import capture  # noqa: E402
+from nxd_moe.parallel.collectives import CommLedger, all_to_all  # noqa: E402
+from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch  # noqa: E402
+from nxd_moe.quantization.quantizer import expert_weight_bytes  # noqa: E402
 
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low, high = int(pos), min(int(pos) + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+DISPATCHES = ("all_gather", "all_to_all_v")
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# worker: one rank of a torchrun world
-
-
-def build_layers(args, device: torch.device, dtype: torch.dtype) -> dict:
-    """One layer per dispatch, sharing the same weight tensors."""
-    model = load_model_config(args.config)
-    common = dict(scale=args.scale, dtype=dtype, seed=0, block_size=args.block_size, backend=args.backend)
-    first = build_moe(model, device=device, expert_parallel_config=ExpertParallelConfig(EXPERT_PARALLEL_DISPATCHES[0]),
-                      **common)
-    layers = {EXPERT_PARALLEL_DISPATCHES[0]: first}
-    for dispatch in EXPERT_PARALLEL_DISPATCHES[1:]:
-        other = build_moe(model, device="meta", expert_parallel_config=ExpertParallelConfig(dispatch), **common)
-        other.load_state_dict(first.state_dict(), assign=True)
-        layers[dispatch] = other
-    return layers
-
-
-def timed(contenders: dict, repeats: int, warmup: int, device: torch.device) -> dict[str, list[float]]:
-    """Per-call seconds of each contender, interleaved with a rotating start (this rank's clock)."""
-    names = list(contenders)
-    for _ in range(warmup):
-        for name in names:
-            contenders[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(repeats):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            sync(device)
-            start = time.perf_counter()
-            contenders[name]()
-            sync(device)
-            samples[name].append(time.perf_counter() - start)
-    return samples
-
-
-def slowest_rank(samples: list[float]) -> dict:
-    """Median / p10 / p90 in ms of the per-repetition maximum over ranks."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, samples)
-    per_rep = [max(rank[i] for rank in everyone) * 1e3 for i in range(len(samples))]
-    return {"median_ms": statistics.median(per_rep), "p10_ms": percentile(per_rep, 10),
-            "p90_ms": percentile(per_rep, 90)}
 
 
 def gathered(value) -> list:
@@ -115,33 +69,144 @@ def gathered(value) -> list:
     return everyone
 
 
-def measure(layers: dict, x: torch.Tensor, args, device: torch.device) -> dict:
-    """Latency, bytes and output agreement of every dispatch on this rank's input ``x``."""
+def time_ms(fn, device: torch.device, repeats: int, replays: int) -> float:
+    """This rank's median ms per call of ``fn`` (``replays`` back-to-back calls per sample; events on CUDA)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        sync(device)
+        if device.type == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                fn()
+            stop.record()
+            stop.synchronize()
+            samples.append(start.elapsed_time(stop) / replays)
+        else:
+            begin = time.perf_counter()
+            for _ in range(replays):
+                fn()
+            samples.append((time.perf_counter() - begin) * 1e3 / replays)
+    return statistics.median(samples)
+
+
+def slowest(ms: float) -> float:
+    return max(gathered(ms))
+
+
+def stepper(fn, x: torch.Tensor, graphs: bool):
+    """``fn`` on ``x`` as a replayable call: a captured CUDA graph, or eager."""
+    if graphs:
+        graphed = capture(fn, x)
+        return lambda: graphed(x)
+    return lambda: fn(x)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# rooflines measured in the run
+
+
+def rooflines(device: torch.device, world: int, args) -> dict:
+    if device.type != "cuda":
+        return {}
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    copy_ms = time_ms(lambda: b.copy_(a), device, 5, 10)
+    m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda: m @ m, device, 5, 5)
+    out = {"hbm_copy_GBps": 2 * a.numel() / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9}
+    if world > 1:
+        # Per-GPU all-to-all bandwidth: bytes this rank sends to the others over the time of a large exchange.
+        rows = (256 << 20) // 4096
+        buf = torch.randn(world * rows, 2048, device=device, dtype=torch.bfloat16)
+        group = dist.group.WORLD
+        ledger = CommLedger()
+        a2a_ms = slowest(time_ms(lambda: all_to_all(buf, group, ledger, "x"), device, 5, 5))
+        sent = buf.numel() * buf.element_size() * (world - 1) / world
+        out["nvlink_all_to_all_GBps_per_gpu"] = sent / a2a_ms / 1e6
+        out["nvlink_measure"] = f"all_to_all_single of {buf.numel() * 2 >> 20} MiB per rank, bytes sent to others"
+    torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# worker: one rank of a torchrun world
+
+
+def build(args, config: str, fmt: str, device, dtype, dispatch: str | None):
+    """The layer (dispatch None: the single-device one, weights from seed 0); parallel layers share the
+    single-device layer's seed so that every world computes the same function."""
+    common = dict(scale=args.scale, dtype=dtype, seed=0, block_size=args.block_size, backend=args.backend,
+                  quantization=None if fmt == "bf16" else fmt)
+    if dispatch is None:
+        return build_moe(config, device=device, model_parallel=False, **common)
+    return build_moe(config, device=device, model_parallel=True,
+                     expert_parallel_config=ExpertParallelConfig(dispatch, all_to_all_splits="static"), **common)
+
+
+def step_record(moe, x: torch.Tensor, device, args, rates: dict) -> dict:
+    """Time one layer on this rank's ``x``; bytes, touched weights and the floor."""
     with torch.inference_mode():
-        outputs, stats = {}, {}
-        for name, layer in layers.items():
-            outputs[name], stats[name] = layer(x, return_stats=True)
-        samples = timed({name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}, args.repeats,
-                        args.warmup, device)
-    result = {"mode": next(iter(stats.values())).mode.value}
-    for name in layers:
-        summary = stats[name].summary()
-        per_rank = gathered(summary.get("bytes_moved", 0))
-        result[name] = {**slowest_rank(samples[name]), "bytes_received_max_rank": max(per_rank),
-                        "bytes_received_all_ranks": sum(per_rank),
-                        "bytes_by_step_rank0": gathered(summary.get("bytes_by_step", {}))[0]}
-    names = list(layers)
-    if len(names) == 2:
-        a, b = names
-        diff = float((outputs[a][0].float() - outputs[b][0].float()).abs().max())
-        scale = float(outputs[a][0].float().abs().max())
-        result["max_abs_diff_between_dispatches"] = max(gathered(diff))
-        result["max_abs_output"] = max(gathered(scale))
-        if result[a]["bytes_received_all_ranks"]:
-            result["bytes_ratio_a2a_over_all_gather"] = (result[b]["bytes_received_all_ranks"]
-                                                         / result[a]["bytes_received_all_ranks"])
-        result["latency_ratio_a2a_over_all_gather"] = result[b]["median_ms"] / result[a]["median_ms"]
-    return result
+        result = moe(x, return_stats=True)
+        out, stats = result[0], result[-1]
+        summary = stats.summary()
+        step = stepper(lambda inp: moe(inp)[0], x, args.graphs)
+        ms = slowest(time_ms(step, device, args.repeats, args.replays))
+        eager_ms = slowest(time_ms(lambda: moe(x)[0], device, max(2, args.repeats // 2), 1)) if args.eager else None
+    experts = moe.expert_mlps
+    per_expert = expert_weight_bytes(experts) / experts.mlp_op.down_proj.shape[0]
+    local = stats.local_tokens_per_expert if stats.local_tokens_per_expert is not None else stats.tokens_per_expert
+    touched = float((local > 0).sum()) * per_expert
+    cfg = experts.routed_experts_mlp_config
+    pairs = float(local.sum())
+    flops = 2 * pairs * 3 * cfg.hidden_size * cfg.intermediate_size / max(1, experts.weight_shard(False)
+                                                                            .intermediate_parts)
+    # The statistics call also all-gathers the per-expert counts; the timed step (no statistics) does not.
+    sent = sum(v for k, v in summary.get("bytes_by_step", {}).items() if k != "expert_counts")
+    record = {"ms": ms, "eager_ms": eager_ms, "mode": summary["mode"], "bytes_sent_per_rank": max(gathered(sent)),
+              "bytes_by_step": summary.get("bytes_by_step", {}),
+              "expert_bytes_read_max_rank": max(gathered(touched)), "flops_max_rank": max(gathered(flops)),
+              "output_abs_max": float(out.float().abs().max())}
+    if rates:
+        parts = {"hbm_ms": record["expert_bytes_read_max_rank"] / rates["hbm_copy_GBps"] / 1e6,
+                 "matmul_ms": record["flops_max_rank"] / rates["bf16_matmul_TFLOPs"] / 1e9}
+        if "nvlink_all_to_all_GBps_per_gpu" in rates:
+            parts["nvlink_ms"] = record["bytes_sent_per_rank"] / rates["nvlink_all_to_all_GBps_per_gpu"] / 1e6
+            record["achieved_nvlink_GBps"] = record["bytes_sent_per_rank"] / ms / 1e6
+        record["floor_ms"] = max(parts.values())
+        record["floor_parts_ms"] = parts
+        record["vs_floor"] = ms / record["floor_ms"]
+    return record
+
+
+def dispatch_combine(moe, x: torch.Tensor, device, args) -> dict:
+    """Dispatch + combine alone (experts replaced by the identity), graph-replayed: the DeepEP-comparable time."""
+    par = moe.expert_parallel
+    experts = par.experts
+    tokens = x.reshape(-1, x.shape[-1])
+    with torch.inference_mode():
+        _, affinities, index = moe.router(tokens)
+        routing = experts.routing(affinities, index)
+        pair_expert = torch.where(routing.pair_valid(), routing.expert_index, -1)
+        pair_weight = routing.affinities.gather(1, routing.expert_index)
+        layout = par.groups.token_layout(x.shape[0], x.shape[1], False)
+        shard = par.parallelism.shard(decode=True)
+        epc = experts.expert_parallel_config
+        ledger = CommLedger()
+
+        def run(rows):
+            ledger.steps.clear()
+            return get_dispatch(epc.dispatch)(DispatchInputs(
+                rows, pair_expert, pair_weight, layout, par.groups, shard, None, lambda r, e, w: r, ledger,
+                epc.all_to_all_splits, count_pairs=False)).output
+
+        run(tokens)
+        step = stepper(run, tokens, args.graphs)
+        ms = slowest(time_ms(step, device, args.repeats, args.replays))
+    return {"ms": ms, "us": ms * 1e3, "bytes_sent_per_rank": max(gathered(sum(ledger.steps.values()))),
+            "tokens_per_rank": tokens.shape[0], "hidden_size": tokens.shape[1], "top_k": index.shape[1]}
 
 
 def worker(args) -> None:
@@ -151,31 +216,45 @@ def worker(args) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(seconds=600))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(seconds=900))
     parallel_state.initialize_model_parallel(1, world)
-    layers = build_layers(args, device, dtype)
-    hidden = layers[EXPERT_PARALLEL_DISPATCHES[0]].hidden_size
+    rates = rooflines(device, world, args)
     gen = torch.Generator().manual_seed(100 + rank)
-
-    def inputs(batch: int, seq: int) -> torch.Tensor:
-        return torch.randn(batch, seq, hidden, generator=gen).to(device=device, dtype=dtype)
-
-    report: dict = {"world_size": world, "dispatch": [], "ep_scaling": []}
-    if world > 1:
-        for tokens in args.prefill_tokens:
-            report["dispatch"].append({"phase": "prefill", "tokens_per_rank": tokens,
-                                       **measure(layers, inputs(1, tokens), args, device)})
-        for batch in args.decode_batch:
-            report["dispatch"].append({"phase": "decode", "batch_per_rank": batch,
-                                       **measure(layers, inputs(batch, 1), args, device)})
-    if world == 1:  # the single-device layer: every dispatch is the same code path, time one
-        layers = {"single_device": layers[EXPERT_PARALLEL_DISPATCHES[0]]}
-    for phase, total in (("prefill", args.scaling_prefill_tokens), ("decode", args.scaling_decode_batch)):
-        if total % world:
-            raise ValueError(f"the global {phase} size {total} must be divisible by the world size {world}")
-        x = inputs(1, total // world) if phase == "prefill" else inputs(total // world, 1)
-        report["ep_scaling"].append({"phase": phase, "ep": world, "global_tokens": total,
-                                     **measure(layers, x, args, device)})
+    report: dict = {"world_size": world, "rooflines": rates, "steps": [], "dispatch_combine": [], "skipped": []}
+    worlds = args.all_worlds
+    for config in args.configs:
+        for fmt in args.formats:
+            try:
+                layers = {None: build(args, config, fmt, device, dtype, None) if world == 1 else None}
+                for dispatch in DISPATCHES:
+                    layers[dispatch] = build(args, config, fmt, device, dtype, dispatch)
+                    if layers[None] is not None:  # one GPU: the forced-parallel layer computes the same function
+                        layers[dispatch].load_state_dict(layers[None].state_dict())
+            except (NotImplementedError, ValueError) as e:
+                report["skipped"].append({"config": config, "format": fmt, "why": f"{type(e).__name__}: {e}"})
+                continue
+            hidden = next(v for v in layers.values() if v is not None).hidden_size
+            # World 1 measures every total size the larger worlds need for their baseline.
+            for phase, per_rank_sizes in (("decode", args.decode), ("prefill", args.prefill)):
+                sizes = sorted({n * w for n in per_rank_sizes for w in worlds}) if world == 1 else per_rank_sizes
+                for n in sizes:
+                    shape = (n, 1) if phase == "decode" else (1, n)
+                    x = torch.randn(*shape, hidden, generator=gen).to(device, dtype)
+                    for name, moe in layers.items():
+                        if moe is None:
+                            continue
+                        record = step_record(moe, x, device, args, rates)
+                        report["steps"].append({"config": config, "format": fmt, "phase": phase,
+                                                "tokens_per_rank": n, "world_size": world,
+                                                "layer": name or "single_device", **record})
+            if config == args.dispatch_config and fmt == "bf16":
+                for dispatch in DISPATCHES:
+                    x = torch.randn(args.dispatch_tokens, 1, hidden, generator=gen).to(device, dtype)
+                    report["dispatch_combine"].append({"config": config, "dispatch": dispatch, "world_size": world,
+                                                       **dispatch_combine(layers[dispatch], x, device, args)})
+            del layers
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     if device.type == "cuda":
         report["peak_memory_gib_rank0"] = torch.cuda.max_memory_allocated(device) / 2**30
     parallel_state.destroy_model_parallel()
@@ -196,6 +275,12 @@ def environment(args) -> dict:
         env["gpus_visible"] = torch.cuda.device_count()
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         env["NCCL_NVLS_ENABLE"] = os.environ.get("NCCL_NVLS_ENABLE")
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            env["triton"] = None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
@@ -205,9 +290,80 @@ def environment(args) -> dict:
     return env
 
 
+def compare(steps: list[dict]) -> list[dict]:
+    """Each parallel step next to the single GPU doing the same total tokens (same config, format, phase)."""
+    single = {(s["config"], s["format"], s["phase"], s["tokens_per_rank"]): s for s in steps
+              if s["layer"] == "single_device"}
+    out = []
+    for s in steps:
+        if s["layer"] == "single_device":
+            continue
+        base = single.get((s["config"], s["format"], s["phase"], s["tokens_per_rank"] * s["world_size"]))
+        row = dict(s)
+        if base is not None:  # the same total tokens: the throughput ratio is the inverse of the time ratio
+            row["single_gpu_same_total_ms"] = base["ms"]
+            row["time_vs_single_gpu"] = s["ms"] / base["ms"]
+            row["throughput_vs_single_gpu"] = base["ms"] / s["ms"]
+        out.append(row)
+    return out
+
+
+def ep_model(report: dict, args) -> dict:
+    """EP 8..64 from the measured parts. A step at EP = p costs (a) the orchestration's fixed cost (world-1 forced
+    parallel minus single device, measured), (b) the expert work of one rank -- decode: the weights of the experts
+    its tokens touch over HBM; prefill: its FLOPs over the matmul rate -- and (c) dispatch + combine: the static
+    buffers' bytes over the per-GPU all-to-all bandwidth plus a fixed latency (measured at the largest world run).
+    Assumptions: uniform routing, no EPLB, the per-GPU all-to-all bandwidth measured inside one NVLink node holds up
+    to 8 GPUs; beyond 8 GPUs traffic to other nodes goes at ``--internode-GBps`` per GPU (400 Gb/s NIC per GPU by
+    default), and a fraction (p - 8)/p of each rank's destinations are remote."""
+    worlds = [w for w in report["runs"] if w > 1]
+    if not worlds or not report["runs"][max(worlds)].get("rooflines"):
+        return {"skipped": "needs a run of 2 or more GPUs"}
+    top = report["runs"][max(worlds)]
+    rates = top["rooflines"]
+    out = {"assumptions": ep_model.__doc__, "internode_GBps_per_gpu": args.internode_GBps, "rows": []}
+    fixed = {}
+    for s in report["runs"].get(1, {}).get("steps", []):
+        if s["layer"] != "single_device":
+            base = next((b for b in report["runs"][1]["steps"] if b["layer"] == "single_device" and
+                         all(b[k] == s[k] for k in ("config", "format", "phase", "tokens_per_rank"))), None)
+            if base:
+                fixed[s["config"], s["format"], s["phase"], s["tokens_per_rank"], s["layer"]] = s["ms"] - base["ms"]
+    latency = {d["dispatch"]: d for d in top["dispatch_combine"]}
+    for s in top["steps"]:
+        cfg = load_model_config(s["config"]).scaled(args.scale)
+        hidden, inter, experts, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k
+        for p in (8, 16, 32, 64):
+            if experts % p:
+                continue
+            tokens = s["tokens_per_rank"]
+            local_experts = experts // p
+            pairs = tokens * p * k / p  # pairs per rank under uniform routing
+            hit = local_experts * (1 - (1 - 1 / experts) ** (tokens * p * k))
+            per_expert = 3 * hidden * inter * (1 if s["format"] == "fp8_block" else 2)
+            compute_ms = (max(hit * per_expert / rates["hbm_copy_GBps"] / 1e6,
+                              2 * pairs * 3 * hidden * inter / rates["bf16_matmul_TFLOPs"] / 1e9))
+            row_bytes = hidden * 2 + k * 8
+            wire = 2 * (p - 1) * tokens * row_bytes  # static buffers: every other rank, both directions
+            remote = max(0, p - 8) / p
+            comm_ms = (wire * (1 - remote) / rates["nvlink_all_to_all_GBps_per_gpu"] / 1e6
+                       + wire * remote / args.internode_GBps / 1e6)
+            lat = latency.get(s["layer"], {}).get("ms", 0.0)
+            key = (s["config"], s["format"], s["phase"], s["tokens_per_rank"], s["layer"])
+            total = compute_ms + comm_ms + lat + max(0.0, fixed.get(key, 0.0))
+            out["rows"].append({"config": s["config"], "format": s["format"], "phase": s["phase"],
+                                "dispatch": s["layer"], "tokens_per_rank": tokens, "ep": p,
+                                "predicted_ms": total, "compute_ms": compute_ms, "comm_ms": comm_ms,
+                                "dispatch_latency_ms": lat, "orchestration_ms": fixed.get(key)})
+    return out
+
+
 def launch(args) -> dict:
-    runs = {}
+    runs, not_run = {}, {}
     for world in args.worlds:
+        if args.device == "cuda" and world > torch.cuda.device_count():
+            not_run[world] = f"needs {world} GPUs, {torch.cuda.device_count()} visible"
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "world.json"
             env = dict(os.environ)
@@ -215,57 +371,44 @@ def launch(args) -> dict:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                        "--master-port", str(29500 + world), str(Path(__file__).resolve()), "--worker",
-                       "--worker-out", str(out), *sys.argv[1:]]
+                       "--worker-out", str(out), "--all-worlds", ",".join(map(str, args.worlds)), *sys.argv[1:]]
             start = time.perf_counter()
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.world_timeout)
             if done.returncode:
                 raise RuntimeError(f"world {world} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
             runs[world] = json.loads(out.read_text())
             print(f"world {world}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    scaling = [entry for run in runs.values() for entry in run["ep_scaling"]]
-    for entry in scaling:
-        base = next((e for e in scaling if e["phase"] == entry["phase"] and e["ep"] == 1), None)
-        for name in (*EXPERT_PARALLEL_DISPATCHES, "single_device"):
-            if name in entry:
-                ms = entry[name]["median_ms"]
-                entry[name]["tokens_per_s"] = entry["global_tokens"] / ms * 1e3
-                if base is not None:
-                    entry[name]["speedup_vs_ep1"] = base["single_device"]["median_ms"] / ms
-    model = load_model_config(args.config).scaled(args.scale)
-    return {
+    steps = [s for run in runs.values() for s in run["steps"]]
+    report = {
         "benchmark": "parallel",
         "environment": environment(args),
-        "layer": {"config": model.name, "hidden_size": model.hidden_size, "intermediate_size": model.intermediate_size,
-                  "num_experts": model.num_experts, "top_k": model.top_k, "block_size": args.block_size,
-                  "backend": args.backend,
-                  "dtype": "bfloat16" if args.device == "cuda" else "float32", "tensor_parallel": 1,
-                  "expert_parallel": "world size"},
-        "method": {"repeats": args.repeats, "warmup": args.warmup,
-                   "time": "median over repetitions of the slowest rank's barrier-to-sync wall time"},
-        "dispatch": [dict(entry, world_size=w) for w, run in runs.items() for entry in run["dispatch"]],
-        "ep_scaling": scaling,
-        "peak_memory_gib_rank0": {w: run.get("peak_memory_gib_rank0") for w, run in runs.items()},
+        "settings": {"configs": args.configs, "formats": args.formats, "scale": args.scale,
+                     "block_size": args.block_size, "backend": args.backend, "graphs": args.graphs,
+                     "dtype": "bfloat16" if args.device == "cuda" else "float32", "tensor_parallel": 1,
+                     "expert_parallel": "world size", "all_to_all_splits": "static"},
+        "method": {"repeats": args.repeats, "replays": args.replays,
+                   "time": "slowest rank's median per call over repetitions of back-to-back replays (CUDA events)"},
+        "runs": runs,
+        "worlds_not_run": not_run,
+        "comparison": compare(steps),
+        "dispatch_combine": [d for run in runs.values() for d in run["dispatch_combine"]],
     }
+    report["ep_model"] = ep_model(report, args)
+    return report
 
 
 def summary_table(report: dict) -> str:
-    """The ratios at a glance (stderr)."""
-    lines = ["dispatch: per-rank size, mode, median ms and max MiB received per rank; a2a/all-gather ratios"]
-    for e in report["dispatch"]:
-        ag, a2a = e["all_gather"], e["all_to_all_v"]
-        size = e.get("tokens_per_rank", e.get("batch_per_rank"))
-        lines.append(f"  EP{e['world_size']} {e['phase']:7s} {size:6d} {e['mode']:17s} "
-                     f"all_gather {ag['median_ms']:8.2f} ms {ag['bytes_received_max_rank'] / 2**20:8.2f} MiB | "
-                     f"all_to_all_v {a2a['median_ms']:8.2f} ms {a2a['bytes_received_max_rank'] / 2**20:8.2f} MiB | "
-                     f"latency x{e['latency_ratio_a2a_over_all_gather']:.2f} "
-                     f"bytes x{e.get('bytes_ratio_a2a_over_all_gather', float('nan')):.2f}")
-    lines.append("EP scaling: global size, median ms, speed-up over EP=1")
-    for e in report["ep_scaling"]:
-        for name in ("single_device", *EXPERT_PARALLEL_DISPATCHES):
-            if name in e:
-                x = e[name]
-                lines.append(f"  EP{e['ep']} {e['phase']:7s} {e['global_tokens']:6d} {name:13s} "
-                             f"{x['median_ms']:8.2f} ms  x{x.get('speedup_vs_ep1', float('nan')):.2f}")
+    lines = ["step: config format phase tokens/rank layer | ms | single GPU same total ms | ratio | MiB sent/rank | "
+             "x floor"]
+    for s in report["comparison"]:
+        lines.append(f"  EP{s['world_size']} {s['config']:14s} {s['format']:9s} {s['phase']:7s} "
+                     f"{s['tokens_per_rank']:6d} {s['layer']:12s} | {s['ms']:8.3f} | "
+                     f"{s.get('single_gpu_same_total_ms', float('nan')):8.3f} | "
+                     f"{s.get('time_vs_single_gpu', float('nan')):5.2f} | {s['bytes_sent_per_rank'] / 2**20:8.2f} | "
+                     f"{s.get('vs_floor', float('nan')):5.2f}")
+    for d in report["dispatch_combine"]:
+        lines.append(f"dispatch+combine EP{d['world_size']} {d['dispatch']:12s} {d['tokens_per_rank']} tokens x "
+                     f"{d['hidden_size']}: {d['us']:.1f} us")
     return "\n".join(lines)
 
 
@@ -273,31 +416,38 @@ def _sizes(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
+def _names(text: str) -> list[str]:
+    return [v for v in text.split(",") if v]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--worlds", type=_sizes, default=[1, 2, 4], help="world sizes to run (EP = world size)")
-    parser.add_argument("--config", default="deepseek-v3")
-    parser.add_argument("--scale", type=int, default=1, help="divide H and I (1 = full DeepSeek-V3 size)")
+    parser.add_argument("--worlds", type=_sizes, default=[1, 2], help="world sizes to run (EP = world size)")
+    parser.add_argument("--configs", type=_names, default=["qwen3-30b-a3b", "deepseek-v3"])
+    parser.add_argument("--formats", type=_names, default=["bf16", "fp8_block"])
+    parser.add_argument("--scale", type=int, default=1, help="divide H and I (1 = full size)")
     parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--backend", default="torch", help="the experts' backend on every rank (torch, triton, ...)")
-    parser.add_argument("--prefill-tokens", type=_sizes, default=[2048, 8192], help="per rank, dispatch comparison")
-    parser.add_argument("--decode-batch", type=_sizes, default=[4, 64], help="per rank, dispatch comparison")
-    parser.add_argument("--scaling-prefill-tokens", type=int, default=8192, help="global, EP scaling")
-    parser.add_argument("--scaling-decode-batch", type=int, default=256, help="global, EP scaling")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="CPU smoke test: scale 64, tiny token counts")
-    parser.add_argument("--world-timeout", type=float, default=900)
+    parser.add_argument("--backend", default="triton", help="the experts' backend on every rank")
+    parser.add_argument("--decode", type=_sizes, default=[1, 8, 64], help="decode tokens per rank")
+    parser.add_argument("--prefill", type=_sizes, default=[2048, 8192], help="prefill tokens per rank")
+    parser.add_argument("--dispatch-config", default="deepseek-v3", help="layer of the dispatch+combine figure")
+    parser.add_argument("--dispatch-tokens", type=int, default=128, help="decode tokens per rank, dispatch+combine")
+    parser.add_argument("--internode-GBps", type=float, default=50.0, help="EP model: per-GPU bandwidth off-node")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eager calls instead")
+    parser.add_argument("--eager", action="store_true", help="also time eager calls")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke test: gloo, scale 64, tiny sizes, eager")
+    parser.add_argument("--world-timeout", type=float, default=1800)
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--all-worlds", type=_sizes, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.scale, args.prefill_tokens, args.decode_batch = 64, [64], [4]
-        args.scaling_prefill_tokens, args.scaling_decode_batch, args.repeats, args.warmup = 64, 8, 3, 1
-        if args.worlds == [1, 2, 4]:
-            args.worlds = [1, 2]
+        args.device, args.scale, args.decode, args.prefill, args.graphs = "cpu", 64, [2], [32], False
+        args.backend, args.repeats, args.replays, args.dispatch_tokens = "torch", 2, 1, 4
     if args.worker:
         worker(args)
         return

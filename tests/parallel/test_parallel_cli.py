@@ -46,17 +46,17 @@ def test_model_parallel_without_torchrun_says_how_to_launch(capsys, monkeypatch)
 
 @pytest.mark.slow
 def test_benchmark_smoke_on_cpu(tmp_path):
-    """``benchmarks/parallel.py --quick`` stays runnable (gloo, worlds 1 and 2, tiny shapes)."""
+    """``benchmarks/parallel.py --quick`` stays runnable (gloo, worlds 1 and 2, tiny shapes, eager)."""
     out = tmp_path / "parallel.json"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "parallel.py"
-    done = subprocess.run([sys.executable, str(script), "--quick", "--device", "cpu", "--worlds", "1,2", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(script), "--quick", "--worlds", "1,2", "--configs", "qwen3-30b-a3b",
+                           "--formats", "bf16", "--out", str(out)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    (prefill, decode) = report["dispatch"]
-    for entry in (prefill, decode):
-        assert entry["max_abs_diff_between_dispatches"] <= 1e-5 * entry["max_abs_output"]
-        assert all(entry[name]["bytes_received_max_rank"] > 0 for name in ("all_gather", "all_to_all_v"))
-    assert {e["ep"] for e in report["ep_scaling"]} == {1, 2}
-    assert all(e["all_gather"]["speedup_vs_ep1"] > 0 for e in report["ep_scaling"] if e["ep"] == 2)
+    rows = report["comparison"]
+    assert {(r["world_size"], r["layer"], r["phase"]) for r in rows} >= {
+        (2, d, p) for d in ("all_gather", "all_to_all_v") for p in ("decode", "prefill")}
+    for row in rows:
+        if row["world_size"] == 2:
+            assert row["bytes_sent_per_rank"] > 0 and row["single_gpu_same_total_ms"] > 0
