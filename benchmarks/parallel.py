@@ -135,15 +135,20 @@ def rooflines(device: torch.device, world: int, args) -> dict:
 # worker: one rank of a torchrun world
 
 
-def build(args, config: str, fmt: str, device, dtype, dispatch: str | None):
+def build(args, config: str, fmt: str, device, dtype, dispatch: str | None, weights_of=None):
     """The layer (dispatch None: the single-device one, weights from seed 0); parallel layers share the
-    single-device layer's seed so that every world computes the same function."""
+    single-device layer's seed so that every world computes the same function. ``weights_of``: a layer whose
+    tensors the new one uses as they are (no copy: one GPU holds a full DeepSeek-V3 layer once)."""
     common = dict(scale=args.scale, dtype=dtype, seed=0, block_size=args.block_size, backend=args.backend,
                   quantization=None if fmt == "bf16" else fmt)
     if dispatch is None:
         return build_moe(config, device=device, model_parallel=False, **common)
-    return build_moe(config, device=device, model_parallel=True,
-                     expert_parallel_config=ExpertParallelConfig(dispatch, all_to_all_splits="static"), **common)
+    placed = ExpertParallelConfig(dispatch, all_to_all_splits="static")
+    if weights_of is None:
+        return build_moe(config, device=device, model_parallel=True, expert_parallel_config=placed, **common)
+    layer = build_moe(config, device="meta", model_parallel=True, expert_parallel_config=placed, **common)
+    layer.load_state_dict(weights_of.state_dict(), assign=True)
+    return layer
 
 
 def step_record(moe, x: torch.Tensor, device, args, rates: dict) -> dict:
@@ -216,7 +221,10 @@ def worker(args) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=dt.timedelta(seconds=900))
+    if device.type == "cuda":
+        dist.init_process_group("nccl", timeout=dt.timedelta(seconds=900), device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=dt.timedelta(seconds=900))
     parallel_state.initialize_model_parallel(1, world)
     rates = rooflines(device, world, args)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -225,11 +233,13 @@ def worker(args) -> None:
     for config in args.configs:
         for fmt in args.formats:
             try:
-                layers = {None: build(args, config, fmt, device, dtype, None) if world == 1 else None}
+                single = build(args, config, fmt, device, dtype, None) if world == 1 else None
+                layers = {None: single}
                 for dispatch in DISPATCHES:
-                    layers[dispatch] = build(args, config, fmt, device, dtype, dispatch)
-                    if layers[None] is not None:  # one GPU: the forced-parallel layer computes the same function
-                        layers[dispatch].load_state_dict(layers[None].state_dict())
+                    # One GPU: the forced-parallel layers compute the single device's function on its tensors;
+                    # several: the all-to-all layer shares the all-gather layer's shard.
+                    layers[dispatch] = build(args, config, fmt, device, dtype, dispatch,
+                                             single if single is not None else layers.get(DISPATCHES[0]))
             except (NotImplementedError, ValueError) as e:
                 report["skipped"].append({"config": config, "format": fmt, "why": f"{type(e).__name__}: {e}"})
                 continue
@@ -252,9 +262,11 @@ def worker(args) -> None:
                     x = torch.randn(args.dispatch_tokens, 1, hidden, generator=gen).to(device, dtype)
                     report["dispatch_combine"].append({"config": config, "dispatch": dispatch, "world_size": world,
                                                        **dispatch_combine(layers[dispatch], x, device, args)})
-            del layers
+            del layers, single
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if rank == 0:  # what was measured survives a later failure
+                Path(args.worker_out).write_text(json.dumps(report))
     if device.type == "cuda":
         report["peak_memory_gib_rank0"] = torch.cuda.max_memory_allocated(device) / 2**30
     parallel_state.destroy_model_parallel()
@@ -374,9 +386,11 @@ def launch(args) -> dict:
                        "--worker-out", str(out), "--all-worlds", ",".join(map(str, args.worlds)), *sys.argv[1:]]
             start = time.perf_counter()
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.world_timeout)
-            if done.returncode:
+            if done.returncode and not out.exists():
                 raise RuntimeError(f"world {world} failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
             runs[world] = json.loads(out.read_text())
+            if done.returncode:
+                runs[world]["failed"] = done.stderr[-4000:]
             print(f"world {world}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     steps = [s for run in runs.values() for s in run["steps"]]
     report = {

@@ -90,6 +90,7 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         self.return_expert_index = check_bool("MoE.return_expert_index", return_expert_index)
         self.validate_inputs = check_bool("MoE.validate_inputs", validate_inputs)
         self.expert_parallel = ExpertParallel(expert_mlps) if expert_mlps.is_sharded else None
+        self._side_streams: dict = {}
 
     @property
     def hidden_size(self) -> int:
@@ -99,6 +100,19 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
     def _distributed(self) -> bool:
         return self.expert_mlps.is_sharded or (
             self.shared_experts is not None and self.shared_experts.intermediate_shard is not None)
+
+    def _on_side_stream(self, compute):
+        """``compute()`` on a side stream of the current CUDA device (forked from the current stream, so a CUDA
+        graph captures it); returns its result and the stream to join before using it."""
+        main = torch.cuda.current_stream()
+        side = self._side_streams.get(main.device)
+        if side is None:
+            side = self._side_streams[main.device] = torch.cuda.Stream(main.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out = compute()
+        out.record_stream(main)  # allocated on the side stream, read on the main one
+        return out, side
 
     def forward(
         self,
@@ -142,18 +156,26 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         # A whole shared expert's output goes into the routed experts' combine (one pass fewer where the backend
         # fuses it); a tensor-parallel one is added after. With an input of the wrong dtype it is not run first,
         # so that the experts' check reports it clearly.
-        shared = None
+        shared = side = None
         if self.shared_experts is not None and self.shared_experts.intermediate_shard is None \
                 and flat.dtype == self.expert_mlps.dtype:
-            shared = self.shared_experts(flat, seq_len)
+            if self.expert_parallel is not None and flat.is_cuda:
+                # Across GPUs the shared expert runs on a side stream, beside the dispatch and the remote experts.
+                shared, side = self._on_side_stream(lambda: self.shared_experts(flat, seq_len))
+            else:
+                shared = self.shared_experts(flat, seq_len)
         routed_args = (flat, expert_affinities, expert_index)
-        routed_kwargs = dict(seq_len=seq_len, padding_mask=token_is_real, return_stats=return_stats, addend=shared)
+        routed_kwargs = dict(seq_len=seq_len, padding_mask=token_is_real, return_stats=return_stats)
         if self.expert_parallel is None:
-            routed = self.expert_mlps(*routed_args, **routed_kwargs)
+            routed = self.expert_mlps(*routed_args, addend=shared, **routed_kwargs)
         else:
             layout = self.expert_parallel.groups.token_layout(batch, seq_len, sharded_input)
-            routed = self.expert_parallel(*routed_args, token_layout=layout, **routed_kwargs)
+            routed = self.expert_parallel(*routed_args, token_layout=layout, addend=None if side else shared,
+                                          **routed_kwargs)
         out, stats = routed if return_stats else (routed, None)
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
+            out = out + shared
         if self.shared_experts is not None and self.shared_experts.intermediate_shard is not None:
             out = out + shared_experts_forward(self.shared_experts, x, sharded_input).reshape(flat.shape)
         if token_is_real is not None:

@@ -395,8 +395,10 @@ def test_validate_inputs_catches_bad_values(inputs):
 def test_expert_index_out_of_range_is_named_by_default(inputs, backend, bad):
     """Without validate_inputs an id outside [0, E) is still an error (an asynchronous assert, no host sync),
     not a token silently routed nowhere."""
-    if backend == "triton":
+    if backend == "triton":  # on a GPU machine the assert is asynchronous: tests/gpu/test_parallel_graphs.py
         pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("the triton backend runs CPU tensors only under the interpreter (CPU-only machines)")
     experts = randomize_(ExpertMLPsV2(make_config(num_experts=E, top_k=K), BlockwiseMatmulConfig(block_size=4),
                                       backend=backend), seed=0)
     x, a, i = inputs

@@ -63,15 +63,15 @@ def one_rank_world():
         dist.destroy_process_group()
 
 
-def _layers(dispatch: str, splits: str, backend: str):
+def _layers(dispatch: str, splits: str, backend: str, config: str = "qwen3-30b-a3b"):
     from conftest import randomize_
     from nxd_moe import build_moe
     from nxd_moe.config import ExpertParallelConfig
     from nxd_moe.parallel import load_full_state_dict
 
     common = dict(scale=16, dtype=torch.bfloat16, device="cuda", seed=0, backend=backend, block_size=16)
-    full = randomize_(build_moe("qwen3-30b-a3b", model_parallel=False, **common), seed=3)
-    par = build_moe("qwen3-30b-a3b", model_parallel=True,
+    full = randomize_(build_moe(config, model_parallel=False, **common), seed=3)
+    par = build_moe(config, model_parallel=True,
                     expert_parallel_config=ExpertParallelConfig(dispatch, all_to_all_splits=splits), **common)
     return full.eval(), load_full_state_dict(par, full.state_dict()).eval()
 
@@ -80,10 +80,11 @@ def _layers(dispatch: str, splits: str, backend: str):
 @pytest.mark.parametrize("dispatch,splits", [("all_gather", "static"), ("all_to_all_v", "static")])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("batch,seq", [(8, 1), (2, 64)])
-def test_one_rank_parallel_step_in_one_graph(one_rank_world, dispatch, splits, backend, batch, seq):
+@pytest.mark.parametrize("config", ["qwen3-30b-a3b", "deepseek-v3"])  # DeepSeek: shared expert on a side stream
+def test_one_rank_parallel_step_in_one_graph(one_rank_world, dispatch, splits, backend, batch, seq, config):
     from nxd_moe.graphs import capture
 
-    full, par = _layers(dispatch, splits, backend)
+    full, par = _layers(dispatch, splits, backend, config)
     assert par.expert_parallel is not None
     xs = [torch.randn(batch, seq, full.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     step = capture(lambda x: par(x)[0], xs[0])
