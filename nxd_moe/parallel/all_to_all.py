@@ -31,6 +31,7 @@ pairs (the triton backend counts pairs on the device).
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -40,7 +41,7 @@ from nxd_moe.experts.routing_inputs import expert_mask
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all, all_to_all_v, exchange_counts
 from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
 from nxd_moe.parallel.layout import MoEGroups
-from nxd_moe.parallel.payload import pack, unpack
+from nxd_moe.parallel.payload import FieldSpec, pack, unpack
 from nxd_moe.parallel.placement import assign_pairs, needs_positions
 from nxd_moe.parallel.token_layout import TokenLayout
 
@@ -48,15 +49,15 @@ from nxd_moe.parallel.token_layout import TokenLayout
 class OwnedPairs(NamedTuple):
     """The ``U`` rows this rank dispatches (its chunk or shard, padded to the same ``U`` on every rank):
     ``rows (U, H)``, ``experts (U, k)`` global ids (``-1``: no pair), ``weights (U, k)``, ``token_ids (U,)``
-    (``-1`` for padding), ``owner (U, k)`` EP rank computing each pair (``-1``: none), ``pairs_per_expert (E,)``
-    in the whole block."""
+    (``-1`` for padding; only the exact exchange needs them), ``owner (U, k)`` EP rank computing each pair (``-1``:
+    none), ``pairs_per_expert (E,)`` in the whole block (None when nothing needed the counts)."""
 
     rows: torch.Tensor
     experts: torch.Tensor
     weights: torch.Tensor
-    token_ids: torch.Tensor
+    token_ids: torch.Tensor | None
     owner: torch.Tensor
-    pairs_per_expert: torch.Tensor
+    pairs_per_expert: torch.Tensor | None
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,10 +87,15 @@ def owned_pairs(inputs: DispatchInputs) -> OwnedPairs:
     layout, shard = inputs.layout, inputs.shard
     start, stop, _ = layout.chunk()
     pad = layout.num_segments * layout.segment_len - (stop - start)
-    rows = F.pad(inputs.hidden[start:stop], (0, 0, 0, pad))
-    experts = F.pad(inputs.pair_expert[start:stop].long(), (0, 0, 0, pad), value=-1)
-    weights = F.pad(inputs.pair_weight[start:stop], (0, 0, 0, pad))
-    token_ids = F.pad(layout.token_ids(device=rows.device)[start:stop], (0, pad), value=-1)
+
+    def owned(t: torch.Tensor, value=0) -> torch.Tensor:
+        t = t[start:stop]
+        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad), value=value) if pad else t
+
+    rows = owned(inputs.hidden)
+    experts = owned(inputs.pair_expert.long(), -1)
+    weights = owned(inputs.pair_weight)
+    token_ids = owned(layout.token_ids(device=rows.device), -1) if inputs.all_to_all_splits == "exact" else None
     position = pairs_per_expert = None
     if inputs.count_pairs or needs_positions(shard.placement, inputs.capacity):
         position, pairs_per_expert = _block_positions(experts, layout, inputs.groups, shard.placement.num_experts,
@@ -98,40 +104,80 @@ def owned_pairs(inputs: DispatchInputs) -> OwnedPairs:
     return OwnedPairs(rows, experts, weights, token_ids, owner, pairs_per_expert)
 
 
+def destination_slots(owner: torch.Tensor, num_ranks: int, tensor_parallel: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``owner (U, k)`` EP rank of each pair (``-1``: none) -> ``slot (U, M)`` (the row's place in destination
+    ``r``'s buffer, ``-1`` if it does not go there) and ``source_row (M * U,)`` (the row in each buffer slot,
+    ``-1`` for padding). Block rank ``r`` is EP rank ``r // TP``: every TP rank of an EP rank gets the same rows."""
+    num_rows, device = owner.shape[0], owner.device
+    rank_ep = torch.arange(num_ranks, device=device) // tensor_parallel
+    sends = (owner.unsqueeze(1) == rank_ep.view(1, num_ranks, 1)).any(dim=2)  # (U, M)
+    place = torch.cumsum(sends, dim=0) - sends.to(torch.int64)
+    at = torch.where(sends, torch.arange(num_ranks, device=device) * num_rows + place, num_ranks * num_rows)
+    source = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, num_ranks)
+    # Only the dump slot M * U is written twice.
+    source_row = torch.full((num_ranks * num_rows + 1,), -1, dtype=torch.int64, device=device)
+    source_row = source_row.scatter(0, at.reshape(-1), source.reshape(-1))[:-1]
+    return torch.where(sends, place, -1), source_row
+
+
+def pack_for_destinations(rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor,
+                          source_row: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
+    """The ``(M * U, row_bytes)`` send buffer: slot ``s`` holds row ``source_row[s]`` with the ids of the pairs its
+    destination computes (``-1`` elsewhere) and the pair weights; padding slots are zeros with ids ``-1``."""
+    num_rows = rows.shape[0]
+    real = source_row >= 0
+    at = torch.where(real, source_row, num_rows)
+    slot_ep = (torch.arange(source_row.numel(), device=rows.device) // num_rows // tensor_parallel).unsqueeze(1)
+    sent = torch.where(F.pad(owner, (0, 0, 0, 1), value=-1)[at] == slot_ep, F.pad(experts, (0, 0, 0, 1))[at], -1)
+    payload, _ = pack([F.pad(rows, (0, 0, 0, 1))[at], sent.to(torch.int32), F.pad(weights, (0, 0, 0, 1))[at]])
+    return payload
+
+
+def combine_from_destinations(returned: torch.Tensor, slot: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``returned (M * U, H)`` partial outputs in the buffers' order -> ``(U, H)``: each row's partials from the
+    destinations it went to, summed in rank order in at least fp32."""
+    num_rows, num_ranks = slot.shape
+    acc_dtype = torch.promote_types(returned.dtype, torch.float32)
+    out = torch.zeros(num_rows, returned.shape[1], dtype=acc_dtype, device=returned.device)
+    zero = torch.zeros((), dtype=acc_dtype, device=returned.device)
+    for r in range(num_ranks):
+        sent = slot[:, r:r + 1] >= 0
+        out += torch.where(sent, returned.index_select(0, r * num_rows + slot[:, r].clamp(min=0)).to(acc_dtype), zero)
+    return out.to(out_dtype)
+
+
+TORCH_KERNELS = SimpleNamespace(destination_slots=destination_slots, pack_for_destinations=pack_for_destinations,
+                                combine_from_destinations=combine_from_destinations)
+
+
+def _kernels(rows: torch.Tensor, weights: torch.Tensor):
+    """The three functions above as Triton kernels where they apply (CUDA, Triton installed, 4-byte aligned rows,
+    fp32 weights: three launches instead of dozens), else as torch ops."""
+    if not rows.is_cuda or (rows.shape[1] * rows.element_size()) % 4 or weights.dtype != torch.float32:
+        return TORCH_KERNELS
+    try:
+        from nxd_moe.triton_kernels import dispatch
+    except ImportError:
+        return TORCH_KERNELS
+    return dispatch
+
+
 def _static_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
     """Dispatch, compute and combine with ``U`` rows per destination (step 3, ``static``): ``(U, H)`` summed
-    partial outputs in at least fp32."""
+    partial outputs in the model dtype."""
     groups, tp = inputs.groups, inputs.shard.tensor_parallel_size
-    rows, experts, owner = owned.rows, owned.experts, owned.owner
-    num_rows, device = rows.shape[0], rows.device
-    ranks = groups.block_size
-    # Block rank r is EP rank r // TP: every TP rank of an EP rank gets the same rows.
-    rank_ep = torch.arange(ranks, device=device) // tp
-    sends = (owner.unsqueeze(1) == rank_ep.view(1, ranks, 1)).any(dim=2)  # (U, M)
-    slot = torch.cumsum(sends, dim=0) - sends.to(torch.int64)  # (U, M): the row's place in r's buffer
-    at = torch.where(sends, torch.arange(ranks, device=device) * num_rows + slot, ranks * num_rows)
-    source = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, ranks)
-    # (M * U,) row sent in each buffer slot; U (an appended empty row) where the slot is padding. Only the dump
-    # slot M * U is written twice.
-    source_row = torch.full((ranks * num_rows + 1,), num_rows, dtype=torch.int64, device=device)
-    source_row = source_row.scatter(0, at.reshape(-1), source.reshape(-1))[:-1]
-    slot_ep = torch.arange(ranks * num_rows, device=device) // num_rows // tp
-    padded_experts = F.pad(experts, (0, 0, 0, 1), value=-1)[source_row]
-    padded_owner = F.pad(owner, (0, 0, 0, 1), value=-1)[source_row]
-    # Each copy carries only the pairs its destination computes.
-    sent_experts = torch.where(padded_owner == slot_ep.unsqueeze(1), padded_experts, -1)
-    payload, specs = pack([F.pad(rows, (0, 0, 0, 1))[source_row], sent_experts.to(torch.int32),
-                           F.pad(owned.weights, (0, 0, 0, 1))[source_row]])
+    rows, experts, weights, owner = owned.rows, owned.experts, owned.weights, owned.owner
+    kernels = _kernels(rows, weights)
+    slot, source_row = kernels.destination_slots(owner, groups.block_size, tp)
+    payload = kernels.pack_for_destinations(rows, experts, weights, owner, source_row, tp)
+    specs = (FieldSpec((rows.shape[1],), rows.dtype), FieldSpec((experts.shape[1],), torch.int32),
+             FieldSpec((weights.shape[1],), weights.dtype))
     received = all_to_all(payload, groups.block_group, inputs.ledger, "dispatch")
     recv_rows, recv_experts, recv_weights = unpack(received, specs)
     partial = inputs.compute(recv_rows, recv_experts.long(), recv_weights)
-    returned = all_to_all(partial, groups.block_group, inputs.ledger, "combine").view(ranks, num_rows, -1)
-    acc_dtype = torch.promote_types(rows.dtype, torch.float32)
-    out = torch.zeros(rows.shape, dtype=acc_dtype, device=device)
-    zero = torch.zeros((), dtype=acc_dtype, device=device)
-    for r in range(ranks):  # destinations in rank order: deterministic
-        out += torch.where(sends[:, r:r + 1], returned[r].index_select(0, slot[:, r]).to(acc_dtype), zero)
-    return out
+    returned = all_to_all(partial, groups.block_group, inputs.ledger, "combine")
+    return kernels.combine_from_destinations(returned, slot, rows.dtype)
 
 
 def _exact_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
@@ -168,14 +214,14 @@ def _exact_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
         # One index_add per destination, each over distinct rows: deterministic on every device.
         out.index_add_(0, sent_rows, returned[offset:offset + count].to(acc_dtype))
         offset += count
-    return out
+    return out.to(rows.dtype)
 
 
 def all_to_all_dispatch(inputs: DispatchInputs) -> DispatchResult:
     """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
     owned = owned_pairs(inputs)
     exchange = _static_exchange if inputs.all_to_all_splits == "static" else _exact_exchange
-    out = exchange(owned, inputs).to(inputs.hidden.dtype)
+    out = exchange(owned, inputs)
     if inputs.layout.sequence_parallel:
         return DispatchResult(out, owned.pairs_per_expert)
     chunks = all_gather(out, inputs.groups.token_group, inputs.ledger, "gather_outputs")

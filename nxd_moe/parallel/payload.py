@@ -39,10 +39,14 @@ def pack(fields: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[FieldSpec,
 
 
 def unpack(rows: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]:
-    """The inverse of :func:`pack` (each field copied out, so it is aligned for its dtype)."""
+    """The inverse of :func:`pack`: each field a view of ``rows`` where its bytes are aligned for its dtype (no
+    copy), else copied out."""
     out, start = [], 0
     for spec in specs:
-        chunk = rows.new_empty((rows.shape[0], spec.nbytes)).copy_(rows[:, start:start + spec.nbytes])
+        chunk = rows[:, start:start + spec.nbytes]
+        item = torch.empty((), dtype=spec.dtype).element_size()
+        if start % item or rows.stride(0) % item or rows.storage_offset() % item:
+            chunk = rows.new_empty((rows.shape[0], spec.nbytes)).copy_(chunk)
         out.append(chunk.view(spec.dtype).view(rows.shape[0], *spec.shape))
         start += spec.nbytes
     if start != rows.shape[1]:
