@@ -165,7 +165,9 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             else:
                 shared = self.shared_experts(flat, seq_len)
         routed_args = (flat, expert_affinities, expert_index)
-        routed_kwargs = dict(seq_len=seq_len, padding_mask=token_is_real, return_stats=return_stats)
+        # The router's top-k ids are in [0, E) by construction: no range check on the hot path.
+        routed_kwargs = dict(seq_len=seq_len, padding_mask=token_is_real, return_stats=return_stats,
+                             check_index=False)
         if self.expert_parallel is None:
             routed = self.expert_mlps(*routed_args, addend=shared, **routed_kwargs)
         else:

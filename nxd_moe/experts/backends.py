@@ -22,6 +22,7 @@ from nxd_moe.experts.capacity import capacity_factor_forward
 from nxd_moe.experts.decode import all_experts_forward, selective_loading_forward
 from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward
 from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
+from nxd_moe.experts.local_routing import local_routing
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.routing_inputs import Routing, build_routing
@@ -53,6 +54,13 @@ class ExpertsBackend(abc.ABC):
         """The router's output in the algorithms' form (:func:`~nxd_moe.experts.routing_inputs.build_routing`;
         a backend may compute the same tensors its own way)."""
         return build_routing(expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask)
+
+    def build_local_routing(self, pair_expert: torch.Tensor, pair_weight: torch.Tensor, local_slot: torch.Tensor,
+                            num_local: int, prescale: bool) -> Routing:
+        """Pairs handed to a module holding ``num_local`` of the experts, as a routing over those
+        (:func:`~nxd_moe.experts.local_routing.local_routing`; a backend may compute the same tensors its own
+        way)."""
+        return local_routing(pair_expert, pair_weight, local_slot, num_local, prescale)
 
     def block_mapping(self, routing: Routing, weights: ExpertWeights, block_size: int, num_blocks: int,
                       optimized: bool) -> BlockMapping:

@@ -24,7 +24,6 @@ from nxd_moe.config import (
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, check_backend_supports, get_backend
 from nxd_moe.experts.capacity import expert_capacity
-from nxd_moe.experts.local_routing import local_routing
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
@@ -202,9 +201,10 @@ class ExpertMLPsV2(nn.Module):
     can (``ExpertsBackend.fuses_addend``).
 
     ``backend``: ``"torch"`` (default) or any name in :data:`~nxd_moe.experts.backends.BACKENDS`, or an
-    :class:`~nxd_moe.experts.backends.ExpertsBackend` instance. An ``expert_index`` outside ``[0, E)`` is always an
-    error, checked without a host sync (see :func:`check_expert_index_range`). ``validate_inputs=True`` adds value
-    checks that cost a host sync (NaN/Inf, duplicate experts per token).
+    :class:`~nxd_moe.experts.backends.ExpertsBackend` instance. An ``expert_index`` outside ``[0, E)`` is an
+    error, checked without a host sync (:func:`~nxd_moe.validation.check_expert_index_range`; ``check_index=False``
+    skips it for ids in range by construction, as ``MoE`` does with its router's). ``validate_inputs=True`` adds
+    value checks that cost a host sync (NaN/Inf, duplicate experts per token).
 
     With ``hidden_size_actual`` set, the weights are stored at the padded ``hidden_size`` and inputs may have
     either width; the output has the input's width.
@@ -400,13 +400,14 @@ class ExpertMLPsV2(nn.Module):
         mode: ExpertsMode | str | None = None,
         return_stats: bool = False,
         addend: torch.Tensor | None = None,
+        check_index: bool = True,
     ):
         if self.weight_shards is not None:
             raise RuntimeError("ExpertMLPsV2: this module holds one rank's shard of the experts (it was built while "
                                "nxd_moe.parallel_state was initialised); run it inside MoE(...), or wrap it in "
                                "nxd_moe.parallel.ExpertParallel(experts), which move the tokens between the ranks")
         cfg = self.routed_experts_mlp_config
-        self.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
+        self.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, check_index)
         self.check_addend(addend, hidden_states)
         num_tokens, in_width = hidden_states.shape
         x = self.pad_hidden(hidden_states)
@@ -457,8 +458,8 @@ class ExpertMLPsV2(nn.Module):
         """
         cfg = self.routed_experts_mlp_config
         shard = self.weight_shard(decode)
-        local = local_routing(pair_expert, pair_weight, self._local_slot(decode, rows.device), len(shard.experts),
-                              cfg.early_expert_affinity_modulation)
+        local = self.backend.build_local_routing(pair_expert, pair_weight, self._local_slot(decode, rows.device),
+                                                 len(shard.experts), cfg.early_expert_affinity_modulation)
         out, _, mapping, block_size, n_blocks = self._run(rows, local, mode, capacity, self.shard_weights(decode))
         return out, PairsComputed(local.expert_mask.sum(dim=0), mapping, block_size, n_blocks)
 
@@ -527,9 +528,11 @@ class ExpertMLPsV2(nn.Module):
                              f"{tuple(hidden_states.shape)} {hidden_states.dtype}, got "
                              f"{tuple(getattr(addend, 'shape', ())) or type(addend).__name__}")
 
-    def check_inputs(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask) -> None:
+    def check_inputs(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask,
+                     check_index: bool = True) -> None:
         """Shapes, dtypes and ranges of one forward's inputs; value checks only with ``validate_inputs``, except
-        the expert-index range, which is always checked without a host sync."""
+        the expert-index range, which is checked without a host sync unless ``check_index`` is False (ids in range
+        by construction)."""
         cfg = self.routed_experts_mlp_config
         widths = (cfg.hidden_size,) if cfg.hidden_size_actual is None else (cfg.hidden_size, cfg.hidden_size_actual)
         check_hidden_states(hidden_states, widths, "ExpertMLPsV2: hidden_states")
@@ -562,7 +565,7 @@ class ExpertMLPsV2(nn.Module):
             check_finite(hidden_states, "ExpertMLPsV2: hidden_states")
             check_finite(expert_affinities, "ExpertMLPsV2: expert_affinities")
             check_expert_index(expert_index, cfg.num_experts, "ExpertMLPsV2: expert_index")
-        else:
+        elif check_index:
             check_expert_index_range(expert_index, cfg.num_experts, "ExpertMLPsV2: expert_index")
 
 

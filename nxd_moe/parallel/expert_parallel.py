@@ -36,6 +36,8 @@ class ExpertParallel:
     (see :class:`~nxd_moe.parallel.token_layout.TokenLayout`; without ``token_layout`` the ranks of a TP group
     share ``(T_r, H)``) and returns their complete routed output (``+ addend``), like ``ExpertMLPsV2.forward`` on
     one device. The mode and the capacity are the whole block's, as one device would choose them.
+    ``check_index=False`` skips the expert-index range check (for callers whose ids are in range by construction,
+    like ``MoE``'s router).
     """
 
     def __init__(self, experts: ExpertMLPsV2):
@@ -73,10 +75,11 @@ class ExpertParallel:
         return_stats: bool = False,
         token_layout: TokenLayout | None = None,
         addend: torch.Tensor | None = None,
+        check_index: bool = True,
     ):
         experts = self.experts
         cfg = experts.routed_experts_mlp_config
-        experts.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask)
+        experts.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, check_index)
         experts.check_addend(addend, hidden_states)
         num_tokens, in_width = hidden_states.shape
         if token_layout is None:
@@ -100,7 +103,9 @@ class ExpertParallel:
             out, computed["pairs"] = experts.forward_pairs(rows, pair_expert, pair_weight, mode, capacity, decode)
             return out
 
-        pair_expert = torch.where(routing.pair_valid(), routing.expert_index, torch.full_like(routing.expert_index, -1))
+        pair_expert = routing.expert_index
+        if routing.has_padding:  # the pairs of padded tokens go nowhere
+            pair_expert = torch.where(routing.pair_valid(), pair_expert, -1)
         pair_weight = routing.affinities.gather(1, routing.expert_index)
         ledger = CommLedger()
         epc = experts.expert_parallel_config

@@ -84,6 +84,15 @@ class ExpertPlacement:
             self._device_tables[key] = self._replica_table(device)
         return self._device_tables[key]
 
+    def _owner_table(self, device) -> torch.Tensor:
+        """``(E + 1,)``: ``-1``, then the EP rank of each expert's only copy (index ``expert + 1``: one lookup maps
+        ``-1`` to ``-1``)."""
+        key = ("owner", str(torch.device(device or "cpu")))
+        if key not in self._device_tables:
+            table = torch.tensor([-1] + [ranks[0] for ranks in self.replicas], dtype=torch.int64)
+            self._device_tables[key] = table.to(device)
+        return self._device_tables[key]
+
     def _replica_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in self.replicas)
         table = torch.full((self.num_experts, width), -1, dtype=torch.int64)
@@ -100,13 +109,13 @@ class ExpertPlacement:
         how many pairs each expert has in all. Copy ``floor(position * R / n)`` of the expert serves the pair.
         Without replicas every expert has one copy, and the two may be None (a table lookup).
         """
-        table, copies = self.replica_table(pair_expert.device)
-        valid = pair_expert >= 0
-        expert = pair_expert.clamp(min=0).long()
         if position is None:
             if self.has_redundancy:
                 raise ValueError("pair_ranks: a placement with replicated experts needs the pairs' positions")
-            return torch.where(valid, table[:, 0][expert], -1)
+            return self._owner_table(pair_expert.device)[pair_expert.long() + 1]
+        table, copies = self.replica_table(pair_expert.device)
+        valid = pair_expert >= 0
+        expert = pair_expert.clamp(min=0).long()
         n = pairs_per_expert.long()[expert].clamp(min=1)
         replica = (torch.where(valid, position.long(), 0) * copies[expert]) // n
         rank = table[expert, replica]

@@ -30,6 +30,7 @@ from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.triton_kernels.combine import combine_rows
 from nxd_moe.triton_kernels.grouped_gemm import FORMAT_CODES, down_projection, gate_up_projection
 from nxd_moe.triton_kernels.launch_configs import launch_config
+from nxd_moe.triton_kernels.local_routing import fused_local_routing
 from nxd_moe.triton_kernels.routing import fused_routing
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
 
@@ -108,6 +109,11 @@ class TritonBackend(ExpertsBackend):
         """One fused kernel instead of the torch version's chain of small ones (decode latency)."""
         _check_device(expert_affinities)
         return fused_routing(expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask)
+
+    def build_local_routing(self, pair_expert, pair_weight, local_slot, num_local, prescale):
+        """One kernel instead of the torch version's dozen (the local compute of an expert-parallel step)."""
+        _check_device(pair_weight)
+        return fused_local_routing(pair_expert, pair_weight, local_slot, num_local, prescale)
 
     def block_mapping(self, routing: Routing, weights: ExpertWeights, block_size: int, n_blocks: int,
                       optimized: bool) -> BlockMapping:

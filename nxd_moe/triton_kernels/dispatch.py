@@ -51,7 +51,7 @@ def _slots_kernel(owner_ptr, slot_ptr, source_ptr, num_rows, num_ranks, tensor_p
 def destination_slots(owner: torch.Tensor, num_ranks: int, tensor_parallel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``owner (U, k)`` EP rank computing each pair (``-1``: none) -> ``slot (U, M)``, ``source_row (M * U,)``."""
     num_rows, top_k = owner.shape
-    owner = owner.to(torch.int32).contiguous()
+    owner = owner.contiguous()
     slot = torch.empty(num_rows, num_ranks, dtype=torch.int32, device=owner.device)
     source = torch.empty(num_ranks * num_rows, dtype=torch.int32, device=owner.device)
     block_u = min(1024, triton.next_power_of_2(max(num_rows, 16)))
@@ -100,8 +100,8 @@ def pack_for_destinations(rows: torch.Tensor, experts: torch.Tensor, weights: to
     rows = rows if rows.stride(1) == 1 else rows.contiguous()
     block_h = min(1024, triton.next_power_of_2(hidden))
     _pack_kernel[(slots, triton.cdiv(hidden, block_h))](
-        rows, experts.to(torch.int32).contiguous(), weights.to(torch.float32).contiguous(),
-        owner.to(torch.int32).contiguous(), source_row, send, num_rows, hidden, tensor_parallel, rows.stride(0),
+        rows, experts.contiguous(), weights.to(torch.float32).contiguous(), owner.contiguous(), source_row, send,
+        num_rows, hidden, tensor_parallel, rows.stride(0),
         row_bytes, TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=block_h)
     return send
 

@@ -83,3 +83,25 @@ def test_pack_refuses_unaligned_rows():
     rows = torch.zeros(2, 3, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 4 bytes"):
         triton_side.pack_for_destinations(rows, owner, torch.ones(2, 1, device=DEVICE), owner, source, 1)
+
+
+@pytest.mark.parametrize("num_rows,top_k,num_local,num_experts", [(1, 1, 1, 2), (7, 2, 4, 8), (33, 8, 16, 64),
+                                                                  (5, 4, 2, 8), (12, 8, 128, 256)])
+def test_local_routing_kernel_matches_torch(num_rows, top_k, num_local, num_experts):
+    from nxd_moe.experts.local_routing import local_routing
+    from nxd_moe.triton_kernels.local_routing import fused_local_routing
+
+    gen = torch.Generator().manual_seed(num_rows)
+    held = torch.randperm(num_experts, generator=gen)[:num_local]
+    slot = torch.full((num_experts,), -1, dtype=torch.int64)
+    slot[held] = torch.arange(num_local)
+    index = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_rows)])
+    # Pairs not computed here, and a padding row, are -1.
+    pair_expert = torch.where((slot[index] >= 0) & (torch.rand(num_rows, top_k, generator=gen) < 0.9), index, -1)
+    pair_expert[num_rows // 2] = -1
+    weight = torch.rand(num_rows, top_k, generator=gen)
+    args = (pair_expert.to(DEVICE), weight.to(DEVICE), slot.to(DEVICE), num_local)
+    for prescale in (False, True):
+        got, ref = fused_local_routing(*args, prescale), local_routing(*args, prescale)
+        assert torch.equal(got.expert_index, ref.expert_index) and torch.equal(got.expert_mask, ref.expert_mask)
+        assert torch.equal(got.affinities, ref.affinities) and got.prescale == ref.prescale and got.has_padding
