@@ -93,9 +93,10 @@ def test_triton_backend_on_cpu_asks_for_cuda_or_the_interpreter(capsys, monkeypa
     assert "use --device cuda" in err and "TRITON_INTERPRET=1" in err
 
 
-def test_model_parallel_run_on_cuda_is_a_clear_error(capsys):
+def test_model_parallel_run_on_cuda_outside_torchrun_says_how_to_launch(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     err = exit_message(capsys, "--config", "mixtral-8x7b", "--device", "cuda", "--tp", "2")
-    assert "model-parallel runs" in err and "--device cuda" in err
+    assert "torchrun --nproc-per-node 2" in err
 
 
 @cuda
