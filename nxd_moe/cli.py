@@ -243,10 +243,11 @@ def run(args: argparse.Namespace) -> dict | None:
     return _report(args, model, scale, dtype, moe, prefill, decode)
 
 
-def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeats: int, device: torch.device
-                   ) -> dict:
+def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeats: int, device: torch.device,
+                   unquantized=None) -> dict:
     """One step on this rank's part of the block's input ``x (D * batch, S, H)``; error against the float64
-    reference of the same tokens, gathered over the ranks (time: the slowest rank's)."""
+    reference of the same tokens (and, given the ``unquantized`` single-device layer, against its output: the
+    quantization error), gathered over the ranks (time: the slowest rank's)."""
     d, j = parallel_state.get_expert_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_size()
 
@@ -262,9 +263,12 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
         reference = (mine(reference_for_moe(full, x, capacity=stats.capacity)) if stats.capacity is not None
                      else reference_for_moe(full, local.cpu()))
         output = output.cpu()
+        original = None if unquantized is None else mine(unquantized(x)[0])
     summary = stats.summary()
     mine_numbers = {"err": float((output.double() - reference).abs().max()), "ref": float(reference.abs().max()),
-                    "ms": ms, "bytes": summary["bytes_moved"], "load": summary["rank_load"]}
+                    "ms": ms, "bytes": summary["bytes_moved"], "load": summary["rank_load"],
+                    "vs_unquantized": None if original is None else float((output.double() - original.double())
+                                                                          .abs().max())}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine_numbers)
     summary.update(
@@ -274,6 +278,8 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
         bytes_moved_per_rank=[e["bytes"] for e in everyone],
         rank_load_per_rank=[e["load"] for e in everyone],
     )
+    if unquantized is not None:
+        summary["max_abs_err_vs_unquantized"] = max(e["vs_unquantized"] for e in everyone)
     for key in ("bytes_moved", "rank_load", "bytes_by_step", "local_experts"):
         summary.pop(key, None)
     return summary
@@ -302,6 +308,10 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
         common = dict(scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, sequence_parallel=args.sp,
                       **_overrides(args))
         full = build_moe(model, model_parallel=False, **common)
+        unquantized = None
+        if full.expert_mlps.routed_experts_mlp_config.quantization != "bf16":  # the same weights before quantization
+            shapes = scaled_model(model, scale, full.expert_mlps.routed_experts_mlp_config.quantization)
+            unquantized = build_moe(shapes, model_parallel=False, **{**common, "scale": 1, "quantization": "bf16"})
         placement = ExpertParallelConfig(args.dispatch, all_to_all_splits=args.all_to_all_splits)
         moe = load_full_state_dict(build_moe(model, expert_parallel_config=placement, device=device, **common),
                                    full.state_dict())
@@ -310,8 +320,8 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
         generator = torch.Generator().manual_seed(args.seed + 1)
         prefill_x = torch.randn(groups, args.tokens, cfg.hidden_size, generator=generator).to(dtype)
         decode_x = torch.randn(groups * args.decode_batch, 1, cfg.hidden_size, generator=generator).to(dtype)
-        prefill = _parallel_step(full, moe, prefill_x, 1, args.sp, args.repeats, device)
-        decode = _parallel_step(full, moe, decode_x, args.decode_batch, False, args.repeats, device)
+        prefill = _parallel_step(full, moe, prefill_x, 1, args.sp, args.repeats, device, unquantized)
+        decode = _parallel_step(full, moe, decode_x, args.decode_batch, False, args.repeats, device, unquantized)
         layout = parallel_state.get_parallel_layout()
         rank = dist.get_rank()
     finally:

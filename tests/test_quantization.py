@@ -331,9 +331,12 @@ def test_shared_quantization_bad_input_is_named(monkeypatch):
         k_fastest(torch.zeros(4, 8, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"shared_experts=True, but the layer has no shared experts"):
         quantize_experts(build_moe("mixtral-8x7b", scale=32, seed=0), "fp8", shared_experts=True)
+    # Under TP (rank 0 of 2) each slice of the intermediate dimension must hold whole scale blocks.
     monkeypatch.setattr(SharedExperts, "_intermediate_shard", staticmethod(lambda model_parallel: (2, 0)))
-    with pytest.raises(NotImplementedError, match=r"quantized shared experts \('mxfp4'\) under tensor parallelism"):
-        SharedExperts(H, I, 1, "silu", quantization="mxfp4")
+    with pytest.raises(ValueError, match=r"format 'fp8_block' cannot split its out \(N\) dimension of 128 into 2 "
+                                         r"slices of whole 128-wide blocks"):
+        SharedExperts(H, I, 1, "silu", quantization="fp8_block")
+    SharedExperts(H, I, 1, "silu", quantization="mxfp4")  # 64-wide slices of 32-row MX blocks
 
 
 def test_cli_run_reports_the_quantization_error(capsys):
@@ -537,15 +540,11 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_export
         assert_close(moe(x)[0], dense(x)[0], FP32_ATOL)
 
 
-@pytest.mark.parametrize("shared", ["bf16", "fp8_block"])
-def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
-    """Routed experts in FP8 128x128 blocks; the shared experts bf16 or, as in DeepSeek-V3's own checkpoint,
-    FP8 as well (loaded as stored into shared experts asked to be ``fp8_block``)."""
+def deepseek_v3_fp8_checkpoint(e: int = 4, h: int = 128, i: int = 128, shared: str = "fp8_block"):
+    """A DeepSeek-V3 layer-0 checkpoint as the Hub stores it: per-expert FP8 weights with 128x128
+    ``weight_scale_inv`` tiles; shared experts bf16 or FP8. Returns ``(config, state dict, originals)``."""
     from transformers import DeepseekV3Config
 
-    from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
-
-    e, h, i = 4, 128, 128
     config = DeepseekV3Config(hidden_size=h, moe_intermediate_size=i, intermediate_size=256, n_routed_experts=e,
                               num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                               first_k_dense_replace=0, num_hidden_layers=1, q_lora_rank=8, kv_lora_rank=8,
@@ -571,6 +570,18 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
             data, scale = fp8.quantize(w.t().unsqueeze(0))
             sd[key], sd[key + "_scale_inv"] = data[0].t().contiguous(), scale[0].t().contiguous()
             originals[("shared", proj)] = w
+    return config, sd, originals
+
+
+@pytest.mark.parametrize("shared", ["bf16", "fp8_block"])
+def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
+    """Routed experts in FP8 128x128 blocks; the shared experts bf16 or, as in DeepSeek-V3's own checkpoint,
+    FP8 as well (loaded as stored into shared experts asked to be ``fp8_block``)."""
+    from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
+
+    e, i = 4, 128
+    config, sd, originals = deepseek_v3_fp8_checkpoint(e, 128, i, shared)
+    prefix = "model.layers.0.mlp."
     assert sd[prefix + "experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert sd[prefix + "experts.0.down_proj.weight_scale_inv"].shape == (1, 1)
 

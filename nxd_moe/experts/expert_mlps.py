@@ -256,9 +256,6 @@ class ExpertMLPsV2(nn.Module):
         check_backend_supports(self.backend, routed_experts_mlp_config.quantization)
         dtype = to_torch_dtype(dtype)
         self.weight_shards = self._weight_shards(model_parallel, dtype)
-        if self.weight_shards is not None and routed_experts_mlp_config.quantization != "bf16":
-            raise NotImplementedError(f"ExpertMLPsV2: quantization={routed_experts_mlp_config.quantization!r} with "
-                                      "model parallelism is not supported yet; build with model_parallel=False")
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
         self._local_slots: dict[tuple[bool, str], torch.Tensor] = {}
         if self.weight_shards is None:
@@ -298,11 +295,25 @@ class ExpertMLPsV2(nn.Module):
                     f"intermediate_size ({cfg.intermediate_size}) must be divisible by the MoE tensor-parallel size "
                     f"of {'prefill' if prefill else 'decode'} ({tp_size}); pad the checkpoint "
                     "and set intermediate_size_actual to the true size")
+            if tp_size > 1:
+                self._check_quantized_split(tp_size)
             experts = parallel_state.get_experts_for_expert_parallel_rank(
                 parallel_state.get_moe_expert_model_parallel_rank(prefill), cfg.num_experts,
                 parallel_state.get_moe_expert_model_parallel_size(prefill), distribution)
             shards.append(WeightShard(experts, tp_size, parallel_state.get_moe_tensor_model_parallel_rank(prefill)))
         return shards[0], shards[1]
+
+    def _check_quantized_split(self, tp_size: int) -> None:
+        """A quantized format's slices along the intermediate dimension must keep its scale blocks whole."""
+        cfg = self.routed_experts_mlp_config
+        fmt = get_format(cfg.quantization)
+        width = (2 if cfg.glu_mlp else 1) * cfg.intermediate_size
+        fmt.check_split(Shape(1, cfg.hidden_size, width), 2, tp_size, 2 if cfg.glu_mlp else 1,
+                        f"ExpertMLPsV2 {'gate_up_proj' if cfg.glu_mlp else 'up_proj'} (intermediate_size "
+                        f"{cfg.intermediate_size}, tensor-parallel size {tp_size})")
+        fmt.check_split(Shape(1, cfg.intermediate_size, cfg.hidden_size), 1, tp_size, 1,
+                        f"ExpertMLPsV2 down_proj (intermediate_size {cfg.intermediate_size}, tensor-parallel size "
+                        f"{tp_size})")
 
     def _shard_op(self, shard: WeightShard, dtype: torch.dtype, device) -> ExpertsMLPOp:
         cfg = self.routed_experts_mlp_config
@@ -353,7 +364,8 @@ class ExpertMLPsV2(nn.Module):
         activation = dataclasses.replace(self.activation, intermediate_size=width,
                                          intermediate_size_actual=None if actual == width else actual)
         down_bias = op.down_proj.bias if shard.intermediate_part == 0 else None
-        return ExpertWeights(op.first_proj.weight, op.down_proj.weight, op.first_proj.bias, down_bias, activation)
+        return ExpertWeights(op.first_proj.stored_weight(), op.down_proj.stored_weight(), op.first_proj.bias,
+                             down_bias, activation)
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """How each local tensor comes from the single-device checkpoint (see :mod:`nxd_moe.parallel.sharding`)."""
@@ -365,15 +377,18 @@ class ExpertMLPsV2(nn.Module):
         phases = [("mlp_op", self.weight_shards[0])]
         if hasattr(self, "mlp_op_tkg"):
             phases.append(("mlp_op_tkg", self.weight_shards[1]))
+        fmt = get_format(self.routed_experts_mlp_config.quantization)
+        stride = 2 if glu else 1
         for name, shard in phases:
-            tp = dict(tp_size=shard.intermediate_parts, tp_rank=shard.intermediate_part)
-            experts = shard.experts
-            stride = 2 if glu else 1
-            specs[f"{name}.{first}.weight"] = ShardSpec(f"mlp_op.{first}.weight", experts, 2, stride=stride, **tp)
-            specs[f"{name}.down_proj.weight"] = ShardSpec("mlp_op.down_proj.weight", experts, 1, **tp)
+            # gate/up is cut along its outputs (N, stride 2: [gate_r | up_r]), down along its inputs (K).
+            for proj, dim, proj_stride in ((first, 2, stride), ("down_proj", 1, 1)):
+                specs[f"{name}.{proj}.weight"] = shard.spec(f"mlp_op.{proj}.weight", dim, proj_stride)
+                if fmt.quantized:
+                    specs[f"{name}.{proj}.scale"] = shard.spec(f"mlp_op.{proj}.scale", fmt.scale_split_dim(dim),
+                                                               proj_stride)
             if self.routed_experts_mlp_config.bias:
-                specs[f"{name}.{first}.bias"] = ShardSpec(f"mlp_op.{first}.bias", experts, 1, stride=stride, **tp)
-                specs[f"{name}.down_proj.bias"] = ShardSpec("mlp_op.down_proj.bias", experts)
+                specs[f"{name}.{first}.bias"] = shard.spec(f"mlp_op.{first}.bias", 1, stride)
+                specs[f"{name}.down_proj.bias"] = shard.spec("mlp_op.down_proj.bias")
         return specs
 
     def routing(self, expert_affinities: torch.Tensor, expert_index: torch.Tensor,

@@ -37,3 +37,10 @@ class WeightShard:
 
     def holds_same_weights_as(self, other: "WeightShard") -> bool:
         return self == other
+
+    def spec(self, source: str, dim: int | None = None, stride: int = 1) -> ShardSpec:
+        """How a tensor of these experts comes from the full checkpoint's ``source``: their rows, then (``dim``
+        not None) this shard's slice of the intermediate dimension along ``dim``."""
+        if dim is None or self.intermediate_parts == 1:
+            return ShardSpec(source, self.experts)
+        return ShardSpec(source, self.experts, dim, self.intermediate_parts, self.intermediate_part, stride)

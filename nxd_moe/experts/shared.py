@@ -141,10 +141,8 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         dtype = to_torch_dtype(dtype, "SharedExperts.dtype")
         self.intermediate_size = intermediate_size * num_shared_experts
         self.intermediate_shard = self._intermediate_shard(model_parallel)
-        quantization = get_format(quantization, "SharedExperts.quantization").name
-        if quantization != "bf16" and self.intermediate_shard is not None:
-            raise NotImplementedError(f"SharedExperts: quantized shared experts ({quantization!r}) under tensor "
-                                      "parallelism are not supported yet; use quantization='bf16'")
+        fmt = get_format(quantization, "SharedExperts.quantization")
+        quantization = fmt.name
         width = self.intermediate_size
         if self.intermediate_shard is not None:
             size = self.intermediate_shard[0]
@@ -152,6 +150,11 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
                 raise ValueError(f"SharedExperts: intermediate_size * num_shared_experts ({width}) must be divisible "
                                  f"by the tensor-parallel size ({size})")
             if not self.sequence_parallel_enabled:
+                # Quantized slices must keep the format's scale blocks whole: gate/up cut along N, down along K.
+                what = f"SharedExperts (intermediate {width}, tensor-parallel size {size})"
+                fmt.check_split(Shape(1, hidden_size, 2 * width if fused_gate_up_projection else width), 2, size,
+                                2 if fused_gate_up_projection else 1, what)
+                fmt.check_split(Shape(1, width, hidden_size), 1, size, 1, what)
                 width //= size
         if self.fused_gate_up_projection:
             self.gate_up_proj = DenseProjection(hidden_size, 2 * width, transpose_weights, dtype, device, quantization)
@@ -190,11 +193,20 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         if self.holds_whole_weights:
             return {}
         size, rank = self.intermediate_shard
-        inner = 1 if self.transpose_weights else 0  # the intermediate dim of gate/up; down has it on the other side
+        fmt = self.down_proj.format
+        # The intermediate dim of gate/up, and of down (on the other side). Quantized projections store the (in, out)
+        # matrix, the formats' (K, N), whatever transpose_weights says; their scales follow the format's rule.
+        inner = 1 if self.transpose_weights or fmt.quantized else 0
         names = ["gate_up_proj"] if self.fused_gate_up_projection else ["gate_proj", "up_proj"]
-        specs = {f"{n}.weight": ShardSpec(f"{n}.weight", dim=inner, tp_size=size, tp_rank=rank,
-                                          stride=2 if n == "gate_up_proj" else 1) for n in names}
-        specs["down_proj.weight"] = ShardSpec("down_proj.weight", dim=1 - inner, tp_size=size, tp_rank=rank)
+        cuts = [(n, inner, 2 if n == "gate_up_proj" else 1) for n in names] + [("down_proj", 1 - inner, 1)]
+        specs = {}
+        for name, dim, stride in cuts:
+            specs[f"{name}.weight"] = ShardSpec(f"{name}.weight", dim=dim, tp_size=size, tp_rank=rank, stride=stride)
+            if fmt.quantized:
+                scale_dim = fmt.scale_split_dim(dim + 1)  # the format's dims count the expert dim first
+                specs[f"{name}.scale"] = (ShardSpec(f"{name}.scale") if scale_dim is None else
+                                          ShardSpec(f"{name}.scale", dim=scale_dim - 1, tp_size=size, tp_rank=rank,
+                                                    stride=stride))
         return specs
 
     def forward(self, hidden_states: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
@@ -230,14 +242,15 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         return torch.sigmoid(self.shared_expert_gate(hidden_states)) * out
 
     def _slices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's ``gate``, ``up`` and ``down`` weights in their stored orientation (views)."""
+        """This rank's ``gate``, ``up`` and ``down`` weights in the orientation ``transpose_weights`` names (views;
+        dequantized where stored quantized)."""
         size, rank = self.intermediate_shard
         inner = 1 if self.transpose_weights else 0
         if self.fused_gate_up_projection:
-            gate, up = self.gate_up_proj.weight.chunk(2, dim=inner)
+            gate, up = self.gate_up_proj.matrix().chunk(2, dim=inner)
         else:
-            gate, up = self.gate_proj.weight, self.up_proj.weight
-        down = self.down_proj.weight
+            gate, up = self.gate_proj.matrix(), self.up_proj.matrix()
+        down = self.down_proj.matrix()
         if self.sequence_parallel_enabled:  # replicated weights: take this rank's slice
             width = gate.shape[inner] // size
             gate, up = (w.narrow(inner, rank * width, width) for w in (gate, up))

@@ -68,6 +68,27 @@ class QuantizationFormat:
                 raise ValueError(f"{what}: format {self.name!r} needs the {dim} dimension divisible by its block "
                                  f"size {block}, got {size} (shape (E, K, N) = {tuple(shape)})")
 
+    def scale_split_dim(self, dim: int) -> int | None:
+        """The dim of the stored scale to cut where the ``(E, K, N)`` weight is cut along ``dim`` (1: K, 2: N), or
+        None where the scale is shared by every slice (a per-channel scale spans all of K)."""
+        if dim == 2:
+            return 2
+        return 1 if self.block_k is not None else None
+
+    def check_split(self, shape: Shape, dim: int, parts: int, stride: int, what: str) -> None:
+        """Raise unless cutting ``dim`` (1: K, 2: N) of ``shape`` into ``stride`` groups of ``parts`` slices keeps
+        every scale block (and packed byte) whole, naming the sizes that work."""
+        size = shape.k if dim == 1 else shape.n
+        # K: the scale blocks (MxFP4's packed pairs lie inside them); N: the scale's columns.
+        block = (self.block_k or self.values_per_byte) if dim == 1 else self.block_n
+        piece = size // (stride * parts)
+        if size % (stride * parts) or piece % block:
+            axis = "in (K)" if dim == 1 else "out (N)"
+            raise ValueError(f"{what}: format {self.name!r} cannot split its {axis} dimension of {size} into "
+                             f"{stride * parts} slices of whole {block}-wide blocks (a slice would be "
+                             f"{size / (stride * parts):g}); pick a tensor-parallel size that makes each slice a "
+                             f"multiple of {block}")
+
     def weight_shape(self, shape: Shape) -> tuple[int, int, int]:
         return shape.experts, shape.k // self.values_per_byte, shape.n
 

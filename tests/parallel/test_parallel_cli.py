@@ -36,6 +36,30 @@ def test_torchrun_tp_ep_sp_all_to_all_v():
     assert sum(report["prefill"]["rank_load_per_rank"]) == report["prefill"]["assignments"] == 2 * 32 * 8
 
 
+@pytest.mark.parametrize("config,layout,fmt", [
+    ("deepseek-v3", ("--ep", "2", "--dispatch", "all_to_all_v"), "fp8_block"),
+    ("gpt-oss-20b", ("--tp", "2"), "mxfp4"),
+])
+def test_torchrun_quantized_layer_matches_the_single_device_quantized_run(config, layout, fmt):
+    """The issue's two commands: the sharded quantized layer is as close to its float64 reference as one device
+    is, and its quantization error (against the same weights unquantized) is the single-device run's."""
+    common = ("--config", config, "--quantization", fmt, "--tokens", "32", "--decode-batch", "2", "--json")
+    done = torchrun(2, *common, *layout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    single = subprocess.run([sys.executable, "-m", "nxd_moe.cli", "run", "--no-progress", "--repeats", "1", *common],
+                            capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert single.returncode == 0, single.stderr[-3000:]
+    alone = json.loads(single.stdout)
+    assert report["quantization"] == alone["quantization"] == fmt
+    for step in ("prefill", "decode"):
+        assert report[step]["max_abs_err"] < 1e-5 * max(1.0, report[step]["max_abs_ref"])
+        ratio = report[step]["max_abs_err_vs_unquantized"] / alone[step]["max_abs_err_vs_unquantized"]
+        assert 0.5 < ratio < 2.0, (step, report[step], alone[step])  # different tokens per rank under EP
+        if "--tp" in layout:  # TP: the same tokens as one device, so the same quantization error
+            assert abs(ratio - 1) < 1e-3
+
+
 def test_model_parallel_without_torchrun_says_how_to_launch(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as exit_info:
