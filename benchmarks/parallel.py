@@ -321,52 +321,69 @@ def compare(steps: list[dict]) -> list[dict]:
 
 
 def ep_model(report: dict, args) -> dict:
-    """EP 8..64 from the measured parts. A step at EP = p costs (a) the orchestration's fixed cost (world-1 forced
-    parallel minus single device, measured), (b) the expert work of one rank -- decode: the weights of the experts
-    its tokens touch over HBM; prefill: its FLOPs over the matmul rate -- and (c) dispatch + combine: the static
-    buffers' bytes over the per-GPU all-to-all bandwidth plus a fixed latency (measured at the largest world run).
-    Assumptions: uniform routing, no EPLB, the per-GPU all-to-all bandwidth measured inside one NVLink node holds up
-    to 8 GPUs; beyond 8 GPUs traffic to other nodes goes at ``--internode-GBps`` per GPU (400 Gb/s NIC per GPU by
-    default), and a fraction (p - 8)/p of each rank's destinations are remote."""
-    worlds = [w for w in report["runs"] if w > 1]
-    if not worlds or not report["runs"][max(worlds)].get("rooflines"):
-        return {"skipped": "needs a run of 2 or more GPUs"}
-    top = report["runs"][max(worlds)]
-    rates = top["rooflines"]
-    out = {"assumptions": ep_model.__doc__, "internode_GBps_per_gpu": args.internode_GBps, "rows": []}
-    fixed = {}
-    for s in report["runs"].get(1, {}).get("steps", []):
-        if s["layer"] != "single_device":
-            base = next((b for b in report["runs"][1]["steps"] if b["layer"] == "single_device" and
-                         all(b[k] == s[k] for k in ("config", "format", "phase", "tokens_per_rank"))), None)
-            if base:
-                fixed[s["config"], s["format"], s["phase"], s["tokens_per_rank"], s["layer"]] = s["ms"] - base["ms"]
-    latency = {d["dispatch"]: d for d in top["dispatch_combine"]}
-    for s in top["steps"]:
-        cfg = load_model_config(s["config"]).scaled(args.scale)
+    """EP 2..64 predicted from measured parts, per layer, format, phase, tokens per rank and dispatch:
+
+    t(p) = orchestration + compute + dispatch/combine, where
+    - orchestration: the parallel path's own cost at that token count, measured on one GPU (the forced-parallel
+      layer minus the single-device layer, world 1);
+    - compute: one rank's floor -- the weights of the experts its pairs touch over HBM (uniform routing: each of
+      its E/p experts is touched with probability 1 - (1 - 1/E)^(p*n*k)) or its n*k pairs' FLOPs over the matmul
+      rate, whichever is larger -- times the single GPU's measured time/floor at the same tokens per GPU (its
+      efficiency);
+    - dispatch/combine: the static buffers, (p-1)*n rows each way, over the per-GPU all-to-all bandwidth, plus two
+      all-to-all latencies. Measured in the run when it had several GPUs (NVLink bandwidth; the dispatch+combine
+      time minus its world-1 part as the latency); otherwise ``--assumed-nvlink-GBps`` and ``--assumed-latency-us``
+      (written in the output). Beyond 8 GPUs a fraction (p-8)/p of each rank's traffic crosses nodes at
+      ``--internode-GBps`` per GPU.
+    Assumptions: uniform routing, no EPLB, compute efficiency independent of p at equal tokens per GPU, and
+    orchestration independent of p (its kernels are sized by the tokens per rank, times p for the buffers)."""
+    single_runs = report["runs"].get(1)
+    if not single_runs or not single_runs.get("rooflines"):
+        return {"skipped": "needs the world-1 (one GPU) run on CUDA"}
+    rates = dict(single_runs["rooflines"])
+    multi = [w for w in report["runs"] if w > 1 and report["runs"][w].get("rooflines")]
+    measured = bool(multi)
+    if measured:
+        rates["nvlink_all_to_all_GBps_per_gpu"] = report["runs"][max(multi)]["rooflines"][
+            "nvlink_all_to_all_GBps_per_gpu"]
+    else:
+        rates["nvlink_all_to_all_GBps_per_gpu"] = args.assumed_nvlink_GBps
+    steps = single_runs["steps"]
+    by_key = {(x["config"], x["format"], x["phase"], x["tokens_per_rank"], x["layer"]): x for x in steps}
+    latency_ms = args.assumed_latency_us / 1e3
+    if measured:
+        top = report["runs"][max(multi)]
+        one = {d["dispatch"]: d["ms"] for d in single_runs["dispatch_combine"]}
+        latency_ms = max(0.0, min(d["ms"] - one.get(d["dispatch"], 0.0) for d in top["dispatch_combine"]) / 2)
+    out = {"assumptions": ep_model.__doc__, "communication": "measured" if measured else "assumed",
+           "nvlink_all_to_all_GBps_per_gpu": rates["nvlink_all_to_all_GBps_per_gpu"],
+           "all_to_all_latency_ms": latency_ms, "internode_GBps_per_gpu": args.internode_GBps, "rows": []}
+    for (config, fmt, phase, n, layer), x in by_key.items():
+        base = by_key.get((config, fmt, phase, n, "single_device"))
+        if layer == "single_device" or base is None or "floor_ms" not in base:
+            continue
+        cfg = load_model_config(config).scaled(args.scale)
         hidden, inter, experts, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k
-        for p in (8, 16, 32, 64):
+        per_expert = base["expert_bytes_read_max_rank"] / max(1.0, base["expert_bytes_read_max_rank"] /
+                                                              (3 * hidden * inter * (1 if "fp8" in fmt else 2)))
+        efficiency = base["ms"] / base["floor_ms"]
+        for p in (2, 4, 8, 16, 32, 64):
             if experts % p:
                 continue
-            tokens = s["tokens_per_rank"]
-            local_experts = experts // p
-            pairs = tokens * p * k / p  # pairs per rank under uniform routing
-            hit = local_experts * (1 - (1 - 1 / experts) ** (tokens * p * k))
-            per_expert = 3 * hidden * inter * (1 if s["format"] == "fp8_block" else 2)
-            compute_ms = (max(hit * per_expert / rates["hbm_copy_GBps"] / 1e6,
-                              2 * pairs * 3 * hidden * inter / rates["bf16_matmul_TFLOPs"] / 1e9))
+            touched = experts / p * (1 - (1 - 1 / experts) ** (p * n * k))
+            floor = max(touched * per_expert / rates["hbm_copy_GBps"] / 1e6,
+                        2 * n * k * 3 * hidden * inter / rates["bf16_matmul_TFLOPs"] / 1e9)
+            compute_ms = floor * efficiency
             row_bytes = hidden * 2 + k * 8
-            wire = 2 * (p - 1) * tokens * row_bytes  # static buffers: every other rank, both directions
+            wire = (p - 1) * n * (row_bytes + hidden * 2)  # dispatch rows out, partial outputs back
             remote = max(0, p - 8) / p
             comm_ms = (wire * (1 - remote) / rates["nvlink_all_to_all_GBps_per_gpu"] / 1e6
-                       + wire * remote / args.internode_GBps / 1e6)
-            lat = latency.get(s["layer"], {}).get("ms", 0.0)
-            key = (s["config"], s["format"], s["phase"], s["tokens_per_rank"], s["layer"])
-            total = compute_ms + comm_ms + lat + max(0.0, fixed.get(key, 0.0))
-            out["rows"].append({"config": s["config"], "format": s["format"], "phase": s["phase"],
-                                "dispatch": s["layer"], "tokens_per_rank": tokens, "ep": p,
-                                "predicted_ms": total, "compute_ms": compute_ms, "comm_ms": comm_ms,
-                                "dispatch_latency_ms": lat, "orchestration_ms": fixed.get(key)})
+                       + wire * remote / args.internode_GBps / 1e6 + 2 * latency_ms)
+            orchestration_ms = max(0.0, x["ms"] - base["ms"])
+            out["rows"].append({"config": config, "format": fmt, "phase": phase, "dispatch": layer,
+                                "tokens_per_rank": n, "ep": p, "predicted_ms": compute_ms + comm_ms + orchestration_ms,
+                                "compute_ms": compute_ms, "comm_ms": comm_ms, "orchestration_ms": orchestration_ms,
+                                "single_gpu_same_tokens_per_gpu_ms": base["ms"]})
     return out
 
 
@@ -448,6 +465,10 @@ def main() -> None:
     parser.add_argument("--dispatch-config", default="deepseek-v3", help="layer of the dispatch+combine figure")
     parser.add_argument("--dispatch-tokens", type=int, default=128, help="decode tokens per rank, dispatch+combine")
     parser.add_argument("--internode-GBps", type=float, default=50.0, help="EP model: per-GPU bandwidth off-node")
+    parser.add_argument("--assumed-nvlink-GBps", type=float, default=350.0,
+                        help="EP model without a multi-GPU run: per-GPU all-to-all bandwidth (H200 NVLink 4)")
+    parser.add_argument("--assumed-latency-us", type=float, default=20.0,
+                        help="EP model without a multi-GPU run: one all-to-all's fixed latency")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--no-graphs", dest="graphs", action="store_false", help="time eager calls instead")
