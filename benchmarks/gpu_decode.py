@@ -37,19 +37,54 @@ VARIANTS = {
     "pps1": {"programs_per_sm": 1},
     "pps3": {"programs_per_sm": 3},
     "st3": {"num_stages": 3},
+    "st6": {"num_stages": 6},
     "gu32": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 128}},
-    "gu16": {"gate_up": {"BLOCK_N": 16, "BLOCK_K": 256}},
-    "gu64": {"gate_up": {"BLOCK_N": 64, "BLOCK_K": 64}},
-    "dn128": {"down": {"BLOCK_N": 128}},
+    "gu128": {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 32}},
+    "gk128": {"gate_up": {"BLOCK_K": 128}, "num_stages": 3},
+    "dn64": {"down": {"BLOCK_N": 64}},
+    "dn256": {"down": {"BLOCK_N": 256, "BLOCK_K": 32}},
     "split1": {"down": {"SPLIT_K": 1}},
+    "split2x": {"down": {"SPLIT_K": "2x"}},
     "w8": {"num_warps": 8},
 }
+KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine")
+
+
+def trace_summary(trace) -> dict:
+    """Per item kind: count, median wait (fetch -> start of work) and work (start -> end) in us, and the window
+    [first start, last end] relative to the first fetch; plus the span and how busy the programs were."""
+
+    rows = trace[trace[:, 0] > 0].cpu().double()
+    if rows.numel() == 0:
+        return {}
+    t0 = rows[:, 0].min()
+    kinds = (rows[:, 3].long() % 16)
+    programs = (rows[:, 3].long() // 16)
+    out = {"span_us": float((rows[:, 2].max() - t0) / 1e3), "items": int(rows.shape[0]),
+           "programs_seen": int(programs.unique().numel())}
+    busy = float((rows[:, 2] - rows[:, 1]).sum() / 1e3)
+    out["work_fraction"] = busy / (out["span_us"] * out["programs_seen"])
+    for code, name in enumerate(KINDS):
+        sel = rows[kinds == code]
+        if sel.numel() == 0:
+            continue
+        wait = (sel[:, 1] - sel[:, 0]) / 1e3
+        work = (sel[:, 2] - sel[:, 1]) / 1e3
+        out[name] = {"n": int(sel.shape[0]), "wait_us_med": float(wait.median()), "wait_us_max": float(wait.max()),
+                     "work_us_med": float(work.median()), "work_us_max": float(work.max()),
+                     "first_start_us": float((sel[:, 1].min() - t0) / 1e3),
+                     "last_end_us": float((sel[:, 2].max() - t0) / 1e3)}
+    return out
 
 
 def _merged(base: dict, override: dict) -> dict:
     out = dict(base)
     for key, value in override.items():
-        out[key] = {**base[key], **value} if isinstance(value, dict) else value
+        if isinstance(value, dict):
+            value = {k: 2 * base[key][k] if v == "2x" else v for k, v in value.items()}
+            out[key] = {**base[key], **value}
+        else:
+            out[key] = value
     return out
 
 
@@ -93,13 +128,16 @@ def run(args) -> dict:
                  **{k: v for k, v in sizes.items() if k != "experts_hit_per_input"}}
         result["cases"][name] = entry
         contenders = {"separate": TritonBackend(one_launch=False), "seam": SeamOnly(), "fused": TritonBackend()}
-        for variant in [v for v in args.variants.split(",") if v]:
+        for variant in [v for v in args.variants.split(",") if v and name in (args.variants_for or name)]:
             contenders[f"fused:{variant}"] = TritonBackend(decode_configs=_merged(rule, VARIANTS[variant]))
+        if args.trace:
+            contenders["fused:trace"] = TritonBackend()
         for label, backend in contenders.items():
             if time.perf_counter() - started > args.budget_s:
                 entry["contenders"][label] = {"error": "skipped: --budget-s exhausted"}
                 continue
             experts.backend = backend
+            persistent_decode.TRACE_PLANS = label.endswith(":trace")
             row = entry["contenders"].setdefault(label, {})
             t0 = time.perf_counter()
             try:
@@ -119,11 +157,14 @@ def run(args) -> dict:
                 row["vs_roofline"] = floor_us / row["us"]
                 row["TBps_touched"] = sizes["touched_weight_bytes"] / row["us"] / 1e6
                 row["eager_target_us"] = 1.5 * row["us"] + 50
+                if persistent_decode.TRACE_PLANS:
+                    row["trace"] = trace_summary(persistent_decode.last_trace())
             except Exception as exc:  # recorded, the run goes on
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
                 torch.cuda.synchronize()
             print(f"[{time.perf_counter() - started:5.0f} s] {name} {label}: {row.get('us', row.get('error'))}",
                   file=sys.stderr, flush=True)
+        persistent_decode.TRACE_PLANS = False
         if args.profile and name == args.cases.split(",")[0]:
             entry["profile"] = {}
             for label in ("separate", "fused"):
@@ -170,6 +211,12 @@ def table(result: dict) -> str:
                              + (" TIMED-OUT" if row.get("timed_out") else ""))
             else:
                 lines.append(f"{name:36s} {label:14s} {row.get('error', '?')[:80]}")
+            trace = row.get("trace")
+            if trace:
+                lines.append(f"    span {trace['span_us']:.1f} us, work {trace['work_fraction']:.2f}; " + "; ".join(
+                    f"{k} n={v['n']} wait {v['wait_us_med']:.1f}/{v['wait_us_max']:.1f} work {v['work_us_med']:.1f}/"
+                    f"{v['work_us_max']:.1f} [{v['first_start_us']:.1f}, {v['last_end_us']:.1f}]"
+                    for k, v in trace.items() if isinstance(v, dict)))
     return "\n".join(lines)
 
 
@@ -179,9 +226,11 @@ def main(argv=None) -> int:
                                       "llama4-scout-tp8-decode-m64,llama4-scout-tp8-shared-decode-m64,"
                                       "deepseek-v3-decode-m16")
     p.add_argument("--variants", default="", help=f"comma list of {sorted(VARIANTS)}")
+    p.add_argument("--variants-for", default=None, help="comma list of the cases that get the variants (default all)")
     p.add_argument("--target-s", type=float, default=0.1)
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--trace", action="store_true", help="add a fused contender that records per-item device times")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     result = run(args)

@@ -82,19 +82,18 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
 
 def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
                           multiprocessors: int = 132) -> dict:
-    """The rule for the one-launch decode: items small enough that every phase has several per multiprocessor
-    (the queue then balances them), column slices as wide as that allows (fewer, longer weight streams);
-    ``K`` tiles sized so that four pipeline stages of two programs fit in a multiprocessor's shared memory."""
+    """The rule for the one-launch decode. Weight tiles are read in rows of 128 bytes (gate/up: 64 columns of
+    gate and of up) or 256 bytes (down: 128 columns): narrower slices cut HBM efficiency more than the extra work
+    items help. The down projection's ``K`` is split while its items would not cover the programs; ``K`` tiles
+    keep four pipeline stages of two programs per multiprocessor in shared memory."""
     pairs = num_tokens * top_k
     used = min(num_experts, pairs)
     block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
     tiles = used * -(-pairs // (used * block_m))
-    target = 4 * multiprocessors
-    gu_n = next((n for n in (64, 32) if tiles * -(-inter // n) >= target), 16)
-    dn_n = 128 if tiles * -(-hidden // 128) >= target else 64
-    split = max(1, min(inter // 256, -(-target // (tiles * -(-hidden // dn_n)))))
-    return {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": min(256, 4096 // gu_n)},
-            "down": {"BLOCK_N": dn_n, "BLOCK_K": 64, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
+    programs = 2 * multiprocessors
+    split = max(1, min(inter // 256, -(-programs // (tiles * -(-hidden // 128)))))
+    return {"block_m": block_m, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
             "programs_per_sm": 2}
 
 
