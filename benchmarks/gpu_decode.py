@@ -35,6 +35,8 @@ sys.path.insert(0, str(HERE.parent))
 # Launch-config variants: overrides of the rule's entry (see nxd_moe.triton_kernels.launch_configs).
 VARIANTS = {
     "pps1": {"programs_per_sm": 1},
+    "nopf": {"prefetch": False},
+    "pps1nopf": {"programs_per_sm": 1, "prefetch": False},
     "pps3": {"programs_per_sm": 3},
     "st3": {"num_stages": 3},
     "st6": {"num_stages": 6},

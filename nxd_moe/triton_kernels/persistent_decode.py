@@ -63,7 +63,7 @@ MAX_SPINS = tl.constexpr(1 << 22)
 # The most (token, expert) pairs one program sorts into tiles; larger problems use the multi-kernel path.
 MAX_PAIRS = 1024
 # Elements of one routing chunk (tokens x experts: int64 sort keys, fp32 logits).
-ROUTE_ELEMENTS = 1024
+ROUTE_ELEMENTS = 2048
 # Item types in a TRACE record.
 ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE = range(7)
 
@@ -110,9 +110,10 @@ def _signal(sync_ptr, slot):
 @triton.jit
 def _router_part(item, x_ptr, w_ptr, part_ptr, num_tokens, stride_xt, hidden: tl.constexpr,
                  num_experts: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                 CHUNK_H: tl.constexpr):
-    """``part[c, t, e] = sum over h in chunk c of x[t, h] * W[e, h]`` for one slice of experts, in fp32 (fp32
-    products, as the router's fp32 ``F.linear``)."""
+                 CHUNK_H: tl.constexpr, INTERPRET: tl.constexpr):
+    """``part[c, t, e] = sum over h in chunk c of x[t, h] * W[e, h]`` for one slice of experts: the router's fp32
+    ``F.linear``, with fp32 accuracy from three TF32 tensor-core products (``tf32x3``). ``W`` rows are read along
+    ``H``, as stored."""
     expert_blocks = tl.cdiv(num_experts, BLOCK_E)
     chunk = item // expert_blocks
     experts = (item % expert_blocks) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -125,11 +126,28 @@ def _router_part(item, x_ptr, w_ptr, part_ptr, num_tokens, stride_xt, hidden: tl
         h_ok = hs < hidden
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=token_ok[:, None] & h_ok[None, :],
                     other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[None, :] * hidden + hs[:, None], mask=h_ok[:, None] & expert_ok[None, :],
+        w = tl.load(w_ptr + experts[:, None] * hidden + hs[None, :], mask=expert_ok[:, None] & h_ok[None, :],
                     other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="ieee")
+        if INTERPRET:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
     tl.store(part_ptr + (chunk * num_tokens + tokens[:, None]) * num_experts + experts[None, :], acc,
              mask=token_ok[:, None] & expert_ok[None, :])
+
+
+@triton.jit
+def _prefetch_rows(base, k_begin, k_end, col0, stride_k, ROW_BYTES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Ask L2 to fetch (and keep) rows ``k_begin .. k_end`` of a weight slice starting at column ``col0``, one
+    128-byte line per request: a program waiting for its inputs gets its weights moving meanwhile."""
+    if not INTERPRET:
+        lines: tl.constexpr = (ROW_BYTES + 127) // 128
+        elements: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
+        for k0 in range(k_begin, k_end, 128):
+            ks = tl.minimum(k0 + tl.arange(0, 128), k_end - 1)
+            at = base + ks[:, None] * stride_k + col0 + tl.arange(0, lines)[None, :] * elements
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;", "=r,l", [at],
+                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -248,7 +266,8 @@ def _decode_kernel(
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FORMAT: tl.constexpr,
     ROUTER: tl.constexpr, ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr, ACT_OVER_TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, SHARED: tl.constexpr, SHARED_ACT: tl.constexpr,
-    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr,
+    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_SHARED: tl.constexpr,
+    ELEMENT_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr, DN_K: tl.constexpr,
     ROUTE_T: tl.constexpr, ROUTE_E: tl.constexpr, ROUTE_H: tl.constexpr, ROUTE_CHUNK: tl.constexpr,
     ROUTE_PARTS: tl.constexpr, ROUTE_TOKENS: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -281,7 +300,7 @@ def _decode_kernel(
                 kind = 0
                 if ROUTER:
                     _router_part(item, x_ptr, router_w_ptr, part_ptr, num_tokens, hidden, hidden, num_experts,
-                                 ROUTE_T, ROUTE_E, ROUTE_H, ROUTE_CHUNK)
+                                 ROUTE_T, ROUTE_E, ROUTE_H, ROUTE_CHUNK, INTERPRET)
                     _signal(sync_ptr, ROUTER_DONE)
             elif item == num_router_items:
                 kind = 1
@@ -305,7 +324,7 @@ def _decode_kernel(
                               hidden, shared_inter, shared_inter, num_experts, hidden, 0, s_shg_k, s_shg_n,
                               0, 0, 0, 0, shared_inter, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, SHARED_ACT, True, False,
                               False, False, False, False, False, False, False, PRECISION, INTERPRET, False, 0,
-                              BLOCK_M, GU_N, GU_K, True)
+                              BLOCK_M, GU_N, GU_K, True, "evict_first")
                 _signal(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE)
             else:
                 j = item - first_routed
@@ -318,12 +337,15 @@ def _decode_kernel(
                                   s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter, scaling, act_bias, gate_lower,
                                   gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER,
                                   GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, False,
-                                  FORMAT, BLOCK_M, GU_N, GU_K, False)
+                                  FORMAT, BLOCK_M, GU_N, GU_K, False, "evict_first")
                     _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)
                 elif j < routed_gu + shared_dn:
                     kind = 4
                     j -= routed_gu
                     tile = j // dn_cols
+                    if PREFETCH_SHARED:
+                        _prefetch_rows(sh_down_ptr, 0, shared_inter, (j % dn_cols) * DN_N, s_shd_k,
+                                       DN_N * ELEMENT_BYTES, INTERPRET)
                     _wait_at_least(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE, shared_gu_cols,
                                    INTERPRET)
                     started = _now(item, INTERPRET)
@@ -337,6 +359,11 @@ def _decode_kernel(
                     j -= routed_gu + shared_dn
                     part = j // split
                     tile = part // dn_cols
+                    if PREFETCH:
+                        k_begin = (j % split) * k_per_split
+                        _prefetch_rows(dn_ptr + tl.load(tile_expert_ptr + tile).to(tl.int64) * s_dn_e, k_begin,
+                                       tl.minimum(k_begin + k_per_split, inter), (part % dn_cols) * DN_N, s_dn_k,
+                                       DN_N * ELEMENT_BYTES, INTERPRET)
                     _wait_at_least(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE, gu_cols, INTERPRET)
                     started = _now(item, INTERPRET)
                     _down_tile(tile, part % dn_cols, j % split, act_ptr, dn_ptr, dn_ptr, dn_scale_ptr, dn_bias_ptr,
@@ -483,6 +510,7 @@ class _Plan:
         shared_tiles = _cdiv(num_tokens, block_m) if shared is not None else 0
         combine_h = max(min(256, _pow2(hidden)), combine_width(num_tokens, hidden, top_k))
         route_e, route_chunk = 16, min(config.get("ROUTE_CHUNK", 1024), _pow2(hidden))
+        prefetch = config.get("prefetch", True)
         route_parts = _cdiv(hidden, route_chunk) if router is not None else 0
         num_router_items = route_parts * _cdiv(num_experts, route_e)
         dn_cols = _cdiv(hidden, dn_n)
@@ -525,7 +553,9 @@ class _Plan:
             NORMALIZE=router is not None and router.normalize,
             HAS_PADDING=router is not None and router.padding is not None, SHARED=shared is not None,
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
-            TRACE=trace, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k, ROUTE_T=route_t,
+            TRACE=trace, PREFETCH=prefetch and fmt == 0 and dn.stride(2) == 1,
+            PREFETCH_SHARED=prefetch and shared is not None and shared.down.stride(1) == 1,
+            ELEMENT_BYTES=dn.element_size(), BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k, ROUTE_T=route_t,
             ROUTE_E=route_e, ROUTE_H=64, ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
             ROUTE_TOKENS=max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // block_e)), BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
@@ -538,8 +568,7 @@ class _Plan:
         args = [fill if a is None else a for a in args]
         args += self.sizes
         knobs = getattr(triton, "knobs", None)
-        hooked = knobs is None or knobs.runtime.launch_enter_hook is not None \
-            or knobs.runtime.launch_exit_hook is not None
+        hooked = knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         if self.compiled is None or hooked:
             compiled = _decode_kernel[(self.programs,)](*args, **self.constexprs, **self.options)
             if not _interpreting() and not hooked:
@@ -552,6 +581,11 @@ class _Plan:
         compiled = self.compiled
         compiled.run(self.programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *self.constexpr_values)
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set (None, or since Triton 3.5 an empty ``HookChain``, when not)."""
+    return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
 
 
 @functools.lru_cache(maxsize=None)
