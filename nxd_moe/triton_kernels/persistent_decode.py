@@ -568,7 +568,8 @@ class _Plan:
         args = [fill if a is None else a for a in args]
         args += self.sizes
         knobs = getattr(triton, "knobs", None)
-        hooked = knobs is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
+        hooked = knobs is None or any(_hooked(getattr(knobs.runtime, hook))
+                                      for hook in ("launch_enter_hook", "launch_exit_hook"))
         if self.compiled is None or hooked:
             compiled = _decode_kernel[(self.programs,)](*args, **self.constexprs, **self.options)
             if not _interpreting() and not hooked:
