@@ -555,8 +555,8 @@ class _Plan:
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
             TRACE=trace, PREFETCH=prefetch and fmt == 0 and dn.stride(2) == 1,
             PREFETCH_SHARED=prefetch and shared is not None and shared.down.stride(1) == 1,
-            ELEMENT_BYTES=dn.element_size(), BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k, ROUTE_T=route_t,
-            ROUTE_E=route_e, ROUTE_H=64, ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
+            ELEMENT_BYTES=dn.element_size(), BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
+            ROUTE_T=route_t, ROUTE_E=route_e, ROUTE_H=64, ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
             ROUTE_TOKENS=max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // block_e)), BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
