@@ -34,20 +34,15 @@ sys.path.insert(0, str(HERE.parent))
 
 # Launch-config variants: overrides of the rule's entry (see nxd_moe.triton_kernels.launch_configs).
 VARIANTS = {
-    "pps1": {"programs_per_sm": 1},
-    "nopf": {"prefetch": False},
-    "pps1nopf": {"programs_per_sm": 1, "prefetch": False},
-    "pps3": {"programs_per_sm": 3},
+    "pps2": {"programs_per_sm": 2},
     "st3": {"num_stages": 3},
-    "st6": {"num_stages": 6},
-    "gu32": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 128}},
-    "gu128": {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 32}},
-    "gk128": {"gate_up": {"BLOCK_K": 128}, "num_stages": 3},
-    "dn64": {"down": {"BLOCK_N": 64}},
-    "dn256": {"down": {"BLOCK_N": 256, "BLOCK_K": 32}},
+    "w8": {"num_warps": 8},
+    "gk64": {"gate_up": {"BLOCK_K": 64}},
+    "gu64": {"gate_up": {"BLOCK_N": 64, "BLOCK_K": 128}},
+    "gu128": {"gate_up": {"BLOCK_N": 128, "BLOCK_K": 64}},
+    "dn256": {"down": {"BLOCK_N": 256, "BLOCK_K": 64}},
     "split1": {"down": {"SPLIT_K": 1}},
     "split2x": {"down": {"SPLIT_K": "2x"}},
-    "w8": {"num_warps": 8},
 }
 KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine")
 

@@ -220,12 +220,11 @@ def _gate_up_tile(
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DIRECT_ROWS: tl.constexpr, WEIGHT_EVICTION: tl.constexpr,
+    DIRECT_ROWS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`). The up half of a GLU
     weight is read from ``w_up_ptr`` (same strides as ``w_ptr``: the second half of ``gate_up_proj``, or a
-    separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths.
-    ``WEIGHT_EVICTION``: the L2 policy of the pointer path's weight loads (``""``: default)."""
+    separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths."""
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -255,11 +254,9 @@ def _gate_up_tile(
                     w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K,
                                                                                                        BLOCK_N)
             else:
-                w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0,
-                            eviction_policy=WEIGHT_EVICTION)
+                w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                 if GLU:
-                    w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0,
-                                   eviction_policy=WEIGHT_EVICTION)
+                    w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _dot(a, w, acc, PRECISION, INTERPRET)
             if GLU:
                 acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
@@ -309,7 +306,7 @@ def _gate_up_kernel(
                   stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
                   scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS,
                   PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET,
-                  TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False, "")
+                  TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False)
 
 
 @triton.jit

@@ -63,7 +63,7 @@ MAX_SPINS = tl.constexpr(1 << 22)
 # The most (token, expert) pairs one program sorts into tiles; larger problems use the multi-kernel path.
 MAX_PAIRS = 1024
 # Elements of one routing chunk (tokens x experts: int64 sort keys, fp32 logits).
-ROUTE_ELEMENTS = 2048
+ROUTE_ELEMENTS = 1024
 # Item types in a TRACE record.
 ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE = range(7)
 
@@ -121,8 +121,9 @@ def _router_part(item, x_ptr, w_ptr, part_ptr, num_tokens, stride_xt, hidden: tl
     token_ok = tokens < num_tokens
     expert_ok = experts < num_experts
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    for h0 in range(chunk * CHUNK_H, tl.minimum(chunk * CHUNK_H + CHUNK_H, hidden), BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
+    # Unrolled: the chunk's loads are all in flight at once (a loop here ran one load latency per step).
+    for step in tl.static_range(CHUNK_H // BLOCK_H):
+        hs = chunk * CHUNK_H + step * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = hs < hidden
         x = tl.load(x_ptr + tokens[:, None] * stride_xt + hs[None, :], mask=token_ok[:, None] & h_ok[None, :],
                     other=0.0).to(tl.float32)
@@ -134,20 +135,6 @@ def _router_part(item, x_ptr, w_ptr, part_ptr, num_tokens, stride_xt, hidden: tl
             acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
     tl.store(part_ptr + (chunk * num_tokens + tokens[:, None]) * num_experts + experts[None, :], acc,
              mask=token_ok[:, None] & expert_ok[None, :])
-
-
-@triton.jit
-def _prefetch_rows(base, k_begin, k_end, col0, stride_k, ROW_BYTES: tl.constexpr, INTERPRET: tl.constexpr):
-    """Ask L2 to fetch (and keep) rows ``k_begin .. k_end`` of a weight slice starting at column ``col0``, one
-    128-byte line per request: a program waiting for its inputs gets its weights moving meanwhile."""
-    if not INTERPRET:
-        lines: tl.constexpr = (ROW_BYTES + 127) // 128
-        elements: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth
-        for k0 in range(k_begin, k_end, 128):
-            ks = tl.minimum(k0 + tl.arange(0, 128), k_end - 1)
-            at = base + ks[:, None] * stride_k + col0 + tl.arange(0, lines)[None, :] * elements
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;", "=r,l", [at],
-                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -266,8 +253,7 @@ def _decode_kernel(
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FORMAT: tl.constexpr,
     ROUTER: tl.constexpr, ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr, ACT_OVER_TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, SHARED: tl.constexpr, SHARED_ACT: tl.constexpr,
-    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_SHARED: tl.constexpr,
-    ELEMENT_BYTES: tl.constexpr,
+    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr, DN_K: tl.constexpr,
     ROUTE_T: tl.constexpr, ROUTE_E: tl.constexpr, ROUTE_H: tl.constexpr, ROUTE_CHUNK: tl.constexpr,
     ROUTE_PARTS: tl.constexpr, ROUTE_TOKENS: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -324,7 +310,7 @@ def _decode_kernel(
                               hidden, shared_inter, shared_inter, num_experts, hidden, 0, s_shg_k, s_shg_n,
                               0, 0, 0, 0, shared_inter, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, SHARED_ACT, True, False,
                               False, False, False, False, False, False, False, PRECISION, INTERPRET, False, 0,
-                              BLOCK_M, GU_N, GU_K, True, "evict_first")
+                              BLOCK_M, GU_N, GU_K, True)
                 _signal(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE)
             else:
                 j = item - first_routed
@@ -337,15 +323,12 @@ def _decode_kernel(
                                   s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter, scaling, act_bias, gate_lower,
                                   gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER,
                                   GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, False,
-                                  FORMAT, BLOCK_M, GU_N, GU_K, False, "evict_first")
+                                  FORMAT, BLOCK_M, GU_N, GU_K, False)
                     _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)
                 elif j < routed_gu + shared_dn:
                     kind = 4
                     j -= routed_gu
                     tile = j // dn_cols
-                    if PREFETCH_SHARED:
-                        _prefetch_rows(sh_down_ptr, 0, shared_inter, (j % dn_cols) * DN_N, s_shd_k,
-                                       DN_N * ELEMENT_BYTES, INTERPRET)
                     _wait_at_least(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE, shared_gu_cols,
                                    INTERPRET)
                     started = _now(item, INTERPRET)
@@ -359,11 +342,6 @@ def _decode_kernel(
                     j -= routed_gu + shared_dn
                     part = j // split
                     tile = part // dn_cols
-                    if PREFETCH:
-                        k_begin = (j % split) * k_per_split
-                        _prefetch_rows(dn_ptr + tl.load(tile_expert_ptr + tile).to(tl.int64) * s_dn_e, k_begin,
-                                       tl.minimum(k_begin + k_per_split, inter), (part % dn_cols) * DN_N, s_dn_k,
-                                       DN_N * ELEMENT_BYTES, INTERPRET)
                     _wait_at_least(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE, gu_cols, INTERPRET)
                     started = _now(item, INTERPRET)
                     _down_tile(tile, part % dn_cols, j % split, act_ptr, dn_ptr, dn_ptr, dn_scale_ptr, dn_bias_ptr,
@@ -509,8 +487,7 @@ class _Plan:
         shared_inter = shared.gate.shape[1] if shared is not None else 0
         shared_tiles = _cdiv(num_tokens, block_m) if shared is not None else 0
         combine_h = max(min(256, _pow2(hidden)), combine_width(num_tokens, hidden, top_k))
-        route_e, route_chunk = 16, min(config.get("ROUTE_CHUNK", 1024), _pow2(hidden))
-        prefetch = config.get("prefetch", True)
+        route_e, route_chunk = 16, min(512, _pow2(hidden))
         route_parts = _cdiv(hidden, route_chunk) if router is not None else 0
         num_router_items = route_parts * _cdiv(num_experts, route_e)
         dn_cols = _cdiv(hidden, dn_n)
@@ -553,10 +530,8 @@ class _Plan:
             NORMALIZE=router is not None and router.normalize,
             HAS_PADDING=router is not None and router.padding is not None, SHARED=shared is not None,
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
-            TRACE=trace, PREFETCH=prefetch and fmt == 0 and dn.stride(2) == 1,
-            PREFETCH_SHARED=prefetch and shared is not None and shared.down.stride(1) == 1,
-            ELEMENT_BYTES=dn.element_size(), BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
-            ROUTE_T=route_t, ROUTE_E=route_e, ROUTE_H=64, ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
+            TRACE=trace, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
+            ROUTE_T=route_t, ROUTE_E=route_e, ROUTE_H=min(128, route_chunk), ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
             ROUTE_TOKENS=max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // block_e)), BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
