@@ -530,8 +530,8 @@ class _Plan:
             NORMALIZE=router is not None and router.normalize,
             HAS_PADDING=router is not None and router.padding is not None, SHARED=shared is not None,
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
-            TRACE=trace, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
-            ROUTE_T=route_t, ROUTE_E=route_e, ROUTE_H=min(128, route_chunk), ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
+            TRACE=trace, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k, ROUTE_T=route_t,
+            ROUTE_E=route_e, ROUTE_H=min(128, route_chunk), ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
             ROUTE_TOKENS=max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // block_e)), BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
