@@ -44,7 +44,7 @@ VARIANTS = {
     "split1": {"down": {"SPLIT_K": 1}},
     "split2x": {"down": {"SPLIT_K": "2x"}},
 }
-KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine")
+KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route")
 
 
 def trace_summary(trace) -> dict:

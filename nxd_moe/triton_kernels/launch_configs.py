@@ -83,7 +83,7 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
 def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
                           multiprocessors: int = 132) -> dict:
     """The rule for the one-launch decode (one program per multiprocessor). Weight tiles are read in rows of 256
-    bytes (128 columns of gate and of up; down 128 columns) when that still gives two gate/up items per program,
+    bytes (128 columns of gate and of up; down 128 columns) when that still gives a gate/up item per program,
     else 128 bytes -- narrower rows cut HBM efficiency more than extra items help; deep ``K`` tiles keep ~100 KB
     of weights in flight per program (what one multiprocessor needs to reach its share of the bandwidth). The down
     projection's ``K`` is split while its items would not cover the programs. Measured on an H100: see
@@ -92,7 +92,7 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
     used = min(num_experts, pairs)
     block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
     tiles = used * -(-pairs // (used * block_m))
-    gu_n = 128 if tiles * -(-inter // 128) >= 2 * multiprocessors else 64
+    gu_n = 128 if tiles * -(-inter // 128) >= multiprocessors else 64
     split = max(1, min(inter // 256, -(-multiprocessors // (tiles * -(-hidden // 128)))))
     return {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": 8192 // gu_n},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,

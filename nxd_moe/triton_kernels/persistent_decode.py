@@ -55,6 +55,7 @@ DOWN_DONE = tl.constexpr(96)
 FINISHED = tl.constexpr(128)
 NUM_TILES = tl.constexpr(160)
 TIMED_OUT = tl.constexpr(192)
+ROUTE_DONE = tl.constexpr(224)
 TILE_COUNTERS = tl.constexpr(256)
 TILE_STRIDE = tl.constexpr(8)
 # Polls (each one L2 read after a short sleep) before a wait gives up and flags TIMED_OUT: seconds, far beyond any
@@ -65,7 +66,7 @@ MAX_PAIRS = 1024
 # Elements of one routing chunk (tokens x experts: int64 sort keys, fp32 logits).
 ROUTE_ELEMENTS = 1024
 # Item types in a TRACE record.
-ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE = range(7)
+ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE, ROUTE_ITEM = range(8)
 
 
 @triton.jit
@@ -143,58 +144,58 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _route(part_ptr, bias_ptr, padding_ptr, logits_ptr, index_ptr, mask_ptr, affinity_ptr, num_tokens,
+def _route(t0, part_ptr, bias_ptr, padding_ptr, logits_ptr, index_ptr, mask_ptr, affinity_ptr, num_tokens,
            num_experts: tl.constexpr, top_k: tl.constexpr, NUM_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr,
            HAS_PADDING: tl.constexpr, SIGMOID: tl.constexpr, ACT_OVER_TOPK: tl.constexpr, NORMALIZE: tl.constexpr,
            BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The router's output and :func:`~nxd_moe.experts.routing_inputs.build_routing` for every token: logits
-    ``(T, E)``, ``expert_index (T, k)`` (largest logit first; ties to the lower expert), the k-hot mask and the
-    affinities (activation over all experts or only the chosen ones, zeroed off the mask, L1-normalised)."""
+    """The router's output and :func:`~nxd_moe.experts.routing_inputs.build_routing` for tokens ``t0 ..
+    t0 + BLOCK_T``: logits ``(T, E)``, ``expert_index (T, k)`` (largest logit first; ties to the lower expert), the
+    k-hot mask and the affinities (activation over all experts or only the chosen ones, zeroed off the mask,
+    L1-normalised)."""
     experts = tl.arange(0, BLOCK_E)
     expert_ok = experts < num_experts
-    for t0 in range(0, num_tokens, BLOCK_T):
-        tokens = t0 + tl.arange(0, BLOCK_T)
-        token_ok = tokens < num_tokens
-        ok = token_ok[:, None] & expert_ok[None, :]
-        at = tokens[:, None] * num_experts + experts[None, :]
-        logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-        for part in tl.static_range(NUM_PARTS):  # unrolled: the part loads are issued together
-            logits += tl.load(part_ptr + part * num_tokens * num_experts + at, mask=ok, other=0.0,
-                              cache_modifier=".cg")
-        if HAS_BIAS:
-            logits += tl.load(bias_ptr + experts, mask=expert_ok, other=0.0)[None, :]
-        tl.store(logits_ptr + at, logits, mask=ok)
-        # Sort keys: the logit's bits made order-preserving as a signed integer, above the inverted expert id.
-        bits = logits.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32
-        key = key | (num_experts - 1 - experts).to(tl.int64)[None, :]
-        key = tl.where(expert_ok[None, :], key, -9223372036854775807 - 1)
-        # k rounds of argmax (one row reduction each): lighter on registers than a sorting network.
-        chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
-        for j in tl.static_range(top_k):
-            best = tl.max(key, axis=1)
-            hit = key == best[:, None]
-            chosen = chosen | hit
-            key = tl.where(hit, -9223372036854775807 - 1, key)
-            tl.store(index_ptr + tokens * top_k + j, (num_experts - 1 - (best & 0xFFFFFFFF)), mask=token_ok)
-        if ACT_OVER_TOPK:
-            scope = chosen
-        else:
-            scope = ok
-        if SIGMOID:
-            affinity = tl.sigmoid(logits)
-        else:
-            peak = tl.max(tl.where(scope, logits, float("-inf")), axis=1)
-            weight = tl.where(scope, tl.exp(logits - peak[:, None]), 0.0)
-            affinity = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]  # rows past T: 0, not 0/0
-        if HAS_PADDING:
-            chosen = chosen & (tl.load(padding_ptr + tokens, mask=token_ok, other=0) != 0)[:, None]
-        affinity = tl.where(chosen, affinity, 0.0)
-        if NORMALIZE:
-            norm = tl.sum(tl.abs(affinity), axis=1)
-            affinity = affinity / tl.maximum(norm, 1e-12)[:, None]
-        tl.store(mask_ptr + at, chosen.to(tl.uint8), mask=ok)
-        tl.store(affinity_ptr + at, affinity, mask=ok)
+    tokens = t0 + tl.arange(0, BLOCK_T)
+    token_ok = tokens < num_tokens
+    ok = token_ok[:, None] & expert_ok[None, :]
+    at = tokens[:, None] * num_experts + experts[None, :]
+    logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+    for part in tl.static_range(NUM_PARTS):  # unrolled: the part loads are issued together
+        logits += tl.load(part_ptr + part * num_tokens * num_experts + at, mask=ok, other=0.0,
+                          cache_modifier=".cg")
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + experts, mask=expert_ok, other=0.0)[None, :]
+    tl.store(logits_ptr + at, logits, mask=ok)
+    # Sort keys: the logit's bits made order-preserving as a signed integer, above the inverted expert id.
+    bits = logits.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32
+    key = key | (num_experts - 1 - experts).to(tl.int64)[None, :]
+    key = tl.where(expert_ok[None, :], key, -9223372036854775807 - 1)
+    # k rounds of argmax (one row reduction each): lighter on registers than a sorting network.
+    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+    for j in tl.static_range(top_k):
+        best = tl.max(key, axis=1)
+        hit = key == best[:, None]
+        chosen = chosen | hit
+        key = tl.where(hit, -9223372036854775807 - 1, key)
+        tl.store(index_ptr + tokens * top_k + j, (num_experts - 1 - (best & 0xFFFFFFFF)), mask=token_ok)
+    if ACT_OVER_TOPK:
+        scope = chosen
+    else:
+        scope = ok
+    if SIGMOID:
+        affinity = tl.sigmoid(logits)
+    else:
+        peak = tl.max(tl.where(scope, logits, float("-inf")), axis=1)
+        weight = tl.where(scope, tl.exp(logits - peak[:, None]), 0.0)
+        affinity = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]  # rows past T: 0, not 0/0
+    if HAS_PADDING:
+        chosen = chosen & (tl.load(padding_ptr + tokens, mask=token_ok, other=0) != 0)[:, None]
+    affinity = tl.where(chosen, affinity, 0.0)
+    if NORMALIZE:
+        norm = tl.sum(tl.abs(affinity), axis=1)
+        affinity = affinity / tl.maximum(norm, 1e-12)[:, None]
+    tl.store(mask_ptr + at, chosen.to(tl.uint8), mask=ok)
+    tl.store(affinity_ptr + at, affinity, mask=ok)
 
 
 @triton.jit
@@ -269,7 +270,12 @@ def _decode_kernel(
         shared_gu_cols = 1
     shared_dn = shared_tiles * dn_cols
     combine_cols = (hidden + COMBINE_H - 1) // COMBINE_H
-    first_routed = num_router_items + 1 + shared_tiles * shared_gu_cols
+    if ROUTER:
+        route_items = (num_tokens + ROUTE_TOKENS - 1) // ROUTE_TOKENS
+    else:
+        route_items = num_tokens * 0
+    layout_item = num_router_items + route_items
+    first_routed = layout_item + 1 + shared_tiles * shared_gu_cols
     item = tl.atomic_add(sync_ptr + NEXT_ITEM, 1)
     running = item < max_items
     while running:
@@ -288,22 +294,28 @@ def _decode_kernel(
                     _router_part(item, x_ptr, router_w_ptr, part_ptr, num_tokens, hidden, hidden, num_experts,
                                  ROUTE_T, ROUTE_E, ROUTE_H, ROUTE_CHUNK, INTERPRET)
                     _signal(sync_ptr, ROUTER_DONE)
-            elif item == num_router_items:
-                kind = 1
+            elif item < layout_item:
+                kind = 7
                 if ROUTER:
                     _wait_at_least(sync_ptr, ROUTER_DONE, num_router_items, INTERPRET)
                     started = _now(item, INTERPRET)
-                    _route(part_ptr, router_b_ptr, padding_ptr, logits_ptr, index_ptr, mask_ptr, affinity_ptr,
-                           num_tokens, num_experts, top_k, ROUTE_PARTS, ROUTER_BIAS, HAS_PADDING, SIGMOID,
-                           ACT_OVER_TOPK, NORMALIZE, ROUTE_TOKENS, BLOCK_E)
-                    tl.debug_barrier()
+                    _route((item - num_router_items) * ROUTE_TOKENS, part_ptr, router_b_ptr, padding_ptr,
+                           logits_ptr, index_ptr, mask_ptr, affinity_ptr, num_tokens, num_experts, top_k,
+                           ROUTE_PARTS, ROUTER_BIAS, HAS_PADDING, SIGMOID, ACT_OVER_TOPK, NORMALIZE, ROUTE_TOKENS,
+                           BLOCK_E)
+                    _signal(sync_ptr, ROUTE_DONE)
+            elif item == layout_item:
+                kind = 1
+                if ROUTER:
+                    _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
+                    started = _now(item, INTERPRET)
                 _layout(index_ptr, mask_ptr, sort_ptr, row_token_ptr, tile_expert_ptr, pair_row_ptr, sync_ptr,
                         num_tokens * top_k, num_rows, top_k, num_experts, BLOCK_P, BLOCK_M)
                 _signal(sync_ptr, LAYOUT_READY)
             elif item < first_routed:
                 # (only with SHARED: otherwise first_routed is the layout item's successor)
                 kind = 2
-                j = item - num_router_items - 1
+                j = item - layout_item - 1
                 tile = j // shared_gu_cols
                 _gate_up_tile(tile, j % shared_gu_cols, x_ptr, sh_gate_ptr, sh_up_ptr, sh_gate_ptr, sh_gate_ptr,
                               sh_gate_ptr, affinity_ptr, sh_act_ptr, row_token_ptr, tile_expert_ptr, num_tokens,
@@ -380,6 +392,7 @@ def _decode_kernel(
                      mask=t0 + lanes < shared_tiles)
         for slot in tl.static_range(0, 192, 32):  # NEXT_ITEM .. NUM_TILES; TIMED_OUT stays set
             tl.store(sync_ptr + slot, 0)
+        tl.store(sync_ptr + ROUTE_DONE, 0)
 
 
 class RouterParts(NamedTuple):
@@ -491,7 +504,9 @@ class _Plan:
         route_parts = _cdiv(hidden, route_chunk) if router is not None else 0
         num_router_items = route_parts * _cdiv(num_experts, route_e)
         dn_cols = _cdiv(hidden, dn_n)
-        max_items = (num_router_items + 1 + shared_tiles * (_cdiv(max(shared_inter, 1), gu_n) + dn_cols)
+        route_tokens = max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // max(2, _pow2(num_experts))))
+        route_items = _cdiv(num_tokens, route_tokens) if router is not None else 0
+        max_items = (num_router_items + route_items + 1 + shared_tiles * (_cdiv(max(shared_inter, 1), gu_n) + dn_cols)
                      + tile_bound * (_cdiv(inter, gu_n) + dn_cols * split) + num_tokens * _cdiv(hidden, combine_h))
         self.programs = min(max_items, _multiprocessors(device) * config["programs_per_sm"])
         self.sync = _sync_buffer(device, TILE_COUNTERS.value + 2 * tile_bound * TILE_STRIDE.value)
@@ -532,7 +547,7 @@ class _Plan:
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
             TRACE=trace, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k, ROUTE_T=route_t,
             ROUTE_E=route_e, ROUTE_H=min(128, route_chunk), ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
-            ROUTE_TOKENS=max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // block_e)), BLOCK_E=block_e,
+            ROUTE_TOKENS=route_tokens, BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
         self.compiled = None

@@ -142,6 +142,21 @@ def test_moe_decode_in_one_launch(router, shared):
     assert (out[~padding] == 0).all()
 
 
+def test_moe_decode_routes_in_several_items():
+    """More tokens than one routing item takes (1024 / E of them): every chunk's routing, logits and output are
+    the router module's and the reference's."""
+    num_experts, top_k, hidden = 64, 4, 48
+    moe = _moe(RouterTopK(num_experts, top_k, hidden), SharedExperts(hidden, 16, 1, "silu"), num_experts=num_experts,
+               top_k=top_k, hidden=hidden, inter=16, normalize_top_k_affinities=True)
+    x = randn(40, 1, hidden, seed=15).to(DEVICE)  # 40 tokens, 16 per routing item
+    with torch.no_grad():
+        out, logits, index = moe(x)
+        theirs_logits, _, theirs_index = moe.router(x.reshape(-1, hidden))
+    torch.testing.assert_close(logits, theirs_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(index, theirs_index)
+    _check(out, reference_for_moe(moe, x), torch.float32, "40 tokens")
+
+
 def test_moe_decode_falls_back_where_it_has_no_fused_form():
     """A group-limited router (DeepSeek-V3), prefill, stats: the layer runs its modules as before."""
     moe = _moe(GroupLimitedRouter(8, 2, 32, n_group=4, topk_group=2), normalize_top_k_affinities=True)
