@@ -13,7 +13,7 @@ import torch
 
 from nxd_moe import ExpertMLPsV2, GroupLimitedRouter, MoE, RouterTopK, SharedExperts
 from nxd_moe.reference import reference_for_experts, reference_for_moe
-from conftest import make_config, randn, randomize_, random_routing
+from conftest import capture_cuda_graph, make_config, randn, randomize_, random_routing
 
 triton = pytest.importorskip("triton")
 from nxd_moe.triton_kernels import persistent_decode  # noqa: E402
@@ -190,14 +190,7 @@ def test_cuda_graph_replays_new_routings(shared):
     for tokens in (1, 16, 64):
         static_x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                moe(static_x)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = moe(static_x)[0]
+            graph, static_out = capture_cuda_graph(lambda x=static_x: moe(x)[0])
             weight = moe.router.linear_router.weight.data.clone()
             for seed in range(3):
                 static_x.copy_(randn(tokens, 1, hidden, seed=100 + seed).to("cuda", torch.bfloat16))
