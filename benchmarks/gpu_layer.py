@@ -530,6 +530,8 @@ GROUP_TITLES = {"issue": "Issue 9's shapes", "llama4": "Llama 4 Scout decode wit
 PREFILL_TARGETS = {"qwen3-30b-a3b-prefill-m4096": 1.5, "gpt-oss-20b-prefill-m4096": 1.3,
                    "mixtral-8x7b-prefill-m4096": 1.1}
 DECODE_BANDWIDTH_TARGET, LLAMA4_TARGET_US = 0.85, 185.0
+# issue 19: an eager (not graphed) decode call within this factor of the graphed time plus this allowance
+EAGER_FACTOR, EAGER_ALLOWANCE_US = 1.5, 50.0
 
 
 def markdown(result: dict) -> str:
@@ -595,6 +597,18 @@ def markdown(result: dict) -> str:
         worst = min(shares, key=lambda s: s[1])
         lines.append(f"| decode M <= 64: >= {DECODE_BANDWIDTH_TARGET:.0%} of copy bandwidth on touched weights | "
                      f"worst {worst[1]:.0%} ({worst[0]}) | {'yes' if worst[1] >= DECODE_BANDWIDTH_TARGET else 'no'} |")
+    eager = [(n, r["eager"]["us"], r["graph"]["us"], cases[n]["contenders"].get("vllm_triton", {}).get("eager", {}))
+             for n, r in decode if "eager" in r and "graph" in r]
+    if eager:
+        worst = max(eager, key=lambda e: e[1] / (EAGER_FACTOR * e[2] + EAGER_ALLOWANCE_US))
+        lines.append(f"| eager decode <= {EAGER_FACTOR}x the graphed time + {EAGER_ALLOWANCE_US:.0f} us | worst "
+                     f"{worst[1]:.0f} us eager vs {worst[2]:.0f} us graphed ({worst[0]}) | "
+                     f"{'yes' if worst[1] <= EAGER_FACTOR * worst[2] + EAGER_ALLOWANCE_US else 'no'} |")
+        versus = [(n, e / v["us"]) for n, e, _, v in eager if v.get("us")]
+        if versus:
+            slowest = max(versus, key=lambda v: v[1])
+            lines.append(f"| eager decode faster than vLLM's eager call | worst {slowest[1]:.2f}x its time "
+                         f"({slowest[0]}) | {'yes' if slowest[1] < 1 else 'no'} |")
     llama = triton("llama4-scout-tp8-shared-decode-m64")
     if llama.get("time_us"):
         lines.append(f"| Llama 4 Scout TP8 decode layer with shared expert <= {LLAMA4_TARGET_US:.0f} us | "
@@ -625,8 +639,8 @@ def selected_cases(args) -> list[Case]:
     if args.cases:
         names = [n.strip() for n in args.cases.split(",") if n.strip()]
 
-        def picked(case: Case, name: str) -> bool:
-            return name == case.group or name in case.name
+        def picked(case: Case, name: str) -> bool:  # a full case name picks that case alone
+            return name == case.group or (name == case.name if name in ALL_CASES else name in case.name)
 
         unknown = [n for n in names if not any(picked(c, n) for c in ALL_CASES.values())]
         if unknown:

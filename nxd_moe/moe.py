@@ -147,11 +147,39 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
 
         x = hidden_states if self.rmsnorm is None else self.rmsnorm(hidden_states)
         flat = x.reshape(batch * seq_len, hidden)
+        token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
+        fused = None
+        if seq_len == 1 and not (return_stats or self.validate_inputs or self._distributed):
+            # The backend's one-launch decode of the whole layer, where it has one.
+            fused = self.expert_mlps.backend.fused_decode(flat, self.router, self.expert_mlps, self.shared_experts,
+                                                          token_is_real)
+        if fused is not None:
+            out, router_logits, expert_index = fused
+            stats = None
+        else:
+            out, router_logits, expert_index, stats = self._layer(x, flat, token_is_real, seq_len, batch,
+                                                                  return_stats)
+        if token_is_real is not None:
+            out = torch.where(token_is_real.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        result = [out.view(batch, seq_len, hidden)]
+        if self.return_router_logits:
+            result.append(router_logits)
+        if self.return_expert_index:
+            result.append(expert_index)
+        if residual is not None:
+            result.append(residual)
+        if return_stats:
+            result.append(stats)
+        return tuple(result)
+
+    def _layer(self, x: torch.Tensor, flat: torch.Tensor, token_is_real: torch.Tensor | None, seq_len: int,
+               batch: int, return_stats: bool):
+        """Router, routed experts and shared experts as separate modules: ``(out (T, H), router_logits,
+        expert_index, stats or None)``."""
         router_logits, expert_affinities, expert_index = self.router(flat)
         if self.validate_inputs:
             check_finite(expert_affinities, "MoE: router expert_affinities")
             check_expert_index(expert_index, self.router.num_experts, "MoE: router expert_index")
-        token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
         sharded_input = self._distributed and self.sequence_parallel_enabled and seq_len != 1
         # A whole shared expert's output goes into the routed experts' combine (one pass fewer where the backend
         # fuses it); a tensor-parallel one is added after. With an input of the wrong dtype it is not run first,
@@ -180,15 +208,4 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             out = out + shared
         if self.shared_experts is not None and self.shared_experts.intermediate_shard is not None:
             out = out + shared_experts_forward(self.shared_experts, x, sharded_input).reshape(flat.shape)
-        if token_is_real is not None:
-            out = torch.where(token_is_real.unsqueeze(1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-        result = [out.view(batch, seq_len, hidden)]
-        if self.return_router_logits:
-            result.append(router_logits)
-        if self.return_expert_index:
-            result.append(expert_index)
-        if residual is not None:
-            result.append(residual)
-        if return_stats:
-            result.append(stats)
-        return tuple(result)
+        return out, router_logits, expert_index, stats

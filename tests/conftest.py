@@ -261,6 +261,20 @@ _SYNC_ATEN = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "un
               "bincount", "histc", "equal", "is_nonzero"}
 
 
+def capture_cuda_graph(fn):
+    """``(graph, output)``: ``fn()`` warmed up on a side stream, then captured in a CUDA graph (replay it after
+    changing ``fn``'s static inputs in place)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    return graph, output
+
+
 @contextlib.contextmanager
 def no_host_sync():
     """Raise :class:`HostSyncError` if the enclosed code reads tensor data on the host or runs an op whose

@@ -148,8 +148,9 @@ def test_markdown_reports_the_targets_from_the_json():
     result = {"date": "d", "environment": {"gpu": "G"}, "roofline": {"copy_TBps": 3.0, "bf16_matmul_TFLOPs": 800.0},
               "cases": {
                   "llama4-scout-tp8-shared-decode-m64": case("llama4", 64, True, {
-                      "vllm_triton": dict(peer), "nxd_triton": {"kind": "ours", "correct": True,
-                                                                "graph": {"us": 120.0}}}),
+                      "vllm_triton": {**peer, "eager": {"us": 500.0}},
+                      "nxd_triton": {"kind": "ours", "correct": True, "graph": {"us": 120.0},
+                                     "eager": {"us": 231.0}}}),
                   "qwen3-30b-a3b-prefill-m4096": case("issue", 4096, False, {
                       "vllm_triton": dict(peer), "nxd_triton": {"kind": "ours", "correct": True,
                                                                 "graph": {"us": 250.0}}}),
@@ -160,3 +161,7 @@ def test_markdown_reports_the_targets_from_the_json():
     assert "| Llama 4 Scout TP8 decode layer with shared expert <= 185 us | 120 us | yes |" in text
     assert "| qwen3-30b-a3b-prefill-m4096: >= 1.5x the best peer (vllm_triton) | 1.20x | no |" in text
     assert "| never slower than the best peer | slowest 1.20x (qwen3-30b-a3b-prefill-m4096) | yes |" in text
+    # 231 us eager > 1.5 * 120 + 50 = 230 us; 231 / 500 = 0.46 of vLLM's eager time
+    assert ("| eager decode <= 1.5x the graphed time + 50 us | worst 231 us eager vs 120 us graphed "
+            "(llama4-scout-tp8-shared-decode-m64) | no |") in text
+    assert "| eager decode faster than vLLM's eager call | worst 0.46x its time " in text

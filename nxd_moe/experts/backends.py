@@ -68,6 +68,17 @@ class ExpertsBackend(abc.ABC):
         its own tiling as ``BlockMapping.tiles``; the mapping itself must be the shared one)."""
         return token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, num_blocks, optimized)
 
+    def fused_decode(self, hidden_states: torch.Tensor, router, experts, shared_experts,
+                     padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Optional: a whole single-device decode layer -- ``router`` (a ``RouterBase``), routing, the routed
+        ``experts`` (the ``ExpertMLPsV2`` calling this backend), ``shared_experts`` (``SharedExperts`` or None) and
+        the combine -- in the backend's own fused form, on ``hidden_states (T, H)`` (after any norm) with
+        ``padding_mask (T,)`` (True = real token; padded tokens' rows are zeroed by the caller). Returns
+        ``(output (T, H), router_logits (T, E), expert_index (T, k))`` -- the same function as the unfused layer --
+        or None when the backend has no fused form for these modules (the caller then runs them as usual).
+        ``MoE`` calls it for decode (``S == 1``) on one device, without stats or input validation."""
+        return None
+
     @abc.abstractmethod
     def blockwise(self, hidden_states: torch.Tensor, routing: Routing, mapping: BlockMapping,
                   weights: ExpertWeights, config: BlockwiseMatmulConfig) -> torch.Tensor:

@@ -27,9 +27,10 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.triton_kernels import persistent_decode
 from nxd_moe.triton_kernels.combine import combine_rows
-from nxd_moe.triton_kernels.grouped_gemm import FORMAT_CODES, down_projection, gate_up_projection
-from nxd_moe.triton_kernels.launch_configs import launch_config
+from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, FORMAT_CODES, down_projection, gate_up_projection
+from nxd_moe.triton_kernels.launch_configs import decode_config, launch_config
 from nxd_moe.triton_kernels.local_routing import fused_local_routing
 from nxd_moe.triton_kernels.routing import fused_routing
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
@@ -81,15 +82,29 @@ class TritonBackend(ExpertsBackend):
     # Quantized weights are read as stored and dequantized in registers inside the GEMMs' weight-tile loads.
     supported_formats = frozenset(FORMAT_CODES)
 
-    def __init__(self, configs: dict | None = None):
+    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool = True):
         self.configs = configs
+        self.decode_configs = decode_configs
+        self.one_launch = one_launch
+        # Launch configurations by static shape: looked up once, not on every forward.
+        self._configs: dict[tuple, dict] = {}
 
-    def _config(self, hidden_states: torch.Tensor, weights: ExpertWeights, top_k: int) -> dict:
-        if self.configs is not None:
+    def _config(self, hidden_states: torch.Tensor, weights: ExpertWeights, top_k: int, decode: bool = False) -> dict:
+        if decode and self.decode_configs is not None:
+            return self.decode_configs
+        if not decode and self.configs is not None:
             return self.configs
         num_experts, hidden, _ = weights.gate_up_proj.shape
-        return launch_config(num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
-                             hidden_states.device, hidden_states.dtype, weights.format)
+        key = (decode, num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
+               hidden_states.device, hidden_states.dtype, weights.format)
+        config = self._configs.get(key)
+        if config is None:
+            config = (decode_config if decode else launch_config)(*key[1:])
+            self._configs[key] = config
+        return config
+
+    def _one_launch(self, num_tokens: int, top_k: int) -> bool:
+        return self.one_launch and persistent_decode.applies(num_tokens, top_k)
 
     def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                     selective_loading_threshold):
@@ -147,7 +162,14 @@ class TritonBackend(ExpertsBackend):
         return self._run(hidden_states, routing, weights, tiles, launch, addend)
 
     def selective_loading(self, hidden_states, routing, weights, addend=None):
+        """Decode sizes run as one persistent launch (:mod:`~nxd_moe.triton_kernels.persistent_decode`); larger
+        problems as the separate kernels with decode-sized tiles."""
         _check_device(hidden_states)
+        num_tokens, top_k = routing.expert_index.shape
+        if self._one_launch(num_tokens, top_k):
+            return persistent_decode.selective_loading(hidden_states, routing, weights,
+                                                       self._config(hidden_states, weights, top_k, decode=True),
+                                                       addend)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         block_m = launch["block_m"]
         num_tokens, top_k = routing.expert_index.shape
@@ -177,5 +199,57 @@ class TritonBackend(ExpertsBackend):
         return self._run(hidden_states, routing, weights, tiles._replace(pair_row=pair_row), launch, addend,
                          every_expert)
 
+    def fused_decode(self, hidden_states, router, experts, shared_experts, padding_mask):
+        """A single-device decode layer in one launch when everything in it has a fused form: a
+        :class:`~nxd_moe.routing.topk.RouterTopK` with an fp32 weight, the experts' own dtype and width, and no or
+        replicated, unquantized, ungated shared experts with a supported activation; else None."""
+        from nxd_moe.routing.topk import RouterTopK
+
+        num_tokens = hidden_states.shape[0]
+        cfg = experts.routed_experts_mlp_config
+        linear = router.linear_router
+        if not (self._one_launch(num_tokens, cfg.top_k) and type(router) is RouterTopK
+                and linear.weight.dtype == torch.float32 and not (router.training and router.jitter_eps > 0)
+                and not experts.is_sharded and cfg.hidden_size_actual is None
+                and hidden_states.dtype == experts.dtype and hidden_states.shape[1] == cfg.hidden_size):
+            return None
+        shared = None
+        if shared_experts is not None:
+            shared = _shared_parts(shared_experts, hidden_states.dtype)
+            if shared is None:
+                return None
+        _check_device(hidden_states)
+        weights = experts.expert_weights()
+        parts = persistent_decode.RouterParts(linear.weight, linear.bias, cfg.top_k, router.act_fn == "sigmoid",
+                                              router.apply_act_fn_over_topk, cfg.normalize_top_k_affinities,
+                                              padding_mask)
+        return persistent_decode.moe_decode(hidden_states, parts, weights,
+                                            self._config(hidden_states, weights, cfg.top_k, decode=True),
+                                            cfg.early_expert_affinity_modulation, shared)
+
     def __repr__(self) -> str:
-        return "TritonBackend()" if self.configs is None else f"TritonBackend(configs={self.configs!r})"
+        options = {"configs": self.configs, "decode_configs": self.decode_configs}
+        shown = [f"{name}={value!r}" for name, value in options.items() if value is not None]
+        shown += [] if self.one_launch else ["one_launch=False"]
+        return f"TritonBackend({', '.join(shown)})"
+
+
+def _shared_parts(shared, dtype: torch.dtype) -> persistent_decode.SharedParts | None:
+    """The shared experts as ``(K, N)`` weight views for the one-launch decode, or None if they have no fused form
+    there (tensor-parallel, quantized, gated, another dtype or activation)."""
+    projections = [shared.gate_up_proj] if shared.fused_gate_up_projection else [shared.gate_proj, shared.up_proj]
+    projections.append(shared.down_proj)
+    if (shared.intermediate_shard is not None or shared.shared_expert_gate is not None
+            or shared.hidden_act not in ACTIVATIONS
+            or any(p.format.quantized or p.weight.dtype != dtype for p in projections)):
+        return None
+    # DenseProjection stores (out, in) unless transposed; the kernels read (K, N) = (in, out) views.
+    gate_up, *_, down = (p.weight if p.transposed else p.weight.t() for p in projections)
+    if shared.fused_gate_up_projection:
+        width = gate_up.shape[1] // 2
+        gate, up = gate_up[:, :width], gate_up[:, width:]
+    else:
+        gate, up = gate_up, (projections[1].weight if projections[1].transposed else projections[1].weight.t())
+    if gate.stride() != up.stride():
+        return None
+    return persistent_decode.SharedParts(gate, up, down, shared.hidden_act)

@@ -20,13 +20,13 @@ TILE_ELEMENTS = 8192
 
 
 @triton.jit
-def _combine_kernel(y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
-                    num_rows, hidden, pairs_per_token, num_experts, num_splits,
-                    stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
-                    PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _combine_token(token, column, y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
+                   num_rows, hidden, pairs_per_token, num_experts, num_splits,
+                   stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
+                   PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``out[token, column slice]``: the token's rows in a fixed order (see the module docstring)."""
+    token = token.to(tl.int64)
+    cols = column * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < hidden
     pairs = tl.arange(0, BLOCK_P)
     pair_ok = pairs < pairs_per_token
@@ -51,6 +51,26 @@ def _combine_kernel(y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_p
     tl.store(out_ptr + token * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _combine_kernel(y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
+                    num_rows, hidden, pairs_per_token, num_experts, num_splits,
+                    stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
+                    PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    _combine_token(tl.program_id(0), tl.program_id(1), y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr,
+                   addend_ptr, out_ptr, num_rows, hidden, pairs_per_token, num_experts, num_splits, stride_ys,
+                   stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot, PRESCALED, HAS_ADDEND, BLOCK_P,
+                   BLOCK_H)
+
+
+def combine_width(num_tokens: int, hidden: int, pairs_per_token: int) -> int:
+    """Columns one combine program sums: the whole row while it fits, narrower at decode so the work still
+    spreads over the GPU."""
+    block_p = triton.next_power_of_2(pairs_per_token)
+    return max(16, min(triton.next_power_of_2(hidden), TILE_ELEMENTS // block_p,
+                       triton.next_power_of_2(triton.cdiv(num_tokens * hidden, 256))))
+
+
 def combine_rows(rows: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.Tensor, affinities: torch.Tensor,
                  prescaled: bool, out_dtype: torch.dtype, addend: torch.Tensor | None = None) -> torch.Tensor:
     """``rows (S, R, H)`` split-K partials of each expert row, ``pair_row (T, K)`` (``R`` = no row),
@@ -69,9 +89,7 @@ def combine_rows(rows: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.
             raise ValueError(f"addend must be (T, H) = {tuple(out.shape)}, got {tuple(addend.shape)}")
         addend = addend if addend.stride(1) == 1 else addend.contiguous()
     block_p = triton.next_power_of_2(pairs_per_token)
-    # Few tokens (decode): narrower column slices, so that the combine still spreads over the GPU.
-    block_h = max(16, min(triton.next_power_of_2(hidden), TILE_ELEMENTS // block_p,
-                          triton.next_power_of_2(triton.cdiv(num_tokens * hidden, 256))))
+    block_h = combine_width(num_tokens, hidden, pairs_per_token)
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         rows, pair_row, pair_expert, affinities, out if addend is None else addend, out, num_rows, hidden,

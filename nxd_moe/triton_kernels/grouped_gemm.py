@@ -195,30 +195,42 @@ def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
-    row_token_ptr, tile_expert_ptr, num_tiles_ptr,
+def _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M: tl.constexpr, DIRECT_ROWS: tl.constexpr):
+    """``(rows, token, row_ok, expert)`` of one tile. ``DIRECT_ROWS``: row ``r`` is token ``r`` (``r < row_count``)
+    of expert 0 -- a dense MLP every token goes through (the shared expert); else both come from the layout."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    if DIRECT_ROWS:
+        token = tl.where(rows < row_count, rows, -1).to(tl.int64)
+        expert = tile * 0
+    else:
+        token = tl.load(row_token_ptr + rows)
+        expert = tl.load(tile_expert_ptr + tile)
+    row_ok = token >= 0
+    return rows, tl.where(row_ok, token, 0), row_ok, expert.to(tl.int64)
+
+
+@triton.jit
+def _gate_up_tile(
+    tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
+    row_token_ptr, tile_expert_ptr, row_count,
     hidden, inter, inter_actual, num_experts,
     stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
     scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
-    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DIRECT_ROWS: tl.constexpr,
 ):
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if tile < 0:
-        return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    token = tl.load(row_token_ptr + rows)
-    row_ok = token >= 0
-    token = tl.where(row_ok, token, 0)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`). The up half of a GLU
+    weight is read from ``w_up_ptr`` (same strides as ``w_ptr``: the second half of ``gate_up_proj``, or a
+    separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths."""
+    rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
-    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    w_offsets = expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
@@ -235,18 +247,21 @@ def _gate_up_kernel(
         else:
             k_ok = ks < hidden - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
             if TMA:
-                # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
                 w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
-                w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K, BLOCK_N)
+                if GLU:
+                    w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K,
+                                                                                                       BLOCK_N)
             else:
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                w_up = tl.load(w_ptrs + inter * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                if GLU:
+                    w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             acc = _dot(a, w, acc, PRECISION, INTERPRET)
             if GLU:
                 acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+        w_offsets += BLOCK_K * stride_wk
     if PRESCALE:
         scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -272,21 +287,38 @@ def _gate_up_kernel(
 
 
 @triton.jit
-def _down_kernel(
-    h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr,
+def _gate_up_kernel(
+    x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
-    inter, hidden, k_per_split,
-    stride_hr, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_os, stride_or,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    hidden, inter, inter_actual, num_experts,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
+    scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
+    ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
+    GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
+    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    split = tl.program_id(1)
+    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = tl.load(row_token_ptr + rows) >= 0
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    _gate_up_tile(tile, column, x_ptr, w_ptr, w_ptr + inter * stride_wn, w_desc, scale_ptr, bias_ptr, affinity_ptr,
+                  out_ptr, row_token_ptr, tile_expert_ptr, 0, hidden, inter, inter_actual, num_experts,
+                  stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
+                  scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS,
+                  PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET,
+                  TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False)
+
+
+@triton.jit
+def _down_tile(
+    tile, column, split, h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr,
+    row_token_ptr, tile_expert_ptr, row_count, inter, hidden, k_per_split,
+    stride_hr, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_os, stride_or,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT_ROWS: tl.constexpr,
+):
+    """One ``BLOCK_M x BLOCK_N`` tile of split ``split``'s partial sums (see :func:`down_projection`)."""
+    rows, _, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     k_begin = split * k_per_split
@@ -316,6 +348,24 @@ def _down_kernel(
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + split * stride_os + rows[:, None] * stride_or + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr,
+    row_token_ptr, tile_expert_ptr, num_tiles_ptr,
+    inter, hidden, k_per_split,
+    stride_hr, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_os, stride_or,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if tile < 0:
+        return
+    _down_tile(tile, column, tl.program_id(1), h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr, row_token_ptr,
+               tile_expert_ptr, 0, inter, hidden, k_per_split, stride_hr, stride_we, stride_wk, stride_wn, stride_se,
+               stride_sk, stride_sn, stride_be, stride_os, stride_or, HAS_BIAS, PRECISION, INTERPRET, TMA, FORMAT,
+               BLOCK_M, BLOCK_N, BLOCK_K, False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,6 +408,24 @@ def _launch_options(config: dict, dtype: torch.dtype) -> dict:
             "GROUP_M": config.get("GROUP_M", 8)}
 
 
+def epilogue_arguments(activation: ExpertActivation, inter: int, has_bias: bool, prescale: bool) -> tuple[tuple, dict]:
+    """The gate/up epilogue for ``activation`` as ``(inter_actual, scaling, act_bias, gate_lower, gate_upper,
+    up_lower, up_upper)`` and the matching constexprs of :func:`_gate_up_tile`."""
+    if activation.hidden_act not in ACTIVATIONS:
+        raise ValueError(f"the triton backend supports hidden_act in {sorted(ACTIVATIONS)}, got "
+                         f"{activation.hidden_act!r}")
+    actual = activation.intermediate_size_actual
+    limits = (activation.gate_lower, activation.gate_upper, activation.up_lower, activation.up_upper)
+    scalars = (inter if actual is None else actual, float(activation.scaling_factor), float(activation.act_bias),
+               *(0.0 if v is None else float(v) for v in limits))
+    constexprs = dict(ACT=ACTIVATIONS[activation.hidden_act], GLU=activation.glu_mlp,
+                      SWIGLU=activation.glu_type is GLUType.SWIGLU, HAS_BIAS=has_bias, PRESCALE=prescale,
+                      GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
+                      UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
+                      MASK_PADDED_COLUMNS=actual is not None and actual < inter)
+    return scalars, constexprs
+
+
 def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_proj: torch.Tensor,
                        gate_up_bias: torch.Tensor | None, activation: ExpertActivation,
                        affinities: torch.Tensor | None, config: dict) -> torch.Tensor:
@@ -367,15 +435,11 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     :class:`~nxd_moe.quantization.weight.QuantizedWeight` (its stored bytes are read, dequantized in registers);
     ``affinities (T, E)`` when the expert input is pre-scaled by its affinity, else None.
     """
-    if activation.hidden_act not in ACTIVATIONS:
-        raise ValueError(f"the triton backend supports hidden_act in {sorted(ACTIVATIONS)}, got "
-                         f"{activation.hidden_act!r}")
     num_experts, hidden, width = gate_up_proj.shape
     inter = width // 2 if activation.glu_mlp else width
+    scalars, constexprs = epilogue_arguments(activation, inter, gate_up_bias is not None, affinities is not None)
     block_m, block_n = layout.block_m, config["BLOCK_N"]
     out = torch.empty(layout.num_rows, inter, dtype=hidden_states.dtype, device=hidden_states.device)
-    actual = activation.intermediate_size_actual
-    limits = (activation.gate_lower, activation.gate_upper, activation.up_lower, activation.up_upper)
     bias = gate_up_bias if gate_up_bias is not None else hidden_states
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
     stored, scale, scale_strides, fmt, block_k = _stored(gate_up_proj, config["BLOCK_K"])
@@ -384,15 +448,10 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
         hidden_states, stored, stored if descriptor is None else descriptor, scale, bias,
         affinities if affinities is not None else hidden_states, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,
-        hidden, inter, inter if actual is None else actual, num_experts,
-        hidden_states.stride(0), *stored.stride(), *scale_strides, bias.stride(0), out.stride(0),
-        float(activation.scaling_factor), float(activation.act_bias), *(0.0 if v is None else float(v) for v in limits),
-        ACT=ACTIVATIONS[activation.hidden_act], GLU=activation.glu_mlp,
-        SWIGLU=activation.glu_type is GLUType.SWIGLU, HAS_BIAS=gate_up_bias is not None,
-        PRESCALE=affinities is not None, GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
-        UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
-        MASK_PADDED_COLUMNS=actual is not None and actual < inter, TMA=descriptor is not None, FORMAT=fmt,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **_launch_options(config, hidden_states.dtype))
+        hidden, inter, scalars[0], num_experts,
+        hidden_states.stride(0), *stored.stride(), *scale_strides, bias.stride(0), out.stride(0), *scalars[1:],
+        TMA=descriptor is not None, FORMAT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **constexprs,
+        **_launch_options(config, hidden_states.dtype))
     return out
 
 

@@ -9,6 +9,10 @@ inside a forward.
 Each entry: ``block_m`` (rows per tile, a power of two >= 16), and for ``gate_up`` and ``down`` the column tile
 ``BLOCK_N``, the reduction tile ``BLOCK_K``, ``num_warps``, ``num_stages``, and ``TMA`` (load weight tiles with the
 bulk tensor copy engine, on Hopper and newer; ignored elsewhere); ``down`` also has ``SPLIT_K``.
+
+The one-launch decode (:mod:`~nxd_moe.triton_kernels.persistent_decode`) has its own entries, keyed
+``decode:<shape key>``: ``block_m``, ``gate_up`` (``BLOCK_N``, ``BLOCK_K``), ``down`` (``BLOCK_N``, ``BLOCK_K``,
+``SPLIT_K``), and for the whole launch ``num_warps``, ``num_stages`` and ``programs_per_sm``.
 """
 
 from __future__ import annotations
@@ -76,6 +80,25 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
     return {"block_m": block_m, "gate_up": gate_up, "down": down}
 
 
+def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
+                          multiprocessors: int = 132) -> dict:
+    """The rule for the one-launch decode (one program per multiprocessor). Weight tiles are read in rows of 256
+    bytes (128 columns of gate and of up; down 128 columns) when that still gives a gate/up item per program,
+    else 128 bytes -- narrower rows cut HBM efficiency more than extra items help; deep ``K`` tiles keep ~100 KB
+    of weights in flight per program (what one multiprocessor needs to reach its share of the bandwidth). The down
+    projection's ``K`` is split while its items would not cover the programs. Measured on an H100: see
+    ``benchmarks/notes/issue19_gpu_kernels.md``."""
+    pairs = num_tokens * top_k
+    used = min(num_experts, pairs)
+    block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
+    tiles = used * -(-pairs // (used * block_m))
+    gu_n = 128 if tiles * -(-inter // 128) >= multiprocessors else 64
+    split = max(1, min(inter // 256, -(-multiprocessors // (tiles * -(-hidden // 128)))))
+    return {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": 8192 // gu_n},
+            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
+            "programs_per_sm": 1}
+
+
 def for_dtype(config: dict, dtype: torch.dtype) -> dict:
     """Entries are tuned for 16-bit weights; 4-byte elements get half the ``K`` tile so the same pipeline depth
     fits in shared memory."""
@@ -83,6 +106,19 @@ def for_dtype(config: dict, dtype: torch.dtype) -> dict:
         return config
     return {**config, **{part: {**config[part], "BLOCK_K": max(32, config[part]["BLOCK_K"] // 2)}
                          for part in ("gate_up", "down")}}
+
+
+def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16, quantization: str = "bf16") -> dict:
+    """The one-launch decode's entry for this GPU, shape and format (falling back as :func:`launch_config`),
+    else :func:`default_decode_config`, adapted to ``dtype``."""
+    table = tuned_table(device_name(device))
+    entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens, quantization))
+    if entry is None:
+        entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens))
+    if entry is None:
+        entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
+    return for_dtype(entry, dtype)
 
 
 def launch_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,

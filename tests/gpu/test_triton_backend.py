@@ -13,7 +13,7 @@ import torch
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK, SharedExperts
 from nxd_moe.experts import ExpertsMode
 from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe
-from conftest import ACTIVATIONS, MODES, make_config, randn, randomize_, random_routing
+from conftest import ACTIVATIONS, MODES, capture_cuda_graph, make_config, randn, randomize_, random_routing
 
 triton = pytest.importorskip("triton")
 
@@ -207,14 +207,7 @@ def test_cuda_graph_replays_new_routings():
     for shape in ((1, 300, hidden), (16, 1, hidden)):
         static_x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                moe(static_x)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_out = moe(static_x)[0]
+            graph, static_out = capture_cuda_graph(lambda x=static_x: moe(x)[0])
             for seed in range(3):
                 static_x.copy_(randn(*shape, seed=100 + seed).to("cuda", torch.bfloat16))
                 if seed == 2:  # every token to one expert

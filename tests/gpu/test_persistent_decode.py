@@ -1,0 +1,226 @@
+"""The one-launch decode (``triton_kernels/persistent_decode.py``) against the float64 reference, the torch backend
+and the multi-kernel triton path.
+
+Two entry points: the backend seam's selective loading (routing given) and ``TritonBackend.fused_decode``, which
+``MoE`` calls for decode with the router and shared experts fused in. Under Triton's interpreter (CI) one program
+takes every work item in order; on a GPU the same tests run the real concurrent schedule, plus CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxd_moe import ExpertMLPsV2, GroupLimitedRouter, MoE, RouterTopK, SharedExperts
+from nxd_moe.reference import reference_for_experts, reference_for_moe
+from conftest import capture_cuda_graph, make_config, randn, randomize_, random_routing
+
+triton = pytest.importorskip("triton")
+from nxd_moe.triton_kernels import persistent_decode  # noqa: E402
+from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _check(out, ref64, dtype, what=""):
+    assert out.dtype == dtype and torch.isfinite(out).all(), what
+    scale = max(1.0, ref64.abs().max().item())
+    err = (out.double().cpu() - ref64.cpu()).abs().max().item()
+    assert err < TOL[dtype] * scale, f"{what}: max error {err:.3g} vs tolerance {TOL[dtype] * scale:.3g}"
+    assert not persistent_decode.timed_out(out.device), what
+
+
+def _experts(config, one_launch=True, dtype=torch.float32, seed=0):
+    return randomize_(ExpertMLPsV2(config, backend=TritonBackend(one_launch=one_launch), dtype=dtype,
+                                   device=DEVICE), seed=seed)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 2, 40, 24), (7, 16, 4, 24, 40), (33, 8, 2, 40, 24)])
+@pytest.mark.parametrize("activation", ["swiglu_gptoss", "mlp_relu"])
+def test_seam_matches_reference_and_multi_kernel_path(shape, activation):
+    """Odd sizes, biases, GPT-OSS's clamped SwiGLU and a non-GLU MLP; the one-launch result equals the float64
+    reference and (to rounding) the separate kernels'."""
+    num_tokens, num_experts, top_k, hidden, inter = shape
+    config = make_config(num_experts, hidden, inter, top_k, activation, bias=True, normalize_top_k_affinities=True)
+    tested = _experts(config)
+    separate = _experts(config, one_launch=False)
+    x = randn(num_tokens, hidden, seed=1).to(DEVICE)
+    affinities, index = (t.to(DEVICE) for t in random_routing(num_tokens, num_experts, top_k, seed=2))
+    with torch.no_grad():
+        out = tested(x, affinities, index, seq_len=1)
+        _check(out, reference_for_experts(tested, x, affinities, index), torch.float32, str(shape))
+        torch.testing.assert_close(out, separate(x, affinities, index, seq_len=1), rtol=1e-5, atol=1e-5)
+
+
+def test_seam_slice_with_gate_up_bias_and_no_down_bias():
+    """A tensor-parallel rank's slice of the intermediate dimension other than the first: gate/up biases, no down
+    bias (added once, on the first slice), padded columns -- the one-launch path against the torch backend."""
+    import dataclasses
+
+    from nxd_moe.experts.backends import TorchBackend
+    from nxd_moe.experts.mlp import ExpertWeights
+
+    config = make_config(8, 16, 4, 2, "swiglu_gptoss", bias=True)
+    weights = _experts(config).expert_weights()
+    x = randn(3, 16, seed=4).to(DEVICE)
+    affinities, index = (t.to(DEVICE) for t in random_routing(3, 8, 2, seed=5))
+    routing = TritonBackend().build_routing(affinities, index, 8, False, False)
+    for actual in (None, 2):
+        activation = dataclasses.replace(weights.activation, intermediate_size_actual=actual)
+        sliced = ExpertWeights(weights.gate_up_proj, weights.down_proj, weights.gate_up_bias, None, activation)
+        with torch.no_grad():
+            expected = TorchBackend().selective_loading(x, routing, sliced)
+            torch.testing.assert_close(TritonBackend().selective_loading(x, routing, sliced), expected,
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["all_to_one", "empty_experts", "padding_rows", "prescale"])
+def test_seam_adversarial_routings(case):
+    """All tokens on one expert (several tiles of it), most experts empty, an expert-parallel rank's mostly padding
+    rows (no tiles for them, exact zeros out, the addend kept), Llama 4's pre-scaled inputs."""
+    num_tokens, num_experts, top_k, hidden, inter = 40, 8, 2, 24, 16
+    config = make_config(num_experts, hidden, inter, top_k, "glu_silu", bias=True,
+                         early_expert_affinity_modulation=case == "prescale")
+    tested = _experts(config)
+    x = randn(num_tokens, hidden, seed=3).to(DEVICE)
+    affinities, index = (t.to(DEVICE) for t in random_routing(num_tokens, num_experts, top_k, seed=4))
+    padding = None
+    if case == "all_to_one":
+        index = torch.stack([torch.full((num_tokens,), 5), torch.full((num_tokens,), 2)], 1).to(DEVICE)
+    elif case == "empty_experts":
+        index = index % 3
+        index[:, 1] = torch.where(index[:, 0] == index[:, 1], (index[:, 1] + 1) % 3, index[:, 1])
+    elif case == "padding_rows":
+        padding = torch.zeros(num_tokens, dtype=torch.bool, device=DEVICE)
+        padding[[3, 17, 30]] = True
+    addend = randn(num_tokens, hidden, seed=5).to(DEVICE)
+    with torch.no_grad():
+        out = tested(x, affinities, index, seq_len=1, padding_mask=padding, addend=addend)
+    keep = None if padding is None else padding.cpu().unsqueeze(1).expand(-1, top_k)
+    ref = reference_for_experts(tested, x, affinities, index, keep=keep) + addend.double().cpu()
+    _check(out, ref, torch.float32, case)
+    if padding is not None:
+        assert torch.equal(out[~padding], addend[~padding])
+
+
+def test_seam_nan_token_stays_isolated():
+    config = make_config(8, 32, 16, 2, "glu_silu")
+    tested = _experts(config)
+    x = randn(12, 32, seed=6).to(DEVICE)
+    affinities, index = (t.to(DEVICE) for t in random_routing(12, 8, 2, seed=7))
+    poisoned = x.clone()
+    poisoned[4] = float("nan")
+    with torch.no_grad():
+        clean = tested(x, affinities, index, seq_len=1)
+        bad = tested(poisoned, affinities, index, seq_len=1)
+    others = torch.arange(12, device=DEVICE) != 4
+    assert torch.isnan(bad[4]).any()
+    assert torch.equal(bad[others], clean[others])
+
+
+def _moe(router, shared=None, *, num_experts=8, top_k=2, hidden=32, inter=24, dtype=torch.float32, seed=11,
+         **config):
+    cfg = make_config(num_experts, hidden, inter, top_k, "glu_silu", **config)
+    experts = ExpertMLPsV2(cfg, backend="triton", dtype=dtype, device=DEVICE)
+    moe = MoE(router, experts, shared, return_router_logits=True, return_expert_index=True)
+    return randomize_(moe.to(DEVICE), seed=seed).eval()
+
+
+ROUTERS = {
+    "softmax": dict(act_fn="softmax", normalize_top_k_affinities=True),
+    "sigmoid_prescale": dict(act_fn="sigmoid", early_expert_affinity_modulation=True),
+    "softmax_over_topk": dict(act_fn="softmax", apply_act_fn_over_topk=True),
+    "biased": dict(act_fn="softmax", bias=True),
+}
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+@pytest.mark.parametrize("shared", [None, "separate", "fused_transposed"])
+def test_moe_decode_in_one_launch(router, shared):
+    """Router, routing, experts, shared expert and combine fused: the layer's output against the float64
+    reference, its router logits and expert choice against the router module's own."""
+    options = dict(ROUTERS[router])
+    router_keys = {k: options.pop(k) for k in ("act_fn", "apply_act_fn_over_topk", "bias") if k in options}
+    num_experts, top_k, hidden = 8, 2, 32
+    shared_experts = None if shared is None else SharedExperts(
+        hidden, 20, 1, "silu", fused_gate_up_projection=shared == "fused_transposed",
+        transpose_weights=shared == "fused_transposed")
+    moe = _moe(RouterTopK(num_experts, top_k, hidden, **router_keys), shared_experts, **options)
+    calls = []
+    original = moe.expert_mlps.backend.fused_decode
+    moe.expert_mlps.backend.fused_decode = lambda *a: calls.append(original(*a)) or calls[-1]
+    x = randn(9, 1, hidden, seed=12).to(DEVICE)
+    padding = torch.ones(9, 1, dtype=torch.bool, device=DEVICE)
+    padding[[2, 8]] = False
+    with torch.no_grad():
+        out, logits, index = moe(x, padding)
+        theirs_logits, _, theirs_index = moe.router(x.reshape(-1, hidden))
+    assert calls and calls[0] is not None  # the one-launch form ran
+    torch.testing.assert_close(logits, theirs_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(index, theirs_index)
+    _check(out, reference_for_moe(moe, x, padding), torch.float32, f"{router} {shared}")
+    assert (out[~padding] == 0).all()
+
+
+def test_moe_decode_routes_in_several_items():
+    """More tokens than one routing item takes (1024 / E of them): every chunk's routing, logits and output are
+    the router module's and the reference's."""
+    num_experts, top_k, hidden = 64, 4, 48
+    moe = _moe(RouterTopK(num_experts, top_k, hidden), SharedExperts(hidden, 16, 1, "silu"), num_experts=num_experts,
+               top_k=top_k, hidden=hidden, inter=16, normalize_top_k_affinities=True)
+    x = randn(40, 1, hidden, seed=15).to(DEVICE)  # 40 tokens, 16 per routing item
+    with torch.no_grad():
+        out, logits, index = moe(x)
+        theirs_logits, _, theirs_index = moe.router(x.reshape(-1, hidden))
+    torch.testing.assert_close(logits, theirs_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(index, theirs_index)
+    _check(out, reference_for_moe(moe, x), torch.float32, "40 tokens")
+
+
+def test_moe_decode_falls_back_where_it_has_no_fused_form():
+    """A group-limited router (DeepSeek-V3), prefill, stats: the layer runs its modules as before."""
+    moe = _moe(GroupLimitedRouter(8, 2, 32, n_group=4, topk_group=2), normalize_top_k_affinities=True)
+    backend = moe.expert_mlps.backend
+    x = randn(5, 1, 32, seed=13).to(DEVICE)
+    assert backend.fused_decode(x.reshape(5, 32), moe.router, moe.expert_mlps, None, None) is None
+    with torch.no_grad():
+        _check(moe(x)[0], reference_for_moe(moe, x), torch.float32, "group-limited")
+        stats = moe(x, return_stats=True)[-1]
+    assert stats.mode.value == "selective_loading"
+
+
+def test_counters_are_left_at_zero():
+    """Every launch resets its counters, so the next launch (or graph replay) starts clean."""
+    moe = _moe(RouterTopK(8, 2, 32), SharedExperts(32, 16, 1, "silu"))
+    with torch.no_grad():
+        moe(randn(3, 1, 32, seed=14).to(DEVICE))
+    assert int(persistent_decode.counters(torch.device(DEVICE)).abs().sum()) == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("shared", [False, True])
+def test_cuda_graph_replays_new_routings(shared):
+    """One captured one-launch decode serves every routing, all tokens on one expert included; eager and replayed
+    results agree bitwise (fixed summation order)."""
+    num_experts, top_k, hidden, inter = 64, 8, 256, 192
+    moe = _moe(RouterTopK(num_experts, top_k, hidden),
+               SharedExperts(hidden, inter, 1, "silu", dtype=torch.bfloat16) if shared else None,
+               num_experts=num_experts, top_k=top_k, hidden=hidden, inter=inter, dtype=torch.bfloat16,
+               normalize_top_k_affinities=True)
+    for tokens in (1, 16, 64):
+        static_x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            graph, static_out = capture_cuda_graph(lambda x=static_x: moe(x)[0])
+            weight = moe.router.linear_router.weight.data.clone()
+            for seed in range(3):
+                static_x.copy_(randn(tokens, 1, hidden, seed=100 + seed).to("cuda", torch.bfloat16))
+                if seed == 2:  # every token to experts 5..5+k: feature 0 dominates every logit
+                    static_x[..., 0] = 4.0
+                    moe.router.linear_router.weight.data[:, 0] = -1.0
+                    moe.router.linear_router.weight.data[5:5 + top_k, 0] = torch.arange(10.0, 10.0 + top_k)
+                graph.replay()
+                _check(static_out, reference_for_moe(moe, static_x), torch.bfloat16, f"T={tokens} replay {seed}")
+                assert torch.equal(static_out, moe(static_x)[0])
+            moe.router.linear_router.weight.data.copy_(weight)
