@@ -34,6 +34,8 @@ from nxd_moe.parallel.local_routing import local_routing
 from nxd_moe.parallel.sharding import ShardSpec
 from nxd_moe.parallel.token_layout import TokenLayout
 from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
+from nxd_moe.quantization.activations import activation_quantization_spec
+from nxd_moe.quantization.formats import k_fastest
 from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
 
@@ -48,10 +50,13 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
     Quantized (``quantization`` other than ``"bf16"``): ``weight`` and ``scale`` hold the format's stored tensors
     (:mod:`nxd_moe.quantization.formats`; not trainable), initialised by quantizing the default init, and every
     load checks their dtypes, shapes and scale values. ``dtype`` is the compute dtype either way.
+    ``k_major=True`` stores the quantized weight with the contraction dim fastest (strides ``(K*N, 1, K)``,
+    same logical ``(E, K, N)`` and state dict): what FP8 x FP8 tensor cores read directly (W8A8).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool,
-                 dtype: torch.dtype, device=None, init_method=None, quantization: str = "bf16"):
+                 dtype: torch.dtype, device=None, init_method=None, quantization: str = "bf16",
+                 k_major: bool = False):
         super().__init__()
         self.compute_dtype = dtype
         self.format = get_format(quantization)
@@ -70,7 +75,7 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
             self.weight = nn.Parameter(weight)
             return
         stored = self.format.empty(shape, device) if weight.is_meta else self.format.quantize(weight)
-        self.weight = nn.Parameter(stored[0], requires_grad=False)
+        self.weight = nn.Parameter(k_fastest(stored[0]) if k_major else stored[0], requires_grad=False)
         self.scale = nn.Parameter(stored[1], requires_grad=False)
         self.register_load_state_dict_pre_hook(ExpertLinear._check_quantized)
 
@@ -113,14 +118,15 @@ class ExpertsMLPOp(nn.Module):
         e = config.num_experts if num_experts is None else num_experts
         i = config.intermediate_size if intermediate_size is None else intermediate_size
         h = config.hidden_size
+        k_major = config.activation_quantization != "none"
         first = ExpertLinear(e, h, 2 * i if config.glu_mlp else i, config.bias, dtype, device,
-                             config.input_layer_init_method, config.quantization)
+                             config.input_layer_init_method, config.quantization, k_major)
         if config.glu_mlp:
             self.gate_up_proj = first
         else:
             self.up_proj = first
         self.down_proj = ExpertLinear(e, i, h, config.bias, dtype, device, config.output_layer_init_method,
-                                      config.quantization)
+                                      config.quantization, k_major)
 
     @property
     def first_proj(self) -> ExpertLinear:
@@ -249,12 +255,16 @@ class ExpertMLPsV2(nn.Module):
         self.sequence_parallel_enabled = check_bool("sequence_parallel_enabled", sequence_parallel_enabled)
         self.validate_inputs = check_bool("validate_inputs", validate_inputs)
         self.backend = get_backend(backend)
-        check_backend_supports(self.backend, routed_experts_mlp_config.quantization)
+        check_backend_supports(self.backend, routed_experts_mlp_config.quantization,
+                               routed_experts_mlp_config.activation_quantization)
         dtype = to_torch_dtype(dtype)
         self.parallelism = self._parallelism(model_parallel, dtype)
         if self.parallelism is not None and routed_experts_mlp_config.quantization != "bf16":
             raise NotImplementedError(f"ExpertMLPsV2: quantization={routed_experts_mlp_config.quantization!r} with "
                                       "model parallelism is not supported yet; build with model_parallel=False")
+        if self.parallelism is not None and routed_experts_mlp_config.activation_quantization != "none":
+            raise NotImplementedError("ExpertMLPsV2: activation_quantization='fp8' (W8A8) with model parallelism is "
+                                      "not supported yet; build with model_parallel=False")
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
         if self.parallelism is None:
             self.mlp_op = ExpertsMLPOp(routed_experts_mlp_config, dtype, device)
@@ -319,7 +329,8 @@ class ExpertMLPsV2(nn.Module):
             return self.shard_weights(decode=False)
         first = self.mlp_op.first_proj
         return ExpertWeights(first.stored_weight(), self.mlp_op.down_proj.stored_weight(), first.bias,
-                             self.mlp_op.down_proj.bias, self.activation)
+                             self.mlp_op.down_proj.bias, self.activation,
+                             activation_quantization_spec(self.routed_experts_mlp_config))
 
     def shard_weights(self, decode: bool) -> ExpertWeights:
         """This rank's weights for a phase. The down-projection bias is added on TP rank 0 only: the partial

@@ -32,6 +32,7 @@ from nxd_moe.triton_kernels.grouped_gemm import FORMAT_CODES, down_projection, g
 from nxd_moe.triton_kernels.launch_configs import launch_config
 from nxd_moe.triton_kernels.routing import fused_routing
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
+from nxd_moe.triton_kernels.w8a8 import w8a8_expert_rows, w8a8_launch_config
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -79,6 +80,8 @@ class TritonBackend(ExpertsBackend):
     fuses_addend = True
     # Quantized weights are read as stored and dequantized in registers inside the GEMMs' weight-tile loads.
     supported_formats = frozenset(FORMAT_CODES)
+    # W8A8 (FP8 activations with fp8 / fp8_block weights): FP8 x FP8 tensor-core GEMMs, w8a8.py.
+    supports_activation_quantization = True
 
     def __init__(self, configs: dict | None = None):
         self.configs = configs
@@ -87,8 +90,9 @@ class TritonBackend(ExpertsBackend):
         if self.configs is not None:
             return self.configs
         num_experts, hidden, _ = weights.gate_up_proj.shape
-        return launch_config(num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
-                             hidden_states.device, hidden_states.dtype, weights.format)
+        lookup = launch_config if weights.activation_quantization is None else w8a8_launch_config
+        return lookup(num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
+                      hidden_states.device, hidden_states.dtype, weights.format)
 
     def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                     selective_loading_threshold):
@@ -125,9 +129,12 @@ class TritonBackend(ExpertsBackend):
         of ``layout.pair_row``'s pairs (default: the routing's top-k)."""
         x = hidden_states.contiguous()
         affinities = routing.affinities.contiguous()
-        activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
-                                       affinities if routing.prescale else None, config["gate_up"])
-        rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
+        if weights.activation_quantization is not None:  # W8A8: FP8 x FP8 GEMMs (w8a8.py)
+            rows = w8a8_expert_rows(x, layout, weights, affinities if routing.prescale else None, config)
+        else:
+            activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
+                                           affinities if routing.prescale else None, config["gate_up"])
+            rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
         pair_expert = routing.expert_index if pair_expert is None else pair_expert
         return combine_rows(rows, layout.pair_row, pair_expert, affinities, routing.prescale, x.dtype, addend)
 
