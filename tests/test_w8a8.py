@@ -49,13 +49,16 @@ def nearest_e4m3(v: torch.Tensor) -> torch.Tensor:
 
 
 def expected_quantization(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The definition, step by step: fp32 scale = amax * fp32(1/448) (1 if 0), fp32 quotient, nearest E4M3."""
+    """The definition, step by step: fp32 scale = amax * fp32(1/448) (1 if 0), fp32 product with the fp32
+    reciprocal of the scale, nearest E4M3."""
     rows, width = x.shape
     groups = x.to(torch.float32).reshape(rows, width // group, group)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     scale = amax * torch.tensor(1.0 / 448.0, dtype=torch.float32)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quotient = (groups / scale).clamp(-448.0, 448.0).to(torch.float64)
+    inverse = (1.0 / scale.to(torch.float64)).to(torch.float32)  # the correctly rounded fp32 reciprocal
+    quotient = (groups.to(torch.float64) * inverse.to(torch.float64)).to(torch.float32)  # one fp32 rounding
+    quotient = quotient.clamp(-448.0, 448.0).to(torch.float64)
     return nearest_e4m3(quotient).reshape(rows, width), scale.squeeze(-1)
 
 

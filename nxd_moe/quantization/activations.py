@@ -6,7 +6,7 @@ entering down are each quantized, row by row, in groups of ``group_size`` column
 
     amax  = max |x[g]|                        over the group's columns, in fp32
     scale = amax * (1 / 448)                  fp32 (an all-zero group gets scale 1)
-    q     = float8_e4m3fn(clamp(x / scale, -448, 448))   round to nearest, ties to even
+    q     = float8_e4m3fn(clamp(x * (1 / scale), -448, 448))   fp32, round to nearest (ties to even)
 
 and the GEMM computes ``sum_k (q_x[k] * scale_x[g(k)]) * (q_w[k] * scale_w[k])`` in fp32. ``group_size=None``
 in the config follows the weight format: per token for ``fp8`` (per-channel) weights, per token and 128 columns
@@ -61,7 +61,7 @@ class ActivationQuantization(NamedTuple):
         groups = x.to(torch.float32).reshape(*x.shape[:-1], width // group, group)
         scale = groups.abs().amax(dim=-1, keepdim=True) * INV_FP8_MAX
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        q = (groups * torch.reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(x.shape), scale.squeeze(-1)
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

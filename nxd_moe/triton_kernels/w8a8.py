@@ -26,7 +26,7 @@ Within a chain of FP8 MMAs Hopper accumulates with reduced precision; products a
 every ``BLOCK_K`` (<= 256) columns (``max_num_imprecise_acc``, or the per-step scale multiply).
 
 Quantization is the one of :class:`~nxd_moe.quantization.activations.ActivationQuantization` bit for bit:
-``scale = amax * fp32(1/448)`` (1 for an all-zero group), ``q = rn(clamp(x / scale))`` with an IEEE division.
+``scale = amax * fp32(1/448)`` (1 for an all-zero group), ``q = rn(clamp(x * rn(1 / scale)))``.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def _e4m3(v, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _quantize(v, scale, INTERPRET: tl.constexpr):
-    return _e4m3(tl.math.div_rn(v, scale), INTERPRET)
+    """``v * (1 / scale)`` in E4M3: one IEEE division per scale, then one multiply per value."""
+    return _e4m3(v * tl.math.div_rn(1.0, scale), INTERPRET)
 
 
 @triton.jit
@@ -127,29 +128,25 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 @triton.jit
 def _accumulate(acc, a, w, a_scale, w_scale, A_SCALED: tl.constexpr, W_SCALED: tl.constexpr, SWAP_AB: tl.constexpr,
                 BLOCK_K: tl.constexpr):
-    """``acc + a @ w`` for FP8 ``a (M, K)``, ``w (K, N)``; ``a_scale (M,)`` / ``w_scale (N,)`` multiply the step's
-    product when they change along K (else the epilogue applies them once). Either way the FP8 MMA's
-    reduced-precision sums reach the fp32 accumulator every ``BLOCK_K`` columns.
+    """``acc + a @ w`` for FP8 ``a (M, K)``, ``w (K, N)``; ``a_scale (M,)`` and the scalar ``w_scale`` (one 128x128
+    weight block covers the tile) multiply the step's product when they change along K (else the epilogue applies
+    them once). Either way the FP8 MMA's reduced-precision sums reach the fp32 accumulator every ``BLOCK_K``
+    columns.
 
     ``SWAP_AB``: ``acc`` is ``(N, M)`` and gets ``w.T @ a.T``: Hopper's FP8 MMA (``wgmma``) needs 64+ rows, so
     decode tiles of 16-32 token rows put the weight's columns in the MMA's rows (both operands stay K-major);
     unswapped, Triton would run them on the older MMA with the FP8 operands converted to fp16 in registers."""
     if SWAP_AB:
-        lhs, rhs = w.T, a.T
-        if A_SCALED:
-            scale = a_scale[None, :] * w_scale[:, None] if W_SCALED else a_scale[None, :]
-        else:
-            scale = w_scale[:, None]
+        product = tl.dot(w.T, a.T) if A_SCALED or W_SCALED else tl.dot(w.T, a.T, acc, max_num_imprecise_acc=BLOCK_K)
     else:
-        lhs, rhs = a, w
-        if A_SCALED:
-            scale = a_scale[:, None] * w_scale[None, :] if W_SCALED else a_scale[:, None]
-        else:
-            scale = w_scale[None, :]
-    if A_SCALED or W_SCALED:
-        acc = acc + tl.dot(lhs, rhs) * scale
+        product = tl.dot(a, w) if A_SCALED or W_SCALED else tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+    if A_SCALED:
+        row_scale = a_scale * w_scale if W_SCALED else a_scale
+        acc += product * (row_scale[None, :] if SWAP_AB else row_scale[:, None])
+    elif W_SCALED:
+        acc += product * w_scale
     else:
-        acc = tl.dot(lhs, rhs, acc, max_num_imprecise_acc=BLOCK_K)
+        acc = product
     return acc
 
 
@@ -215,14 +212,13 @@ def _w8a8_gate_up_kernel(
         a = tl.load(a_rows[:, None] + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a_s = tl.load(xs_ptr + token * stride_xs + k0 // X_GROUP, mask=row_ok, other=1.0) if X_GROUP > 0 else row_ok
         w = _weight_tile(w_cols, stride_wk, w_desc, expert, column * BLOCK_N, k0, k_ok, col_ok, TMA, BLOCK_N, BLOCK_K)
-        w_s = tl.load(ws_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok,
-                      other=1.0) if W_BLOCKED else col_ok
+        w_s = tl.load(ws_base + (k0 // 128) * stride_sk + (column * BLOCK_N // 128) * stride_sn) if W_BLOCKED else 1.0
         acc = _accumulate(acc, a, w, a_s, w_s, X_GROUP > 0, W_BLOCKED, SWAP_AB, BLOCK_K)
         if GLU:
             w_up = _weight_tile(w_cols + inter * stride_wn, stride_wk, w_desc, expert, column * BLOCK_N + inter, k0,
                                 k_ok, col_ok, TMA, BLOCK_N, BLOCK_K)
-            w_up_s = tl.load(ws_base + (k0 // 128) * stride_sk + ((cols + inter) // 128) * stride_sn, mask=col_ok,
-                             other=1.0) if W_BLOCKED else col_ok
+            w_up_s = tl.load(ws_base + (k0 // 128) * stride_sk + ((column * BLOCK_N + inter) // 128) * stride_sn) \
+                if W_BLOCKED else 1.0
             acc_up = _accumulate(acc_up, a, w_up, a_s, w_up_s, X_GROUP > 0, W_BLOCKED, SWAP_AB, BLOCK_K)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -313,8 +309,7 @@ def _w8a8_down_kernel(
         a = tl.load(a_rows[:, None] + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         a_s = tl.load(hs_ptr + rows * stride_hs + k0 // H_GROUP, mask=row_ok, other=1.0) if H_GROUP > 0 else row_ok
         w = _weight_tile(w_cols, stride_wk, w_desc, expert, column * BLOCK_N, k0, k_ok, col_ok, TMA, BLOCK_N, BLOCK_K)
-        w_s = tl.load(ws_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok,
-                      other=1.0) if W_BLOCKED else col_ok
+        w_s = tl.load(ws_base + (k0 // 128) * stride_sk + (column * BLOCK_N // 128) * stride_sn) if W_BLOCKED else 1.0
         acc = _accumulate(acc, a, w, a_s, w_s, H_GROUP > 0, W_BLOCKED, SWAP_AB, BLOCK_K)
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -416,7 +411,8 @@ def w8a8_expert_rows(hidden_states: torch.Tensor, layout: TileLayout, weights: E
 
     # gate/up
     first = config["gate_up"]
-    block_m, block_n = layout.block_m, first["BLOCK_N"]
+    # A column tile of blocked weights stays inside one 128-column scale block (one scale per K step).
+    block_m, block_n = layout.block_m, min(first["BLOCK_N"], FP8_BLOCK) if blocked else first["BLOCK_N"]
     block_k = fp8_block_k(first["BLOCK_K"], x_period, weight_period)
     out_group = mid_group if mid_group <= block_n and block_n % mid_group == 0 else 0
     if out_group:
@@ -450,7 +446,7 @@ def w8a8_expert_rows(hidden_states: torch.Tensor, layout: TileLayout, weights: E
 
     # down
     second = config["down"]
-    block_n = second["BLOCK_N"]
+    block_n = min(second["BLOCK_N"], FP8_BLOCK) if blocked else second["BLOCK_N"]
     block_k = fp8_block_k(second["BLOCK_K"], mid_period, weight_period)
     k_per_split = triton.cdiv(triton.cdiv(inter, second["SPLIT_K"]), block_k) * block_k
     split = triton.cdiv(inter, k_per_split)

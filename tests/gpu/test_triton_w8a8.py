@@ -30,7 +30,7 @@ FORMATS = ("fp8", "fp8_block")
 # activations across E4M3 rounding boundaries.
 TOL = {torch.float32: 3e-3, torch.bfloat16: 6e-2, torch.float16: 6e-2}
 # (T, E, k, H, I): fp8_block needs H, I multiples of 128.
-SHAPES = [(13, 8, 2, 128, 128)] + ([(300, 16, 4, 512, 384), (4097, 64, 8, 256, 256), (1, 64, 8, 768, 512)]
+SHAPES = [(13, 8, 2, 128, 128)] + ([(300, 16, 4, 512, 384), (1025, 64, 8, 256, 256), (1, 64, 8, 768, 512)]
                                    if CUDA else [])
 # Pinned launch configurations for the row tiles the default rule gives only at other sizes.
 PREFILL = {"block_m": 64, "gate_up": {"BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "TMA": True},
@@ -81,11 +81,12 @@ def test_every_mode_matches_the_reference_and_the_torch_backend(quantization, mo
     _check(out, _run(layer, TorchBackend(), x, affinities, index, mode=mode), torch.float32, "vs the torch backend")
 
 
-@pytest.mark.parametrize("quantization, group", [("fp8", None), ("fp8_block", None), ("fp8", 64), ("fp8_block", 256)])
+@pytest.mark.parametrize("quantization, group", [("fp8", None), ("fp8_block", None), ("fp8", 64)])
 def test_prefill_tiles_and_activation_groups(quantization, group):
-    """64-row tiles (the unswapped MMA, TMA weight boxes on a GPU); 64-column groups are quantized two to a tile
-    in the gate/up epilogue, 256-column and whole-row groups by the row quantizer after it."""
-    shape = (40, 4, 2, 512, 256)
+    """64-row tiles (the unswapped MMA, TMA weight boxes on a GPU); 128-column groups are quantized in the gate/up
+    epilogue of 128-column tiles, 64-column groups two to a tile, whole rows (and groups wider than the tile of
+    the second configuration) by the row quantizer after it."""
+    shape = (24, 4, 2, 256, 256)
     layer = _layer(shape, quantization, group=group)
     x, affinities, index = _inputs(shape, torch.float32, seed=3)
     for backend in (TritonBackend(configs=PREFILL), TritonBackend(configs=DECODE_SPLIT)):
@@ -101,10 +102,11 @@ def test_16_bit_layers_and_odd_sizes(shape, dtype):
     for quantization in quantizations:
         layer = _layer(shape, quantization, dtype=dtype, capacity_factor=None)  # dropless: the layer picks its modes
         x, affinities, index = _inputs(shape, dtype, seed=4, skew=0.05)
+        reference = reference_for_experts(layer, x, affinities, index)
         for seq_len in (1, None):
             out = _run(layer, TritonBackend(), x, affinities, index, seq_len=seq_len)
             what = f"{shape} {dtype} {quantization} seq_len={seq_len}"
-            _check(out, reference_for_experts(layer, x, affinities, index), dtype, what)
+            _check(out, reference, dtype, what)
             _check(out, _run(layer, TorchBackend(), x, affinities, index, seq_len=seq_len), dtype, what + " torch")
 
 
@@ -133,7 +135,7 @@ def test_nan_token_and_padding_stay_isolated():
     poisoned = x.clone()
     poisoned[11, 5] = float("nan")
     others = torch.arange(30, device=DEVICE) != 11
-    for mode in ("blockwise", "selective_loading", "all_experts"):
+    for mode in ("blockwise", "selective_loading"):
         out = _run(layer, TritonBackend(), x, affinities, index, padding_mask=padding, mode=mode)
         assert (out[~padding] == 0).all(), mode
         _check(out[padding], reference_for_experts(layer, x, affinities, index)[padding.cpu()], torch.float32, mode)
