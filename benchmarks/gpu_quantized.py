@@ -65,8 +65,9 @@ def _config(block_m: int, gate_up: tuple, down: tuple, tma: bool = False) -> dic
 
 
 # W8A8 launch configurations timed next to the shipped one (None): pipeline depth, row tile, K tile.
+# (The shipped prefill rule took the four-stage candidate after the first H100 run: three stages is now timed.)
 W8A8_CANDIDATES = {
-    "prefill": [None, _config(128, (128, 128, 8, 4), (128, 128, 8, 4, 1), True),
+    "prefill": [None, _config(128, (128, 128, 8, 3), (128, 128, 8, 3, 1), True),
                 _config(64, (128, 128, 4, 4), (128, 128, 4, 4, 1), True)],
     "decode": [None, _config(16, (128, 128, 4, 4), (128, 128, 4, 4, 1))],
 }
@@ -138,7 +139,25 @@ def time_candidates(layer: ExpertMLPsV2, candidates: list, x, affinities, index,
     return {"best": best, "config": won, "candidates": report}
 
 
-def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS) -> dict:
+def kernel_times(layer: ExpertMLPsV2, x, affinities, index, seq_len, calls: int = 5) -> dict:
+    """Device time per forward of each kernel the forward launches (torch.profiler), microseconds: where a step's
+    time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            layer(x, affinities, index, seq_len=seq_len)
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us:
+            times[event.key[:80]] = round(us / calls, 1)
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
+def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS, candidates_on: bool = True,
+              profile_kernels: bool = False) -> dict:
     num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
@@ -163,7 +182,8 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             except ValueError as error:  # e.g. 128x128 blocks that do not divide the shape
                 result["formats"][fmt] = {"skipped": str(error)}
                 continue
-        candidates = W8A8_CANDIDATES["decode" if seq_len == 1 else "prefill"] if fmt.startswith(W8A8) else [None]
+        candidates = (W8A8_CANDIDATES["decode" if seq_len == 1 else "prefill"]
+                      if fmt.startswith(W8A8) and candidates_on else [None])
         timed = time_candidates(layer, candidates, x, affinities, index, seq_len)
         if not timed["best"]:
             result["formats"][fmt] = {"error": timed["candidates"]}
@@ -178,6 +198,11 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             "rel_err_vs_bf16": relative_error(out, reference)}
         if len(candidates) > 1:
             result["formats"][fmt].update(config=timed["config"], candidates=timed["candidates"])
+        if profile_kernels:
+            try:
+                result["formats"][fmt]["kernels_us"] = kernel_times(layer, x, affinities, index, seq_len)
+            except Exception as error:  # the profiler is a diagnostic: its failure is recorded, not fatal
+                result["formats"][fmt]["kernels_us"] = f"{type(error).__name__}: {error}"[:300]
         if fmt in PEERS:
             peers = time_peers(layer, fmt, peers_src, x, affinities, index, reference, out)
             result["formats"][fmt]["peers"] = peers
@@ -200,6 +225,10 @@ def main() -> int:
     parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS,
                         help="bf16 is always run first: it is the reference and the baseline")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--candidates", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the W8A8 candidate launch configurations next to the shipped one")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also record each kernel's device time per forward (torch.profiler)")
     parser.add_argument("--vllm-src", default=".peers/vllm_src",
                         help="an unpacked vLLM 0.33.0 wheel (see benchmarks/README.md); absent: peers skipped")
     args = parser.parse_args()
@@ -208,7 +237,8 @@ def main() -> int:
               "copy_TBps": round(bandwidth / 1e12, 3), "cases": {}}
     for name in args.shapes:
         report["cases"][name] = run_shape(name, bandwidth, args.vllm_src,
-                                            ("bf16", *(f for f in args.formats if f != "bf16")))
+                                            ("bf16", *(f for f in args.formats if f != "bf16")), args.candidates,
+                                            args.kernel_times)
         print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
                                                                           "speedup_vs_bf16", "rel_err_vs_bf16",
                                                                           "vs_best_peer", "error")}

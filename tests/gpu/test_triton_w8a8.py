@@ -25,10 +25,13 @@ from conftest import MODES, make_config, make_experts, randn, randomize_, random
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 FORMATS = ("fp8", "fp8_block")
-# max |out - reference| / max(1, max |reference|). fp32: rounding plus the rare activation quantized to the
-# neighbouring E4M3 value (the reference rounds float64 values); 16-bit: the layer's own rounding moves many
-# activations across E4M3 rounding boundaries.
-TOL = {torch.float32: 3e-3, torch.bfloat16: 6e-2, torch.float16: 6e-2}
+# Tolerances. An FP8 activation sits next to an E4M3 rounding boundary often enough that a tiny upstream difference
+# (the GPU's FP8 MMA accumulates with reduced precision inside each K step, the layer's 16-bit rounding, the float64
+# reference) moves it one E4M3 step: each such flip changes its outputs by up to ~1% of their range, so flips are
+# sparse but not rare. Checked: ||out - ref|| / ||ref|| (a systematic error -- unquantized activations, a wrong
+# scale, a wrong row -- is 5-10% or more), and max |out - ref| / max(1, max |ref|) against garbage.
+NORM_TOL = 3e-2
+MAX_TOL = {torch.float32: 6e-2, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 # (T, E, k, H, I): fp8_block needs H, I multiples of 128.
 SHAPES = [(13, 8, 2, 128, 128)] + ([(300, 16, 4, 512, 384), (1025, 64, 8, 256, 256), (1, 64, 8, 768, 512)]
                                    if CUDA else [])
@@ -63,10 +66,13 @@ def _run(layer, backend, *args, **kwargs):
 
 def _check(out, expected, dtype, what):
     assert out.dtype == dtype and torch.isfinite(out).all(), what
-    expected = expected.double().cpu()
+    out, expected = out.double().cpu(), expected.double().cpu()
+    norm = ((out - expected).norm() / expected.norm()).item()
     scale = max(1.0, expected.abs().max().item())
-    err = (out.double().cpu() - expected).abs().max().item()
-    assert err < TOL[dtype] * scale, f"{what}: max error {err:.3g} vs tolerance {TOL[dtype] * scale:.3g}"
+    worst = (out - expected).abs().max().item()
+    assert norm < NORM_TOL and worst < MAX_TOL[dtype] * scale, \
+        f"{what}: relative error {norm:.3g} (tolerance {NORM_TOL}), max error {worst:.3g} (tolerance " \
+        f"{MAX_TOL[dtype] * scale:.3g})"
 
 
 @pytest.mark.parametrize("quantization", FORMATS)
