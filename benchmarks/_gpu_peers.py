@@ -256,11 +256,30 @@ def vllm_contender(problem: Problem, vllm_src: str, tokens: int) -> Contender:
         ids = problem.route(x)[1].to(torch.int32)
         return _vllm_stubs._moe_align_block_size(ids, block_m, problem.num_experts)
 
-    # What the stand-in glue costs: a vLLM install runs one CUDA kernel where the stand-in align runs several.
+    # What the stand-in alignment costs (one program, slower than vLLM's multi-block op at prefill sizes).
     # (At small batches vLLM skips the align altogether: then the difference of these two is not in its time.)
     parts = {"router": lambda x: problem.route(x), "router+align_standin": router_and_align}
     return Contender("vllm_triton", "peer", "vLLM 0.33.0 fused_moe Triton kernel with its shipped configs", layer,
                      note=_vllm_stubs.GLUE_NOTE, info={"vllm_config": info}, parts=parts)
+
+
+def vllm_kernels_only_contender(problem: Problem, vllm_src: str, tokens: int) -> Contender:
+    """:func:`vllm_contender` with the block alignment of the first call reused (``_vllm_stubs.ReusedAlignment``):
+    the time of vLLM's kernels without its alignment op, a lower bound on a vLLM install's time."""
+    import _vllm_stubs
+
+    module = _vllm_stubs.load(vllm_src)
+    reuse = _vllm_stubs.ReusedAlignment(module)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = problem.route(x)
+        routed = reuse(module.fused_experts_impl, x, problem.gate_up, problem.down, weights, ids.to(torch.int32),
+                       apply_router_weight_on_input=problem.early_modulation)
+        return problem.with_shared(x, routed)
+
+    info = _vllm_stubs.chosen_config(module, problem.gate_up, problem.down, problem.top_k, tokens)
+    return Contender("vllm_triton_kernels_only", "peer", "vLLM 0.33.0 fused_moe, alignment outside the timed region",
+                     layer, note=_vllm_stubs.KERNELS_ONLY_NOTE, info={"vllm_config": info})
 
 
 def _version_of(package: str) -> str:

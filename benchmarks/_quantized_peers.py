@@ -37,23 +37,27 @@ def _top_k_weights(affinities: torch.Tensor, index: torch.Tensor) -> torch.Tenso
     return chosen / chosen.sum(dim=-1, keepdim=True)
 
 
-def vllm_fp8_w8a8(layer, fmt: str, peers_src: str, tokens: int) -> tuple[Forward, dict]:
-    """vLLM's FP8 W8A8 fused MoE on ``layer``'s ``fp8`` (per channel) or ``fp8_block`` (128x128) weights."""
+def vllm_fp8_w8a8(layer, fmt: str, peers_src: str, tokens: int, kernels_only: bool = False) -> tuple[Forward, dict]:
+    """vLLM's FP8 W8A8 fused MoE on ``layer``'s ``fp8`` (per channel) or ``fp8_block`` (128x128) weights;
+    ``kernels_only``: with its block alignment computed on the first call and reused (a lower bound on its time)."""
     module = _vllm_stubs.load(peers_src)
     gate_up, gate_up_scale, down, down_scale = _stored(layer)
     # ours (E, K, N) with scales (E, 1 | K/128, N | N/128) -> vLLM's (E, N, K) with (E, N | N/128, 1 | K/128)
+    # (a W8A8 layer stores its FP8 weights K-major already: then these are views of the same bytes)
     w1, w2 = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
     w1_scale, w2_scale = gate_up_scale.transpose(1, 2).contiguous(), down_scale.transpose(1, 2).contiguous()
     block_shape = [128, 128] if fmt == "fp8_block" else None
     top_k = layer.routed_experts_mlp_config.top_k
 
+    call = _vllm_stubs.ReusedAlignment(module) if kernels_only else (lambda fn, *args, **kwargs: fn(*args, **kwargs))
+
     def forward(x: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return module.fused_experts_impl(x, w1, w2, _top_k_weights(affinities, index), index.to(torch.int32),
-                                         use_fp8_w8a8=True, per_channel_quant=block_shape is None,
-                                         w1_scale=w1_scale, w2_scale=w2_scale, block_shape=block_shape)
+        return call(module.fused_experts_impl, x, w1, w2, _top_k_weights(affinities, index), index.to(torch.int32),
+                    use_fp8_w8a8=True, per_channel_quant=block_shape is None, w1_scale=w1_scale, w2_scale=w2_scale,
+                    block_shape=block_shape)
 
     info = {"what": "vLLM 0.33.0 fused_moe Triton kernel, FP8 W8A8 (activations quantized dynamically), "
-                    "shipped configs", "note": _vllm_stubs.GLUE_NOTE,
+                    "shipped configs", "note": _vllm_stubs.KERNELS_ONLY_NOTE if kernels_only else _vllm_stubs.GLUE_NOTE,
             "vllm_config": _vllm_stubs.chosen_config(module, w1, w2, top_k, tokens, block_shape)}
     return forward, info
 

@@ -8,7 +8,10 @@ experts, combine, shared expert where the case has one -- over the same weights 
 - peers: torch ``grouped_mm`` in a torchtitan-style layer written here; HuggingFace transformers' experts
   implementations (``grouped_mm``, ``batched_mm`` for decode, ``eager``); Liger-Kernel's fused MoE (from an
   unpacked wheel, ``--liger-src``); vLLM's ``fused_moe`` Triton kernel with its shipped tuned configs (from an
-  unpacked wheel, ``--vllm-src``, through ``_vllm_stubs``). A peer whose files are absent is skipped with a note.
+  unpacked wheel, ``--vllm-src``, through ``_vllm_stubs``, whose stand-ins for vLLM's compiled ops are one kernel
+  each), and the same vLLM call with its block alignment computed outside the timed region
+  (``vllm_triton_kernels_only``: a lower bound on a vLLM install's time). A peer whose files are absent is
+  skipped with a note.
 - ours: ``nxd_moe.MoE`` on the torch backend (the layer's own mode choice; at prefill also block size 16, and
   forced modes where a case lists them) and on ``backend="triton"`` when it is registered and imports.
 
@@ -279,7 +282,7 @@ def contenders(case: Case, problem, args, device, dtype):
     """Yield the case's contenders one at a time (ours last: they hold a second copy of the weights), or
     ``(name, why skipped)`` pairs."""
     from _gpu_peers import (backend_available, build_ours, grouped_mm_contender, hf_contenders, liger_contender,
-                            ours_contender, vllm_contender)
+                            ours_contender, vllm_contender, vllm_kernels_only_contender)
 
     triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     yield "torch_grouped_mm", lambda: grouped_mm_contender(problem)
@@ -302,6 +305,7 @@ def contenders(case: Case, problem, args, device, dtype):
             yield "liger", lambda: liger_contender(problem, liger_src, args.liger_autotune)
         if args.vllm_src and os.path.isdir(args.vllm_src):
             yield "vllm_triton", lambda: vllm_contender(problem, args.vllm_src, case.tokens)
+            yield "vllm_triton_kernels_only", lambda: vllm_kernels_only_contender(problem, args.vllm_src, case.tokens)
         else:
             yield "vllm_triton", f"skipped: no unpacked vLLM source at --vllm-src {args.vllm_src!r}"
 
@@ -563,12 +567,13 @@ def markdown(result: dict) -> str:
         groups.setdefault(c.get("case", {}).get("group", "other"), []).append((name, c))
     for group, cases in groups.items():
         lines += [f"### {GROUP_TITLES.get(group, group)}", "",
-                  "| case | touched MB | GFLOP | roofline us | vLLM | Liger | HF best | grouped_mm | nxd torch | "
-                  "nxd triton | triton / best peer | triton % roofline | triton TB/s | triton TFLOP/s |",
-                  "|" + " --- |" * 14]
+                  "| case | touched MB | GFLOP | roofline us | vLLM | vLLM kernels only | Liger | HF best | "
+                  "grouped_mm | nxd torch | nxd triton | triton / best peer | triton % roofline | triton TB/s | "
+                  "triton TFLOP/s |",
+                  "|" + " --- |" * 15]
         for name, c in cases:
             if "contenders" not in c:
-                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 12)
+                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 13)
                 continue
             rows = c["contenders"]
             tri = rows.get("nxd_triton", {})
@@ -577,7 +582,8 @@ def markdown(result: dict) -> str:
             lines.append("| " + " | ".join([
                 name, f"{c['touched_weight_bytes'] / 1e6:.0f}", f"{c['useful_flop'] / 1e9:.1f}",
                 f"{c['roofline_us']:.0f}" if c.get("roofline_us") else "—", us(rows.get("vllm_triton")),
-                us(rows.get("liger")), us(best_of(rows, "hf_")), us(rows.get("torch_grouped_mm")), torch_cell, us(tri),
+                us(rows.get("vllm_triton_kernels_only")), us(rows.get("liger")), us(best_of(rows, "hf_")),
+                us(rows.get("torch_grouped_mm")), torch_cell, us(tri),
                 f"{tri['vs_best_peer']:.2f}x" if tri.get("vs_best_peer") else "—",
                 f"{100 * tri['vs_roofline']:.0f}%" if tri.get("vs_roofline") else "—",
                 f"{tri['TBps_touched']:.2f}" if tri.get("TBps_touched") else "—",

@@ -1,4 +1,5 @@
-"""Quantized expert weights on a GPU: the triton backend's decode and prefill with FP8 / MxFP4 weights vs bf16.
+"""Quantized experts on a GPU: the triton backend's decode and prefill with FP8 / MxFP4 weights and FP8 x FP8
+(W8A8) vs bf16.
 
     PYTHONPATH=. python3 benchmarks/gpu_quantized.py --out $OUT/gpu_quantized.json [--vllm-src .peers/vllm_src]
 
@@ -9,11 +10,18 @@ as TB/s and as a fraction of the device copy bandwidth measured at the start of 
 error of the quantized layer against the bf16 layer it was quantized from. The weights the step reads are
 dequantized inside the GEMMs' tile loads, so a decode step reads 1/2 (FP8) or ~1/4 (MxFP4) of bf16's bytes.
 
+``w8a8_fp8`` / ``w8a8_fp8_block``: the same weights with ``activation_quantization="fp8"`` (FP8 activations, FP8 x
+FP8 tensor-core GEMMs; per token, resp. per token and 128 columns). Their launch configuration is the shipped one
+(``"default"``) or, where that is slower, the best of a few candidates timed in the same run (``candidates``,
+``config``): the in-run tuning that ``tune_gpu.py`` does at length, reported as such.
+
 Peers (``_quantized_peers``, from an unpacked vLLM 0.33.0 wheel at ``--vllm-src``; skipped with a note when it
-is absent) multiply the same stored weights, timed the same way: vLLM's Triton FP8 W8A8 fused MoE for ``fp8`` and
-``fp8_block``, OpenAI's ``triton_kernels`` MXFP4 ``matmul_ogs`` for ``mxfp4``. Each format reports
-``vs_best_peer`` (the best peer's time / ours: above 1 we are faster) and each peer its error against the bf16
-layer and against our layer of the same format.
+is absent) multiply the same stored weights, timed the same way: vLLM's Triton FP8 W8A8 fused MoE for the FP8
+formats -- through the stand-ins of ``_vllm_stubs`` (one kernel per compiled op) and, as ``*_kernels_only``, with its
+block alignment computed outside the timed region (a lower bound on a vLLM install's time) -- and OpenAI's
+``triton_kernels`` MXFP4 ``matmul_ogs`` for ``mxfp4``. Each format reports ``vs_best_peer`` (the best peer's time /
+ours: above 1 we are faster) and each peer its error against the bf16 layer and against our layer of the same
+format.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, RoutedExpertsMLPOpsConfig
 from nxd_moe.quantization.quantizer import quantize_experts
+from nxd_moe.triton_kernels.backend import TritonBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _quantized_peers  # noqa: E402
@@ -39,9 +48,29 @@ SHAPES = {
     "qwen3-30b-a3b-decode-m32": (32, 128, 8, 2048, 768),
     "deepseek-v3-decode-m16": (16, 256, 8, 7168, 2048),
     "qwen3-30b-a3b-prefill-m4096": (4096, 128, 8, 2048, 768),
+    "deepseek-v3-prefill-m4096": (4096, 256, 8, 7168, 2048),
 }
-FORMATS = ("bf16", "fp8", "fp8_block", "mxfp4")
-PEERS = {"fp8": ("vllm_fp8_w8a8",), "fp8_block": ("vllm_fp8_w8a8",), "mxfp4": ("oai_mxfp4",)}
+FORMATS = ("bf16", "fp8", "fp8_block", "mxfp4", "w8a8_fp8", "w8a8_fp8_block")
+VLLM_FP8 = ("vllm_fp8_w8a8", "vllm_fp8_w8a8_kernels_only")
+PEERS = {"fp8": VLLM_FP8, "fp8_block": VLLM_FP8, "mxfp4": ("oai_mxfp4",), "w8a8_fp8": VLLM_FP8,
+         "w8a8_fp8_block": VLLM_FP8}
+W8A8 = "w8a8_"
+
+
+def _config(block_m: int, gate_up: tuple, down: tuple, tma: bool = False) -> dict:
+    """A launch configuration from ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` per GEMM (down: + SPLIT_K)."""
+    names = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    return {"block_m": block_m, "gate_up": {**dict(zip(names, gate_up)), "TMA": tma},
+            "down": {**dict(zip(names + ("SPLIT_K",), down)), "TMA": tma}}
+
+
+# W8A8 launch configurations timed next to the shipped one (None): pipeline depth, row tile, K tile.
+# (The shipped prefill rule took the four-stage candidate after the first H100 run: three stages is now timed.)
+W8A8_CANDIDATES = {
+    "prefill": [None, _config(128, (128, 128, 8, 3), (128, 128, 8, 3, 1), True),
+                _config(64, (128, 128, 4, 4), (128, 128, 4, 4, 1), True)],
+    "decode": [None, _config(16, (128, 128, 4, 4), (128, 128, 4, 4, 1))],
+}
 
 
 def copy_bandwidth() -> float:
@@ -71,8 +100,9 @@ def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affiniti
             peers[peer] = {"skipped": f"no --vllm-src directory ({peers_src})"}
             continue
         try:
-            if peer == "vllm_fp8_w8a8":
-                forward, info = _quantized_peers.vllm_fp8_w8a8(layer, fmt, peers_src, x.shape[0])
+            if peer in VLLM_FP8:
+                forward, info = _quantized_peers.vllm_fp8_w8a8(layer, fmt.removeprefix(W8A8), peers_src, x.shape[0],
+                                                               kernels_only=peer.endswith("kernels_only"))
             else:
                 forward, info = _quantized_peers.oai_mxfp4(layer, peers_src)
             with torch.no_grad():
@@ -88,7 +118,46 @@ def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affiniti
     return peers
 
 
-def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS) -> dict:
+def time_candidates(layer: ExpertMLPsV2, candidates: list, x, affinities, index, seq_len) -> dict:
+    """Time ``layer`` under each launch configuration (None: the shipped table / rule); the fastest one's time and
+    output, every candidate's time or error, and which won."""
+    report, best, won = [], None, None
+    for config in candidates:
+        layer.backend = TritonBackend(configs=config)
+        try:
+            with torch.no_grad():
+                out = layer(x, affinities, index, seq_len=seq_len).float()
+                us = do_bench_cudagraph(lambda: layer(x, affinities, index, seq_len=seq_len), rep=100) * 1e3
+        except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
+            report.append({"config": config or "default", "error": f"{type(error).__name__}: {error}"[:500]})
+            torch.cuda.synchronize()
+            continue
+        report.append({"config": config or "default", "us": round(us, 1)})
+        if best is None or us < best[0]:
+            best, won = (us, out), config or "default"
+    layer.backend = TritonBackend(configs=won if isinstance(won, dict) else None)
+    return {"best": best, "config": won, "candidates": report}
+
+
+def kernel_times(layer: ExpertMLPsV2, x, affinities, index, seq_len, calls: int = 5) -> dict:
+    """Device time per forward of each kernel the forward launches (torch.profiler), microseconds: where a step's
+    time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            layer(x, affinities, index, seq_len=seq_len)
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us:
+            times[event.key[:80]] = round(us / calls, 1)
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
+def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS, candidates_on: bool = True,
+              profile_kernels: bool = False) -> dict:
     num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
@@ -108,13 +177,18 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
                 p.normal_(0.0, 0.02, generator=gen)  # in place: DeepSeek-V3's 22 GB of experts get no copy
         if fmt != "bf16":
             try:
-                quantize_experts(layer, fmt)
+                quantize_experts(layer, fmt.removeprefix(W8A8),
+                                 activation_quantization="fp8" if fmt.startswith(W8A8) else "none")
             except ValueError as error:  # e.g. 128x128 blocks that do not divide the shape
                 result["formats"][fmt] = {"skipped": str(error)}
                 continue
-        with torch.no_grad():
-            out = layer(x, affinities, index, seq_len=seq_len).float()
-            us = do_bench_cudagraph(lambda layer=layer: layer(x, affinities, index, seq_len=seq_len), rep=100) * 1e3
+        candidates = (W8A8_CANDIDATES["decode" if seq_len == 1 else "prefill"]
+                      if fmt.startswith(W8A8) and candidates_on else [None])
+        timed = time_candidates(layer, candidates, x, affinities, index, seq_len)
+        if not timed["best"]:
+            result["formats"][fmt] = {"error": timed["candidates"]}
+            continue
+        us, out = timed["best"]
         if reference is None:
             reference = out
         read = touched_bytes(layer, index)
@@ -122,6 +196,13 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             "us": round(us, 1), "weight_bytes_read": read, "TBps": round(read / us / 1e6, 3),
             "fraction_of_copy_bandwidth": round(read / us / 1e6 / (bandwidth / 1e12), 3),
             "rel_err_vs_bf16": relative_error(out, reference)}
+        if len(candidates) > 1:
+            result["formats"][fmt].update(config=timed["config"], candidates=timed["candidates"])
+        if profile_kernels:
+            try:
+                result["formats"][fmt]["kernels_us"] = kernel_times(layer, x, affinities, index, seq_len)
+            except Exception as error:  # the profiler is a diagnostic: its failure is recorded, not fatal
+                result["formats"][fmt]["kernels_us"] = f"{type(error).__name__}: {error}"[:300]
         if fmt in PEERS:
             peers = time_peers(layer, fmt, peers_src, x, affinities, index, reference, out)
             result["formats"][fmt]["peers"] = peers
@@ -132,7 +213,7 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
         torch.cuda.empty_cache()
     bf16 = result["formats"]["bf16"]
     for entry in result["formats"].values():
-        if "us" in entry:
+        if "us" in entry and "us" in bf16:
             entry["bytes_vs_bf16"] = round(entry["weight_bytes_read"] / bf16["weight_bytes_read"], 3)
             entry["speedup_vs_bf16"] = round(bf16["us"] / entry["us"], 2)
     return result
@@ -144,6 +225,10 @@ def main() -> int:
     parser.add_argument("--formats", nargs="*", default=list(FORMATS), choices=FORMATS,
                         help="bf16 is always run first: it is the reference and the baseline")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--candidates", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the W8A8 candidate launch configurations next to the shipped one")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also record each kernel's device time per forward (torch.profiler)")
     parser.add_argument("--vllm-src", default=".peers/vllm_src",
                         help="an unpacked vLLM 0.33.0 wheel (see benchmarks/README.md); absent: peers skipped")
     args = parser.parse_args()
@@ -152,17 +237,33 @@ def main() -> int:
               "copy_TBps": round(bandwidth / 1e12, 3), "cases": {}}
     for name in args.shapes:
         report["cases"][name] = run_shape(name, bandwidth, args.vllm_src,
-                                            ("bf16", *(f for f in args.formats if f != "bf16")))
+                                            ("bf16", *(f for f in args.formats if f != "bf16")), args.candidates,
+                                            args.kernel_times)
         print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
                                                                           "speedup_vs_bf16", "rel_err_vs_bf16",
-                                                                          "vs_best_peer")}
+                                                                          "vs_best_peer", "error")}
                                 for f, e in report["cases"][name]["formats"].items()}), file=sys.stderr, flush=True)
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+        if args.out:  # after every shape: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                f.write(json.dumps(report, indent=1))
+    print(table(report))
     return 0
+
+
+def table(report: dict) -> str:
+    """One line per shape and format: us, x bf16, fraction of copy bandwidth, best peer time and ratio."""
+    lines = [f"{'shape':30s} {'format':16s} {'us':>9s} {'x bf16':>7s} {'copy BW':>8s} {'best peer us':>13s} "
+             f"{'peer/ours':>9s} {'rel err':>8s}"]
+    for name, case in report["cases"].items():
+        for fmt, e in case["formats"].items():
+            if "us" not in e:
+                lines.append(f"{name:30s} {fmt:16s} {str(e.get('error') or e.get('skipped'))[:60]}")
+                continue
+            timed = [p["us"] for p in e.get("peers", {}).values() if "us" in p]
+            lines.append(f"{name:30s} {fmt:16s} {e['us']:9.1f} {e.get('speedup_vs_bf16', 0):7.2f} "
+                         f"{e['fraction_of_copy_bandwidth']:8.2f} {min(timed) if timed else float('nan'):13.1f} "
+                         f"{e.get('vs_best_peer', float('nan')):9.2f} {e['rel_err_vs_bf16']:8.4f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -40,14 +40,19 @@ def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: in
 
 
 def scaled_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any], scale: int,
-                 quantization: str | None = None) -> MoEModelConfig:
-    """``config`` with H and I divided by ``scale``, rounded up to a multiple of 8 and of the blocks of the
-    routed experts' weight format (``quantization``, default the config's) and of the shared experts'."""
+                 quantization: str | None = None, activation_group: int | None = None) -> MoEModelConfig:
+    """``config`` with H and I divided by ``scale``, rounded up to a multiple of 8, of the blocks of the
+    routed experts' weight format (``quantization``, default the config's) and of the shared experts', and of the
+    activation quantization group (``activation_group``, default the config's)."""
     model = load_model_config(config)
     formats = [get_format(model.experts.get("quantization") if quantization is None else quantization)]
     if model.shared_experts is not None:
         formats.append(get_format(model.shared_experts.quantization))
     blocks = [size or 1 for fmt in formats for size in (fmt.block_k, fmt.block_n)]
+    if activation_group is None:
+        activation_group = model.experts.get("activation_quantization_group_size")
+    if isinstance(activation_group, int) and activation_group > 0:  # a bad value is named by the experts' config
+        blocks.append(activation_group)
     return model.scaled(check_int("scale", scale, minimum=1), multiple=math.lcm(8, *blocks))
 
 
@@ -86,7 +91,8 @@ def build_moe(
     ``quantization`` (default: the config's, else ``"bf16"``): the routed experts' weight format, one of
     :data:`nxd_moe.quantization.QUANTIZATION_CHOICES` (see :mod:`nxd_moe.quantization`); the random weights are
     drawn as for bf16 with the same ``seed`` and then quantized, so the two layers are comparable. A scaled
-    config rounds H and I up to the format's block size. ``shared_quantization`` (default: the config's
+    config rounds H and I up to the format's block size. ``activation_quantization="fp8"`` (an override, with
+    ``fp8`` / ``fp8_block`` weights) makes the routed experts W8A8. ``shared_quantization`` (default: the config's
     ``shared_experts.quantization``, else ``"bf16"``) does the same for the shared experts' projections.
     """
     sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
@@ -98,7 +104,8 @@ def build_moe(
             raise ValueError(f"shared_quantization: config {model.name!r} has no shared experts")
         model = dataclasses.replace(model, shared_experts=dataclasses.replace(model.shared_experts,
                                                                              quantization=shared_quantization))
-    model = scaled_model(model, scale, overrides.get("quantization"))
+    model = scaled_model(model, scale, overrides.get("quantization"),
+                         overrides.get("activation_quantization_group_size"))
     dtype = to_torch_dtype(dtype)
     blockwise_keys = {k: overrides.pop(k) for k in list(overrides) if k == "block_size"}
     blockwise_keys.update({k[len("block_"):]: overrides.pop(k) for k in list(overrides) if k.startswith("block_")})

@@ -5,9 +5,11 @@ weights (H and I divided by ``--scale``), runs a prefill and a decode step, and 
 the block layout, padding overhead, dropped tokens, time per step and the error against the float64 dense
 reference. ``--json`` prints the same as one JSON object.
 
-``--device cuda`` runs the layer on the GPU (``--backend triton`` for the Triton kernels, ``torch`` or ``nki_sim``);
-inputs are drawn on the CPU, so a CPU and a GPU run see the same tokens, and the float64 reference is computed on
-the CPU either way.
+``--device cuda`` runs the layer on the GPU (``--backend triton`` for the Triton kernels, ``torch`` or ``nki_sim``)
+in bfloat16 unless ``--dtype`` says otherwise (a CPU run defaults to float32), and reports each step's time twice:
+``ms`` for an eager call (what HF ``generate`` or a debugger sees: host work included) and ``graph_ms`` for a warm
+call replayed from a CUDA graph (what a serving engine sees). Inputs are drawn on the CPU, so a CPU and a GPU run
+see the same tokens, and the float64 reference is computed on the CPU either way.
 
 ``torchrun --nproc-per-node N -m nxd_moe.cli run --config ... --tp A --ep B`` runs the same job model-parallel
 (gloo, CPU): each token group (TP group) feeds its own sequence and decode batch, rank 0 reports.
@@ -41,6 +43,7 @@ from nxd_moe.config import (
 from nxd_moe.experts.backends import BACKENDS, get_backend
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec
 from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
 
@@ -54,6 +57,8 @@ SUBCOMMANDS = {
 
 DEFAULT_TOKENS = 512
 DEFAULT_DECODE_BATCH = 8
+# Timed CUDA-graph replays per step (at least): replays are cheap, so more samples than eager calls.
+GRAPH_REPLAYS = 20
 
 
 def auto_scale(hidden_size: int) -> int:
@@ -102,6 +107,37 @@ def _timed_ms(fn, repeats: int, device: torch.device | None = None) -> tuple[obj
     return result, statistics.median(times)
 
 
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """``--dtype``, or the device's default: bfloat16 on a GPU (what GPU inference runs), float32 on a CPU."""
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return to_torch_dtype(name, "--dtype")
+
+
+def _graphed_ms(fn, repeats: int) -> float:
+    """Median time (ms, CUDA events) of one replay of ``fn`` captured in a CUDA graph after a warm-up on a side
+    stream (Triton compiles and caches fill outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(max(repeats, GRAPH_REPLAYS)):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def resolve_device(name: str, backend: str) -> torch.device:
     """``--device`` checked against this machine and ``--backend``; ``ValueError`` says what is missing."""
     try:
@@ -148,10 +184,17 @@ def _step(moe, x: torch.Tensor, repeats: int, unquantized=None) -> dict:
     dequantized) weights and, given the ``unquantized`` layer, the quantization error against its output."""
     with torch.inference_mode():
         (output, stats), ms = _timed_ms(lambda: moe(x, return_stats=True), repeats, x.device)
+        graph = {}
+        if x.device.type == "cuda":
+            try:
+                graph["graph_ms"] = _graphed_ms(lambda: moe(x), repeats)
+            except Exception as error:  # a backend that syncs with the host cannot be captured: say so
+                graph["graph_error"] = f"{type(error).__name__}: {error}"[:300]
         reference = reference_for_moe(moe, x, capacity=stats.capacity)  # float64, on the CPU
         original = None if unquantized is None else unquantized(x)[0]
     summary = stats.summary()
     summary["ms"] = ms
+    summary.update(graph)
     summary["max_abs_err"] = float((output.double().cpu() - reference).abs().max())
     summary["max_abs_ref"] = float(reference.abs().max())
     if original is not None:
@@ -167,6 +210,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         overrides["capacity_factor"] = args.capacity_factor
     if getattr(args, "quantization", None) is not None:
         overrides["quantization"] = args.quantization
+    if getattr(args, "activation_quantization", None) is not None:
+        overrides["activation_quantization"] = args.activation_quantization
     return overrides
 
 
@@ -175,12 +220,13 @@ def _is_parallel(args: argparse.Namespace) -> bool:
             or int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
-def _setup(args: argparse.Namespace) -> tuple[MoEModelConfig, torch.dtype, int]:
-    """The run's model config, dtype and scale (``--scale auto`` resolved); applies ``--threads``."""
+def _setup(args: argparse.Namespace, device: torch.device | None = None) -> tuple[MoEModelConfig, torch.dtype, int]:
+    """The run's model config, dtype (``--dtype`` or ``device``'s default) and scale (``--scale auto``
+    resolved); applies ``--threads``."""
     model = load_model_config(args.config)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = to_torch_dtype(args.dtype, "--dtype")
+    dtype = resolve_dtype(args.dtype, torch.device("cpu") if device is None else device)
     return model, dtype, auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
 
 
@@ -189,6 +235,7 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
     """The run's report: the layer ``moe`` (the single-device one of a parallel run), its two steps and, for a
     parallel run, the layout."""
     cfg = moe.expert_mlps.routed_experts_mlp_config
+    experts_activations = activation_quantization_spec(cfg)
     report = {
         "config": model.name,
         "scale": scale,
@@ -200,6 +247,8 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
         "quantization": cfg.quantization,
+        "activation_quantization": (cfg.activation_quantization if experts_activations is None
+                                    else experts_activations.describe()),
         "expert_weight_bytes": expert_weight_bytes(moe.expert_mlps),
         "shared_experts": moe.shared_experts is not None,
         "router": type(moe.router).__name__,
@@ -216,7 +265,7 @@ def run(args: argparse.Namespace) -> dict | None:
     if _is_parallel(args):
         return run_parallel(args)
     device = resolve_device(args.device, args.backend)
-    model, dtype, scale = _setup(args)
+    model, dtype, scale = _setup(args, device)
     overrides = _overrides(args)
     with _progress(total=3, enabled=not args.no_progress) as bar:
         bar.set_description("build", refresh=False)
@@ -227,7 +276,7 @@ def run(args: argparse.Namespace) -> dict | None:
         if cfg.quantization != "bf16":  # the same random weights before quantization, to report its error
             shapes = scaled_model(model, scale, cfg.quantization)
             unquantized = build_moe(shapes, dtype=dtype, seed=args.seed, device=device,
-                                    **{**overrides, "quantization": "bf16"})
+                                    **{**overrides, "quantization": "bf16", "activation_quantization": "none"})
         bar.update()
         generator = torch.Generator().manual_seed(args.seed + 1)
         bar.set_description("prefill", refresh=False)
@@ -354,6 +403,15 @@ def _pct(value) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+def _times(step: dict) -> str:
+    """``1.23 ms/step`` on a CPU; eager and CUDA-graph times on a GPU."""
+    if "graph_ms" in step:
+        return f"{step['ms']:.3f} ms/step eager, {step['graph_ms']:.3f} ms/step CUDA graph"
+    if "graph_error" in step:
+        return f"{step['ms']:.3f} ms/step eager (no CUDA graph: {step['graph_error']})"
+    return f"{step['ms']:.2f} ms/step"
+
+
 def format_report(report: dict) -> str:
     p, d = report["prefill"], report["decode"]
     lines = [
@@ -363,7 +421,9 @@ def format_report(report: dict) -> str:
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
         f"backend {report['backend']} on {report['device']}"
         + (f", {report['threads']} threads)" if report["device"] == "cpu" else ")"),
-        f"experts  weights {report['quantization']}: {report['expert_weight_bytes'] / 2**20:.2f} MiB",
+        f"experts  weights {report['quantization']}: {report['expert_weight_bytes'] / 2**20:.2f} MiB"
+        + (f", activations {report['activation_quantization']}"
+           if report.get("activation_quantization", "none") != "none" else ""),
         f"prefill  {p['tokens']} tokens -> {p['mode']}",
     ]
     if p["num_blocks"] is not None:
@@ -375,11 +435,11 @@ def format_report(report: dict) -> str:
     if p["capacity"] is not None:
         lines.append(f"         capacity {p['capacity']} tokens per expert")
     lines.append(
-        f"         dropped tokens {p['dropped_tokens']}, {p['ms']:.2f} ms/step, "
+        f"         dropped tokens {p['dropped_tokens']}, {_times(p)}, "
         f"max |err| vs float64 dense reference {p['max_abs_err']:.2e} (max |ref| {p['max_abs_ref']:.2e})"
     )
     lines.append(
-        f"decode   batch {d['batch']} -> {d['mode']}: {d['ms']:.2f} ms/step, "
+        f"decode   batch {d['batch']} -> {d['mode']}: {_times(d)}, "
         f"max |err| {d['max_abs_err']:.2e} (max |ref| {d['max_abs_ref']:.2e})"
     )
     if "max_abs_err_vs_unquantized" in p:
@@ -412,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"prefill tokens (default {DEFAULT_TOKENS})")
     run_p.add_argument("--decode-batch", type=_positive_int, default=DEFAULT_DECODE_BATCH,
                        help=f"sequences in the decode step (default {DEFAULT_DECODE_BATCH})")
-    run_p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
+    run_p.add_argument("--dtype", default=None,
+                       help="float32 | bfloat16 | float16 | float64 (default: bfloat16 on --device cuda, else "
+                            "float32)")
     run_p.add_argument("--block-size", type=_positive_int, default=None,
                        help="override the config's blockwise block_size")
     run_p.add_argument("--capacity-factor", type=_positive_float, default=None,
@@ -424,6 +486,10 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                        help="routed experts' weight format (default: the config's, bf16): fp8 = E4M3 per expert and "
                             "channel, fp8_block = E4M3 with 128x128 block scales, mxfp4 = OCP MX FP4")
+    run_p.add_argument("--activation-quantization", default=None, choices=ACTIVATION_QUANTIZATION_CHOICES,
+                       help="fp8 = W8A8: the experts' activations quantized to FP8 E4M3 on the fly (per token with "
+                            "fp8 weights, per token and 128 columns with fp8_block), FP8 x FP8 GEMMs; needs "
+                            "--quantization fp8 or fp8_block (default: the config's, none)")
     run_p.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions per step (median)")
     run_p.add_argument("--seed", type=int, default=0)
     run_p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

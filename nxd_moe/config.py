@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 
 from nxd_moe.activations import ACT2FN
+from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, W8A8_WEIGHT_FORMATS
 from nxd_moe.quantization.formats import get_format
 
 DEFAULT_BLOCK_SIZE = 512
@@ -261,6 +262,13 @@ class RoutedExpertsMLPOpsConfig:
     ``EXPERT_WISE_PER_CHANNEL_SYMMETRIC``), ``"fp8_block"`` (E4M3, 128x128 blocks: DeepSeek-V3 / Qwen3 FP8) or
     ``"mxfp4"`` (OCP MX, GPT-OSS). Biases and the router stay in the layer's dtype; the shared experts have their
     own setting (:class:`SharedExpertsSpec`), bf16 unless asked.
+
+    ``activation_quantization``: ``"none"`` (default: the experts multiply activations in the layer's dtype) or
+    ``"fp8"`` (W8A8: E4M3 activations quantized on the fly in front of both GEMMs, :mod:`nxd_moe.quantization.
+    activations`); only with ``quantization`` ``"fp8"`` or ``"fp8_block"``. ``activation_quantization_group_size``:
+    columns per activation scale; ``None`` follows the weights (per token for ``fp8``, per token and 128 columns
+    for ``fp8_block``, DeepSeek-V3's recipe); an int must divide ``hidden_size`` and ``intermediate_size`` (the K
+    of both GEMMs).
     """
 
     num_experts: int
@@ -286,6 +294,8 @@ class RoutedExpertsMLPOpsConfig:
     capacity_factor: float | None = None
     selective_loading_threshold: float = DEFAULT_SELECTIVE_LOADING_THRESHOLD
     quantization: str = "bf16"
+    activation_quantization: str = "none"
+    activation_quantization_group_size: int | None = None
 
     def __post_init__(self):
         owner = "RoutedExpertsMLPOpsConfig"
@@ -351,6 +361,31 @@ class RoutedExpertsMLPOpsConfig:
             check_float(f"{owner}.selective_loading_threshold", self.selective_loading_threshold, positive=True),
         )
         object.__setattr__(self, "quantization", get_format(self.quantization, f"{owner}.quantization").name)
+        self._check_activation_quantization(owner)
+
+    def _check_activation_quantization(self, owner: str) -> None:
+        value = "none" if self.activation_quantization is None else self.activation_quantization
+        if not isinstance(value, str) or value.lower() not in ACTIVATION_QUANTIZATION_CHOICES:
+            raise ValueError(f"{owner}.activation_quantization must be one of {list(ACTIVATION_QUANTIZATION_CHOICES)}, "
+                             f"got {self.activation_quantization!r}")
+        value = value.lower()
+        object.__setattr__(self, "activation_quantization", value)
+        group = self.activation_quantization_group_size
+        if value == "none":
+            if group is not None:
+                raise ValueError(f"{owner}.activation_quantization_group_size={group!r} needs "
+                                 "activation_quantization='fp8'")
+            return
+        if self.quantization not in W8A8_WEIGHT_FORMATS:
+            raise ValueError(f"{owner}.activation_quantization='fp8' multiplies FP8 activations by FP8 weights: it "
+                             f"needs quantization in {list(W8A8_WEIGHT_FORMATS)}, got quantization="
+                             f"{self.quantization!r}")
+        if group is not None:
+            check_int(f"{owner}.activation_quantization_group_size", group, minimum=1)
+            for name, size in (("hidden_size", self.hidden_size), ("intermediate_size", self.intermediate_size)):
+                if size % group:
+                    raise ValueError(f"{owner}.activation_quantization_group_size={group} must divide the K of both "
+                                     f"expert GEMMs: {name}={size} is not a multiple of it")
 
     @property
     def dropless(self) -> bool:

@@ -23,9 +23,30 @@ _ACTS = {
 }
 
 
+def _e4m3(v: torch.Tensor) -> torch.Tensor:
+    """Float64 ``v`` (``|v| <= 448``) rounded to the nearest OCP E4M3 value, ties to even: 3 mantissa bits in
+    each binade from 2**-6 up, steps of 2**-9 below it (subnormals)."""
+    a = v.abs()
+    exponent = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a))))
+    step = torch.where(a < 2.0 ** -6, torch.full_like(a, 2.0 ** -9), torch.pow(2.0, exponent - 3))
+    return torch.sign(v) * torch.round(a / step) * step  # torch.round: half to even
+
+
+def _fp8_activations(x: torch.Tensor, cfg: RoutedExpertsMLPOpsConfig) -> torch.Tensor:
+    """``x (M, K)`` as W8A8 multiplies it (activation_quantization='fp8'): each row's groups of columns scaled
+    by their max magnitude / 448, rounded to E4M3, scaled back."""
+    if cfg.activation_quantization == "none":
+        return x
+    group = cfg.activation_quantization_group_size or (128 if cfg.quantization == "fp8_block" else x.shape[-1])
+    groups = x.reshape(x.shape[0], -1, group)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (_e4m3((groups / scale).clamp(-448.0, 448.0)) * scale).reshape(x.shape)
+
+
 def _expert(x: torch.Tensor, e: int, cfg: RoutedExpertsMLPOpsConfig, gate_up, down, gate_up_bias, down_bias):
     act = _ACTS[cfg.hidden_act]
-    h = x @ gate_up[e]
+    h = _fp8_activations(x, cfg) @ gate_up[e]
     if gate_up_bias is not None:
         h = h + gate_up_bias[e]
     if cfg.glu_mlp:
@@ -43,7 +64,7 @@ def _expert(x: torch.Tensor, e: int, cfg: RoutedExpertsMLPOpsConfig, gate_up, do
         inner = act(h)
     if cfg.intermediate_size_actual is not None:
         inner[:, cfg.intermediate_size_actual:] = 0.0
-    y = inner @ down[e]
+    y = _fp8_activations(inner, cfg) @ down[e]
     if down_bias is not None:
         y = y + down_bias[e]
     return y

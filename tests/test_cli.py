@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from nxd_moe.cli import auto_scale, main
 from nxd_moe.config import builtin_config_names
@@ -62,6 +63,22 @@ def test_human_report_names_the_algorithm_and_overheads(capsys):
     text = capsys.readouterr().out
     assert "-> blockwise" in text and "num_blocks" in text and "padding overhead" in text
     assert re.search(r"decode\s+batch 8 -> selective_loading", text)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays(capsys):
+    """What a GPU user expects: bf16 unless asked, and the warm CUDA-graph step time next to the eager one."""
+    report = run_json(capsys, "--config", "qwen3-30b-a3b", "--device", "cuda", "--backend", "triton", "--tokens", "256",
+                      "--decode-batch", "4", "--quantization", "fp8_block", "--activation-quantization", "fp8")
+    assert report["dtype"] == "bfloat16" and report["device"].startswith("cuda")
+    for step in (report["prefill"], report["decode"]):
+        assert step["ms"] > 0 and step["graph_ms"] > 0 and "graph_error" not in step, step
+        assert step["max_abs_err"] < 6e-2 * max(1.0, step["max_abs_ref"])
+    assert run_json(capsys, "--config", "mixtral-8x7b", "--device", "cuda", "--dtype", "float32",
+                    "--tokens", "16")["dtype"] == "float32"
+    assert main(["run", "--config", "mixtral-8x7b", "--device", "cuda", "--tokens", "16", "--repeats", "1",
+                 "--no-progress"]) == 0
+    assert re.search(r"ms/step eager, [0-9.]+ ms/step CUDA graph", capsys.readouterr().out)
 
 
 def test_auto_scale_keeps_hidden_small():

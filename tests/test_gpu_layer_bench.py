@@ -39,6 +39,46 @@ def test_align_to_blocks_with_fewer_pairs_than_experts_clamps_the_buffer():
     assert padded.tolist() == [8]
 
 
+def test_align_stand_in_is_one_kernel_with_vllms_contract():
+    """Random routings, many experts: every expert's segment holds exactly its pairs in pair order, padded to the
+    block; the rest is the padding id; each block names its expert (-1 past the used ones)."""
+    for num_tokens, top_k, num_experts, block in ((300, 8, 64, 16), (37, 2, 8, 64), (5, 8, 256, 16)):
+        gen = torch.Generator().manual_seed(num_tokens)
+        topk_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        sorted_ids, expert_ids, padded = _vllm_stubs._moe_align_block_size(topk_ids, block, num_experts)
+        pairs = topk_ids.reshape(-1)
+        counts = torch.bincount(pairs, minlength=num_experts)
+        blocks = (counts + block - 1) // block
+        assert padded.item() == int(blocks.sum()) * block
+        start = 0
+        for e in range(num_experts):
+            segment = sorted_ids[start:start + int(blocks[e]) * block]
+            assert segment[:int(counts[e])].tolist() == torch.nonzero(pairs == e).flatten().tolist()
+            assert (segment[int(counts[e]):] == pairs.numel()).all()
+            assert (expert_ids[start // block:(start // block) + int(blocks[e])] == e).all()
+            start += int(blocks[e]) * block
+        assert (sorted_ids[start:] == pairs.numel()).all() and (expert_ids[start // block:] == -1).all()
+
+
+def test_silu_and_mul_stand_in_is_one_kernel():
+    gate_up = torch.randn(5, 2 * 300, dtype=torch.float32)
+    out = torch.empty(5, 300)
+    _vllm_stubs._silu_and_mul(_vllm_stubs._Activation.SILU, out, gate_up)
+    expected = torch.nn.functional.silu(gate_up[:, :300].double()) * gate_up[:, 300:].double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_reused_alignment_computes_the_alignment_once():
+    calls = []
+    module = type("Module", (), {})()
+    module.moe_align_block_size = lambda ids, block, experts: calls.append(ids) or ("aligned", ids)
+    reuse = _vllm_stubs.ReusedAlignment(module)
+    first = reuse(lambda ids: module.moe_align_block_size(ids, 16, 8), "first routing")
+    again = reuse(lambda ids: module.moe_align_block_size(ids, 16, 8), "second routing")
+    assert first == again == ("aligned", "first routing") and calls == ["first routing"]
+    assert module.moe_align_block_size("x", 16, 8) == ("aligned", "x")  # restored after each call
+
+
 @pytest.mark.parametrize("name", ["smoke-decode-m3", "smoke-llama4-shared-decode-m4", "smoke-balanced-prefill-m16"])
 def test_peer_reference_is_the_function_our_layer_computes(name):
     """The benchmark's float64 reference (written for the peers' weight layout) and nxd_moe's own reference

@@ -37,11 +37,14 @@ class ExpertsBackend(abc.ABC):
     output) to add inside the backend's last pass; otherwise the front end adds it to the result.
     ``supported_formats``: the weight formats (:data:`nxd_moe.quantization.QUANTIZATION_CHOICES`) whose
     :class:`ExpertWeights` the backend computes with; ``ExpertMLPsV2`` refuses any other at construction.
+    ``supports_activation_quantization``: the backend computes W8A8 (``ExpertWeights.activation_quantization``,
+    FP8 activations); ``ExpertMLPsV2`` refuses a layer that asks for it otherwise.
     """
 
     name: str
     fuses_addend: bool = False
     supported_formats: frozenset[str] = frozenset({"bf16"})
+    supports_activation_quantization: bool = False
 
     def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
                     capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:
@@ -107,6 +110,8 @@ class TorchBackend(ExpertsBackend):
 
     name = "torch"
     supported_formats = frozenset(QUANTIZATION_CHOICES)
+    # W8A8 as the reference: the activations are quantized and dequantized in front of each GEMM, same math.
+    supports_activation_quantization = True
 
     def __init__(self, matmul: str = "auto"):
         if matmul not in MATMUL_IMPLS:
@@ -149,9 +154,13 @@ def get_backend(backend: str | ExpertsBackend) -> ExpertsBackend:
     return getattr(importlib.import_module(module_name), class_name)()
 
 
-def check_backend_supports(backend: ExpertsBackend, quantization: str) -> None:
-    """Raise unless ``backend`` computes with expert weights stored as ``quantization``."""
+def check_backend_supports(backend: ExpertsBackend, quantization: str, activation_quantization: str = "none") -> None:
+    """Raise unless ``backend`` computes with expert weights stored as ``quantization`` and activations as
+    ``activation_quantization``."""
     if quantization not in backend.supported_formats:
         raise ValueError(f"backend {backend.name!r} does not support quantization={quantization!r}; it supports "
                          f"{sorted(backend.supported_formats)} (the 'torch' backend supports "
                          f"{list(QUANTIZATION_CHOICES)})")
+    if activation_quantization != "none" and not backend.supports_activation_quantization:
+        raise ValueError(f"backend {backend.name!r} does not support activation_quantization="
+                         f"{activation_quantization!r} (FP8 activations, W8A8); the 'torch' and 'triton' backends do")

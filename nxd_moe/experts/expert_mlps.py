@@ -30,6 +30,8 @@ from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.shard import ShardSpec, WeightShard
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
+from nxd_moe.quantization.activations import activation_quantization_spec
+from nxd_moe.quantization.formats import k_fastest
 from nxd_moe.validation import (
     FiniteWeightsOnLoad,
     check_expert_index_range,
@@ -50,10 +52,13 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
     Quantized (``quantization`` other than ``"bf16"``): ``weight`` and ``scale`` hold the format's stored tensors
     (:mod:`nxd_moe.quantization.formats`; not trainable), initialised by quantizing the default init, and every
     load checks their dtypes, shapes and scale values. ``dtype`` is the compute dtype either way.
+    ``k_major=True`` stores the quantized weight with the contraction dim fastest (strides ``(K*N, 1, K)``,
+    same logical ``(E, K, N)`` and state dict): what FP8 x FP8 tensor cores read directly (W8A8).
     """
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool,
-                 dtype: torch.dtype, device=None, init_method=None, quantization: str = "bf16"):
+                 dtype: torch.dtype, device=None, init_method=None, quantization: str = "bf16",
+                 k_major: bool = False):
         super().__init__()
         self.compute_dtype = dtype
         self.format = get_format(quantization)
@@ -72,7 +77,7 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
             self.weight = nn.Parameter(weight)
             return
         stored = self.format.empty(shape, device) if weight.is_meta else self.format.quantize(weight)
-        self.weight = nn.Parameter(stored[0], requires_grad=False)
+        self.weight = nn.Parameter(k_fastest(stored[0]) if k_major else stored[0], requires_grad=False)
         self.scale = nn.Parameter(stored[1], requires_grad=False)
         self.register_load_state_dict_pre_hook(ExpertLinear._check_quantized)
 
@@ -115,14 +120,15 @@ class ExpertsMLPOp(nn.Module):
         e = config.num_experts if num_experts is None else num_experts
         i = config.intermediate_size if intermediate_size is None else intermediate_size
         h = config.hidden_size
+        k_major = config.activation_quantization != "none"
         first = ExpertLinear(e, h, 2 * i if config.glu_mlp else i, config.bias, dtype, device,
-                             config.input_layer_init_method, config.quantization)
+                             config.input_layer_init_method, config.quantization, k_major)
         if config.glu_mlp:
             self.gate_up_proj = first
         else:
             self.up_proj = first
         self.down_proj = ExpertLinear(e, i, h, config.bias, dtype, device, config.output_layer_init_method,
-                                      config.quantization)
+                                      config.quantization, k_major)
 
     @property
     def first_proj(self) -> ExpertLinear:
@@ -253,7 +259,8 @@ class ExpertMLPsV2(nn.Module):
         self.sequence_parallel_enabled = check_bool("sequence_parallel_enabled", sequence_parallel_enabled)
         self.validate_inputs = check_bool("validate_inputs", validate_inputs)
         self.backend = get_backend(backend)
-        check_backend_supports(self.backend, routed_experts_mlp_config.quantization)
+        check_backend_supports(self.backend, routed_experts_mlp_config.quantization,
+                               routed_experts_mlp_config.activation_quantization)
         dtype = to_torch_dtype(dtype)
         self.weight_shards = self._weight_shards(model_parallel, dtype)
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
@@ -304,8 +311,16 @@ class ExpertMLPsV2(nn.Module):
         return shards[0], shards[1]
 
     def _check_quantized_split(self, tp_size: int) -> None:
-        """A quantized format's slices along the intermediate dimension must keep its scale blocks whole."""
+        """A quantized format's slices along the intermediate dimension must keep its scale blocks whole, and FP8
+        activation groups of the intermediate (W8A8) must lie inside one slice."""
         cfg = self.routed_experts_mlp_config
+        spec = activation_quantization_spec(cfg)
+        width = cfg.intermediate_size // tp_size
+        if spec is not None and (spec.group_size is None or width % spec.group_size):
+            raise ValueError(f"ExpertMLPsV2: activation_quantization='fp8' under tensor parallelism needs the "
+                             f"intermediate activations quantized in groups that lie inside one rank's slice of "
+                             f"{width} columns (intermediate_size {cfg.intermediate_size} / TP {tp_size}); got "
+                             f"{spec.describe()} -- set activation_quantization_group_size to a divisor of {width}")
         fmt = get_format(cfg.quantization)
         width = (2 if cfg.glu_mlp else 1) * cfg.intermediate_size
         fmt.check_split(Shape(1, cfg.hidden_size, width), 2, tp_size, 2 if cfg.glu_mlp else 1,
@@ -348,7 +363,8 @@ class ExpertMLPsV2(nn.Module):
             return self.shard_weights(decode=False)
         first = self.mlp_op.first_proj
         return ExpertWeights(first.stored_weight(), self.mlp_op.down_proj.stored_weight(), first.bias,
-                             self.mlp_op.down_proj.bias, self.activation)
+                             self.mlp_op.down_proj.bias, self.activation,
+                             activation_quantization_spec(self.routed_experts_mlp_config))
 
     def shard_weights(self, decode: bool) -> ExpertWeights:
         """This rank's weights for a phase. The down-projection bias is added on the first intermediate slice only:
@@ -365,7 +381,7 @@ class ExpertMLPsV2(nn.Module):
                                          intermediate_size_actual=None if actual == width else actual)
         down_bias = op.down_proj.bias if shard.intermediate_part == 0 else None
         return ExpertWeights(op.first_proj.stored_weight(), op.down_proj.stored_weight(), op.first_proj.bias,
-                             down_bias, activation)
+                             down_bias, activation, activation_quantization_spec(cfg))
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """How each local tensor comes from the single-device checkpoint (see :mod:`nxd_moe.parallel.sharding`)."""

@@ -8,6 +8,7 @@ import torch
 
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.grouped_matmul import grouped_matmul, plan_groups
+from nxd_moe.quantization.activations import ActivationQuantization
 from nxd_moe.quantization.weight import Weight, WeightLayout, dequantized, format_name, weight_tensors
 
 
@@ -21,6 +22,9 @@ class ExpertWeights(NamedTuple):
     :class:`~nxd_moe.quantization.weight.QuantizedWeight` (stored tensors + scales + format). Both answer
     ``.index_select(0, experts)`` (those experts' weights in the compute dtype) and ``.shape`` ``(E, K, N)``;
     :func:`~nxd_moe.quantization.weight.dequantized` gives the whole weight. Biases are never quantized.
+
+    ``activation_quantization``: None (activations in the compute dtype) or the FP8 activation spec (W8A8,
+    :mod:`nxd_moe.quantization.activations`) that both GEMMs' inputs go through.
     """
 
     gate_up_proj: Weight
@@ -28,6 +32,7 @@ class ExpertWeights(NamedTuple):
     gate_up_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     activation: ExpertActivation
+    activation_quantization: ActivationQuantization | None = None
 
     @property
     def num_experts(self) -> int:
@@ -44,8 +49,14 @@ class ExpertWeights(NamedTuple):
         tensors = [*weight_tensors(self.gate_up_proj), *weight_tensors(self.down_proj)]
         tensors += [b for b in (self.gate_up_bias, self.down_bias) if b is not None]
         layout = ExpertWeightsLayout(WeightLayout.of(self.gate_up_proj), WeightLayout.of(self.down_proj),
-                                     self.gate_up_bias is not None, self.down_bias is not None, self.activation)
+                                     self.gate_up_bias is not None, self.down_bias is not None, self.activation,
+                                     self.activation_quantization)
         return tensors, layout
+
+    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a GEMM of these weights sees it: FP8 quantized and dequantized under W8A8, else itself."""
+        spec = self.activation_quantization
+        return x if spec is None else spec.fake_quantize(x)
 
 
 class ExpertWeightsLayout(NamedTuple):
@@ -54,6 +65,7 @@ class ExpertWeightsLayout(NamedTuple):
     has_gate_up_bias: bool
     has_down_bias: bool
     activation: ExpertActivation
+    activation_quantization: ActivationQuantization | None = None
 
     def rebuild(self, tensors) -> ExpertWeights:
         tensors = list(tensors)
@@ -63,16 +75,16 @@ class ExpertWeightsLayout(NamedTuple):
         biases = tensors[split + self.down_proj.num_tensors:]
         gate_up_bias = biases.pop(0) if self.has_gate_up_bias else None
         down_bias = biases.pop(0) if self.has_down_bias else None
-        return ExpertWeights(gate_up, down, gate_up_bias, down_bias, self.activation)
+        return ExpertWeights(gate_up, down, gate_up_bias, down_bias, self.activation, self.activation_quantization)
 
 
 def dense_expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     """Expert e on its own rows: ``x (E, M, H)`` -- or ``(1, M, H)``, every expert on the same rows --
     ``-> (E, M, H)``. Batched matmul against the weights as stored: no copies."""
-    h = torch.matmul(x, dequantized(weights.gate_up_proj))
+    h = torch.matmul(weights.quantized_input(x), dequantized(weights.gate_up_proj))
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias.unsqueeze(1)
-    y = torch.matmul(weights.activation(h), dequantized(weights.down_proj))
+    y = torch.matmul(weights.quantized_input(weights.activation(h)), dequantized(weights.down_proj))
     if weights.down_bias is not None:
         y = y + weights.down_bias.unsqueeze(1)
     return y
@@ -91,10 +103,10 @@ def grouped_expert_mlp(
     a prefix).
     """
     plan = plan_groups(x, (weights.gate_up_proj, weights.down_proj), group_expert, group_active, impl)
-    h = grouped_matmul(x, weights.gate_up_proj, plan)
+    h = grouped_matmul(weights.quantized_input(x), weights.gate_up_proj, plan)
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias.index_select(0, group_expert).unsqueeze(1)
-    y = grouped_matmul(weights.activation(h), weights.down_proj, plan)
+    y = grouped_matmul(weights.quantized_input(weights.activation(h)), weights.down_proj, plan)
     if weights.down_bias is not None:
         y = y + weights.down_bias.index_select(0, group_expert).unsqueeze(1)
     return y

@@ -9,11 +9,13 @@ from nxd_moe.config import check_bool
 from nxd_moe.experts.backends import check_backend_supports
 from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
 from nxd_moe.experts.shared import DenseProjection
-from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format
+from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format, k_fastest
 
 
-def quantize_expert_linear(linear: ExpertLinear, quantization: str | QuantizationFormat) -> ExpertLinear:
-    """A new :class:`ExpertLinear` holding ``linear``'s weights in ``quantization`` (bias shared, unquantized)."""
+def quantize_expert_linear(linear: ExpertLinear, quantization: str | QuantizationFormat,
+                           k_major: bool = False) -> ExpertLinear:
+    """A new :class:`ExpertLinear` holding ``linear``'s weights in ``quantization`` (bias shared, unquantized);
+    ``k_major``: stored contraction-dim fastest (see :class:`ExpertLinear`)."""
     fmt = get_format(quantization)
     if linear.format.quantized:
         raise ValueError(f"quantize: the projection is already stored as {linear.format.name!r}; quantize a bf16 layer")
@@ -23,6 +25,8 @@ def quantize_expert_linear(linear: ExpertLinear, quantization: str | Quantizatio
         # One expert at a time: the float32 working copies stay one expert's size, so a layer that fills most of
         # an accelerator's memory can be quantized where it is.
         weight, scale = fmt.empty(Shape(experts, k, n), linear.weight.device)
+        if k_major:
+            weight = k_fastest(weight)
         for expert in range(experts):
             weight[expert:expert + 1], scale[expert:expert + 1] = fmt.quantize(linear.weight[expert:expert + 1])
         out.weight = nn.Parameter(weight, requires_grad=False)
@@ -45,12 +49,15 @@ def quantize_dense_projection(proj: DenseProjection, quantization: QuantizationF
 
 @torch.no_grad()
 def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *,
-                     shared_experts: bool = False) -> nn.Module:
+                     shared_experts: bool = False, activation_quantization: str = "none",
+                     activation_quantization_group_size: int | None = None) -> nn.Module:
     """Quantize the routed experts of ``layer`` (an ``MoE`` or an ``ExpertMLPsV2``) in place and return it.
 
     The two expert projections change; with ``shared_experts=True`` an ``MoE``'s shared-expert projections are
     quantized to the same format too. Biases, the router and the shared-expert gate keep their dtype. The
     experts' config records the format, so the layer's state dict and ``forward`` follow it.
+    ``activation_quantization="fp8"`` (with ``fp8`` / ``fp8_block`` weights) makes the experts W8A8 (see
+    :class:`~nxd_moe.config.RoutedExpertsMLPOpsConfig`); their FP8 weights are then stored K-major.
     """
     experts = getattr(layer, "expert_mlps", layer)
     if not isinstance(experts, ExpertMLPsV2):
@@ -59,7 +66,11 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
     shared = getattr(layer, "shared_experts", None) if check_bool("shared_experts", shared_experts) else None
     if shared_experts and shared is None:
         raise ValueError("quantize_experts: shared_experts=True, but the layer has no shared experts")
-    check_backend_supports(experts.backend, fmt.name)
+    # The new config first: it checks the activation settings against the format before anything changes.
+    config = experts.routed_experts_mlp_config.replace(
+        quantization=fmt.name, activation_quantization=activation_quantization,
+        activation_quantization_group_size=activation_quantization_group_size)
+    check_backend_supports(experts.backend, fmt.name, config.activation_quantization)
     if experts.is_sharded:
         raise NotImplementedError("quantize_experts: quantizing a model-parallel layer is not supported yet; "
                                   "quantize the single-device layer")
@@ -68,14 +79,15 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
     op = experts.mlp_op
     first = "gate_up_proj" if hasattr(op, "gate_up_proj") else "up_proj"
     # Everything is quantized (and its shape checked) before anything is replaced: a refusal leaves the layer as is.
-    replaced = [(op, name, quantize_expert_linear(getattr(op, name), fmt)) for name in (first, "down_proj")]
+    k_major = config.activation_quantization != "none"
+    replaced = [(op, name, quantize_expert_linear(getattr(op, name), fmt, k_major)) for name in (first, "down_proj")]
     if shared is not None and fmt.quantized:
         names = ["gate_up_proj"] if shared.fused_gate_up_projection else ["gate_proj", "up_proj"]
         replaced += [(shared, name, quantize_dense_projection(getattr(shared, name), fmt))
                      for name in names + ["down_proj"]]
     for module, name, quantized in replaced:
         setattr(module, name, quantized)
-    experts.routed_experts_mlp_config = experts.routed_experts_mlp_config.replace(quantization=fmt.name)
+    experts.routed_experts_mlp_config = config
     return layer
 
 

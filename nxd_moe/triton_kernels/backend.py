@@ -34,6 +34,7 @@ from nxd_moe.triton_kernels.launch_configs import decode_config, launch_config
 from nxd_moe.triton_kernels.local_routing import fused_local_routing
 from nxd_moe.triton_kernels.routing import fused_routing
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
+from nxd_moe.triton_kernels.w8a8 import w8a8_expert_rows, w8a8_launch_config
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -81,6 +82,8 @@ class TritonBackend(ExpertsBackend):
     fuses_addend = True
     # Quantized weights are read as stored and dequantized in registers inside the GEMMs' weight-tile loads.
     supported_formats = frozenset(FORMAT_CODES)
+    # W8A8 (FP8 activations with fp8 / fp8_block weights): FP8 x FP8 tensor-core GEMMs, w8a8.py.
+    supports_activation_quantization = True
 
     def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool = True):
         self.configs = configs
@@ -95,16 +98,19 @@ class TritonBackend(ExpertsBackend):
         if not decode and self.configs is not None:
             return self.configs
         num_experts, hidden, _ = weights.gate_up_proj.shape
-        key = (decode, num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
+        w8a8 = weights.activation_quantization is not None
+        key = (decode, w8a8, num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
                hidden_states.device, hidden_states.dtype, weights.format)
         config = self._configs.get(key)
         if config is None:
-            config = (decode_config if decode else launch_config)(*key[1:])
-            self._configs[key] = config
+            lookup = decode_config if decode else (w8a8_launch_config if w8a8 else launch_config)
+            config = self._configs[key] = lookup(*key[2:])
         return config
 
-    def _one_launch(self, num_tokens: int, top_k: int) -> bool:
-        return self.one_launch and persistent_decode.applies(num_tokens, top_k)
+    def _one_launch(self, num_tokens: int, top_k: int, weights: ExpertWeights | None = None) -> bool:
+        """The one-launch decode applies (W8A8 runs its own FP8 kernels, which it does not have)."""
+        return (self.one_launch and persistent_decode.applies(num_tokens, top_k)
+                and (weights is None or weights.activation_quantization is None))
 
     def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                     selective_loading_threshold):
@@ -146,9 +152,12 @@ class TritonBackend(ExpertsBackend):
         of ``layout.pair_row``'s pairs (default: the routing's top-k)."""
         x = hidden_states.contiguous()
         affinities = routing.affinities.contiguous()
-        activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
-                                       affinities if routing.prescale else None, config["gate_up"])
-        rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
+        if weights.activation_quantization is not None:  # W8A8: FP8 x FP8 GEMMs (w8a8.py)
+            rows = w8a8_expert_rows(x, layout, weights, affinities if routing.prescale else None, config)
+        else:
+            activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
+                                           affinities if routing.prescale else None, config["gate_up"])
+            rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
         pair_expert = routing.expert_index if pair_expert is None else pair_expert
         return combine_rows(rows, layout.pair_row, pair_expert, affinities, routing.prescale, x.dtype, addend)
 
@@ -166,7 +175,7 @@ class TritonBackend(ExpertsBackend):
         problems as the separate kernels with decode-sized tiles."""
         _check_device(hidden_states)
         num_tokens, top_k = routing.expert_index.shape
-        if self._one_launch(num_tokens, top_k):
+        if self._one_launch(num_tokens, top_k, weights):
             return persistent_decode.selective_loading(hidden_states, routing, weights,
                                                        self._config(hidden_states, weights, top_k, decode=True),
                                                        addend)

@@ -353,16 +353,18 @@ def idle_ranks() -> None:
 QUANTIZED_SIZES = {"fp8": (16, 8), "fp8_block": (128, 256), "mxfp4": (64, 64)}
 
 
-def quantized_pair(fmt: str, dispatch: str, sp: bool, shared: str | None, backend: str = "torch"):
-    """The single-device quantized layer (random bf16-free weights quantized once) and its parallel twin loaded
-    from its state dict: every rank holds a slice of the same stored bytes and scales."""
+def quantized_pair(fmt: str, dispatch: str, sp: bool, shared: str | None, backend: str = "torch",
+                   activations: str = "none"):
+    """The single-device quantized layer (random weights quantized once) and its parallel twin loaded from its state
+    dict: every rank holds a slice of the same stored bytes and scales. ``activations="fp8"``: W8A8."""
     from nxd_moe.quantization.quantizer import quantize_experts
 
     hidden, inter = QUANTIZED_SIZES[fmt]
 
     def build(model_parallel, quantization):
         cfg = make_config(num_experts=8, top_k=2, hidden_size=hidden, intermediate_size=inter, bias=True,
-                          normalize_top_k_affinities=True, quantization=quantization)
+                          normalize_top_k_affinities=True, quantization=quantization,
+                          activation_quantization=activations if quantization != "bf16" else "none")
         router = make_router("topk_softmax", 8, 2, hidden, seed=2)
         experts = ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=4), model_parallel=model_parallel,
                                backend=backend, expert_parallel_config=ExpertParallelConfig(dispatch))
@@ -371,15 +373,16 @@ def quantized_pair(fmt: str, dispatch: str, sp: bool, shared: str | None, backen
             model_parallel=model_parallel, quantization=quantization)
         return MoE(router, experts, shared_experts, sequence_parallel_enabled=sp).eval()
 
-    full = quantize_experts(randomize_(build(False, "bf16"), seed=1), fmt, shared_experts=shared is not None)
+    full = quantize_experts(randomize_(build(False, "bf16"), seed=1), fmt, shared_experts=shared is not None,
+                            activation_quantization=activations)
     return full, load_full_state_dict(build(None, fmt), full.state_dict())
 
 
-def quantized(tp: int, ep: int, fmt: str, dispatch: str, sp: bool, shared: str | None, backend: str = "torch"
-              ) -> Callable[[], None]:
+def quantized(tp: int, ep: int, fmt: str, dispatch: str, sp: bool, shared: str | None, backend: str = "torch",
+              activations: str = "none") -> Callable[[], None]:
     def run():
         init(tp, ep)
-        full, par = quantized_pair(fmt, dispatch, sp, shared, backend)
+        full, par = quantized_pair(fmt, dispatch, sp, shared, backend, activations)
         assert par.expert_mlps.mlp_op.down_proj.format.name == fmt
         assert check_moe(full, par, 2, 8, seed=15).mode.value == "blockwise"
         assert check_moe(full, par, 4, 1, seed=16).mode.value in ("selective_loading", "all_experts")
@@ -418,11 +421,15 @@ def quantized_checkpoint(kind: str, tp: int, ep: int) -> Callable[[], None]:
 
 
 def quantized_split_refused() -> None:
-    """A TP size whose slices would cut a scale block fails on every rank, naming the sizes."""
+    """A TP size whose slices would cut a scale block fails on every rank, naming the sizes; so do W8A8 activation
+    groups of the intermediate that a slice would cut (per token: the whole row)."""
     init(dist.get_world_size(), 1)
     expect_error(ValueError, "format 'fp8_block' cannot split its out (N) dimension of 256",
                  call=lambda: ExpertMLPsV2(make_config(num_experts=4, hidden_size=128, intermediate_size=128,
                                                        quantization="fp8_block")))
+    expect_error(ValueError, "activation_quantization='fp8' under tensor parallelism", "fp8, per token",
+                 call=lambda: ExpertMLPsV2(make_config(num_experts=4, hidden_size=16, intermediate_size=8,
+                                                       quantization="fp8", activation_quantization="fp8")))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -619,6 +626,10 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
                ("fp8", "tp2_nosp", 2, 1, "all_to_all_v", False, "sp"))},
         # The other backends compute the local shard's stored bytes too (the triton kernels in the interpreter).
         "quantized/fp8/ep2/nki_sim": quantized(1, 2, "fp8", "all_to_all_v", False, None, "nki_sim"),
+        # W8A8: FP8 activations too (the torch backend as everywhere's reference).
+        "quantized/w8a8_fp8_block/tp2/all_gather": quantized(2, 1, "fp8_block", "all_gather", False, None,
+                                                             activations="fp8"),
+        "quantized/w8a8_fp8/ep2/all_to_all_v": quantized(1, 2, "fp8", "all_to_all_v", True, None, activations="fp8"),
         **({"quantized/mxfp4/tp2/triton": quantized(2, 1, "mxfp4", "all_gather", False, "tp", "triton")}
            if importlib.util.find_spec("triton") else {}),
         "quantized/hf/gpt_oss_mxfp4/tp2": quantized_checkpoint("gpt_oss_mxfp4", 2, 1),
