@@ -182,6 +182,11 @@ def _static_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
 
 def _exact_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
     """Dispatch, compute and combine with counts exchanged first (step 3, ``exact``; one host sync)."""
+    if owned.rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Refuse before the host read: a capture that CUDA invalidates leaves torch's CUDA generator in capture
+        # state, and every later random op on the device then fails.
+        raise RuntimeError("all_to_all_splits='exact' reads the split sizes on the host and cannot be captured "
+                           "in a CUDA graph; use ExpertParallelConfig(all_to_all_splits='static')")
     groups, shard, ledger = inputs.groups, inputs.shard, inputs.ledger
     rows, experts, owner = owned.rows, owned.experts, owned.owner
     block, me = groups.block_group, groups.block_rank

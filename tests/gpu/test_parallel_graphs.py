@@ -111,8 +111,9 @@ def test_one_rank_exact_all_to_all_is_not_capturable(one_rank_world):
     x = torch.randn(4, 1, par.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         par(x)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="all_to_all_splits='exact'.*cannot be captured"):
         capture(lambda x: par(x)[0], x)
+    torch.randn(4, device="cuda")  # the refused capture ended cleanly: the CUDA generator still works
 
 
 @needs_cuda
