@@ -18,16 +18,30 @@ Both GEMMs are *persistent*: one program per multiprocessor (``NUM_PROGRAMS``), 
 the grid size -- no host sync, one launch shape for every routing (one CUDA graph serves them all), and programs
 with nothing left exit. Items are numbered in the grouped order of
 :func:`~nxd_moe.triton_kernels.grouped_gemm._grouped_order`, so the programs running at any time share the
-weight slices of a few experts through L2. The K loop is software-pipelined ``num_stages`` deep; the item loop is
-either flattened with it (``FLATTEN``: the next item's first loads are issued during this item's epilogue) or
-warp-specialised (``WARP_SPECIALIZE``: ``tl.range(..., warp_specialize=True)``; on Hopper Triton 3.6 splits the
-loop into a TMA producer warp and MMA consumer warp groups; it cannot be combined with flattening there).
+weight slices of a few experts through L2. The K loop is software-pipelined ``num_stages`` deep (TMA loads with
+mbarriers, asynchronous ``wgmma``); the item loop is either flattened with it (``FLATTEN``: Triton fuses the two
+loops so the next item's first loads are issued during this item's epilogue), or left as an outer loop (each item
+then pipelines like the tile-per-program kernel, without a launch per tile).
+
+What Triton 3.6 does with these kernels on sm_90 (offline compiles and an H100):
+
+- TMA descriptors (host ``TensorDescriptor``) for 3-D weights, the permuted rows, the activated rows and the
+  outputs (``OUT_TMA``: the epilogue stores a box, clipped at the tensor's edge): all compile and run; Triton's
+  interpreter emulates them, so CI runs these kernels on CPU tensors too.
+- ``tl.range(..., warp_specialize=True)``: the Hopper warp-specialisation pass applies only with ``num_warps=4``
+  (it then runs 12 warps: one TMA producer group, two MMA consumer groups), TMA-loaded A tiles (not the gathered
+  ones) and no TMA store; with 8 warps it is silently not applied. The kernels it produced compiled but never
+  finished on an H100 (both GEMMs, every shape tried), so ``WARP_SPECIALIZE`` is refused on sm_90 with Triton
+  older than 3.7.
+- Flattened loops keep two 128x128 fp32 accumulators and the next item's addresses live: gate/up compiles to 255
+  registers with spills (169 with the output by TMA).
+
+Which GEMM runs persistent is :func:`default_prefill_config`'s rule; measured times: docs/gpu.md ("Prefill
+GEMMs") and ``benchmarks/notes/issue19_gpu_prefill.md``.
 
 Padding rows of a tile (an expert's last, partial tile) are computed from zero (or, unpermuted, masked) A rows
 and never read by the combine; the activated rows of padding are written only where the output goes by TMA.
 Results are deterministic: every output element is written once, sums run in a fixed order.
-
-Measured on an H100 (``benchmarks/notes/issue19_gpu_prefill.md``; docs/gpu.md, "Prefill").
 """
 
 from __future__ import annotations
@@ -194,10 +208,11 @@ def _tma_ready(tensor: torch.Tensor) -> bool:
 
 
 def applies(hidden_states: torch.Tensor, weights: ExpertWeights, block_m: int) -> bool:
-    """Whether the persistent TMA path can run this layer: a CUDA device with TMA (sm_90+), not Triton's
-    interpreter (which has no TMA), 16-bit activations (fp32 layers keep IEEE fp32 products, which the tensor-core
-    path does not have), unquantized 16-bit weights of the same dtype, prefill tiles (``block_m`` >= 64: the
-    smallest Hopper MMA), and 16-byte-aligned rows for the descriptors."""
+    """Whether the prefill path can run this layer: a CUDA device with TMA (sm_90+), not Triton's interpreter
+    (there the backend keeps the tile-per-program kernels; tests call these kernels directly), 16-bit activations
+    (fp32 layers keep IEEE fp32 products, which the tensor-core path does not have), unquantized 16-bit weights of
+    the same dtype, prefill tiles (``block_m`` >= 64: the smallest Hopper MMA), and 16-byte-aligned rows for the
+    descriptors."""
     if (hidden_states.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             or _capability(hidden_states.device)[0] < 9 or block_m < 64):
         return False
@@ -217,11 +232,14 @@ def default_prefill_config(block_m: int, inter: int) -> dict:
     """The rule for the prefill path: per GEMM either ``{"persistent": False}`` (the tile-per-program kernel of
     ``grouped_gemm.py`` with the layer's launch configuration) or a persistent launch configuration.
 
-    Measured on an H100 (benchmarks/notes/issue19_gpu_prefill.md, ``benchmarks/gpu_prefill.py``): the persistent
-    down projection wins where its K loop is short and the epilogue of one tile overlapping the loads of the next
-    matters (Qwen3-30B-A3B, ``I`` = 768: 240 us against 260); with long K loops (GPT-OSS ``I`` = 2880, Mixtral
-    14336) and for gate/up on every shape tried the tile-per-program kernels were 10-35% faster (the flattened
-    persistent loop carries two 128x128 fp32 accumulators plus the next tile's addresses: 255 registers, spills)."""
+    Measured on H100s (``benchmarks/gpu_prefill.py``, two runs on two machines; benchmarks/notes/
+    issue19_gpu_prefill.md): the persistent down projection won where its K loop is short and one tile's epilogue
+    overlapping the next tile's loads matters (Qwen3-30B-A3B, ``I`` = 768: 240 us against 260-268, both runs); with
+    long K loops (GPT-OSS ``I`` = 2880, Mixtral 14336) it was within 2% in one run and 14-20% slower in the other,
+    so those keep the tile-per-program kernel. Flattened persistent gate/up was 28-40% slower on every shape (two
+    accumulators plus the next tile's addresses: 255 registers, spills); not flattened it was within 4% of the
+    tile-per-program kernel (one run).
+    """
     warps = 8 if block_m == 128 else 4
     persistent = {"persistent": True, "BLOCK_K": 64, "num_warps": warps, "num_stages": 4, "OUT_TMA": False,
                   "WARP_SPECIALIZE": False, "FLATTEN": True, "GROUP_M": 8, "programs_per_sm": 1}
