@@ -95,6 +95,14 @@ def permute_rows(hidden_states: torch.Tensor, layout: TileLayout) -> torch.Tenso
 
 
 @triton.jit
+def _item_origin(item, num_tiles, num_n, tile_expert_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """Work item -> ``(expert, first row, first column)`` of its tile and column slice, in grouped order."""
+    tile, column = _grouped_order(item, num_tiles, num_n, GROUP_M)
+    return tl.load(tile_expert_ptr + tile), tile * BLOCK_M, column * BLOCK_N
+
+
+@triton.jit
 def _gate_up_persistent_kernel(
     x_ptr, x_desc, w_desc, bias_ptr, affinity_ptr, out_ptr, out_desc,
     row_token_ptr, tile_expert_ptr, num_tiles_ptr,
@@ -113,10 +121,8 @@ def _gate_up_persistent_kernel(
     k_steps = tl.cdiv(hidden, BLOCK_K)
     for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
-        tile, column = _grouped_order(item, num_tiles, num_n, GROUP_M)
-        expert = tl.load(tile_expert_ptr + tile)
-        first_row = tile * BLOCK_M
-        first_col = column * BLOCK_N
+        expert, first_row, first_col = _item_origin(item, num_tiles, num_n, tile_expert_ptr, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)
         rows = first_row + tl.arange(0, BLOCK_M)
         token = tl.load(row_token_ptr + rows)
         row_ok = token >= 0
@@ -166,10 +172,8 @@ def _down_persistent_kernel(
     k_steps = tl.cdiv(inter, BLOCK_K)
     for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
-        tile, column = _grouped_order(item, num_tiles, num_n, GROUP_M)
-        expert = tl.load(tile_expert_ptr + tile)
-        first_row = tile * BLOCK_M
-        first_col = column * BLOCK_N
+        expert, first_row, first_col = _item_origin(item, num_tiles, num_n, tile_expert_ptr, BLOCK_M, BLOCK_N,
+                                                    GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(k_steps):
             k0 = k * BLOCK_K
