@@ -27,7 +27,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
-from nxd_moe.triton_kernels import persistent_decode
+from nxd_moe.triton_kernels import persistent_decode, prefill_gemm
 from nxd_moe.triton_kernels.combine import combine_rows
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, FORMAT_CODES, down_projection, gate_up_projection
 from nxd_moe.triton_kernels.launch_configs import decode_config, launch_config
@@ -85,10 +85,12 @@ class TritonBackend(ExpertsBackend):
     # W8A8 (FP8 activations with fp8 / fp8_block weights): FP8 x FP8 tensor-core GEMMs, w8a8.py.
     supports_activation_quantization = True
 
-    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool = True):
+    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool = True,
+                 persistent_prefill: bool = True):
         self.configs = configs
         self.decode_configs = decode_configs
         self.one_launch = one_launch
+        self.persistent_prefill = persistent_prefill
         # Launch configurations by static shape: looked up once, not on every forward.
         self._configs: dict[tuple, dict] = {}
 
@@ -154,6 +156,12 @@ class TritonBackend(ExpertsBackend):
         affinities = routing.affinities.contiguous()
         if weights.activation_quantization is not None:  # W8A8: FP8 x FP8 GEMMs (w8a8.py)
             rows = w8a8_expert_rows(x, layout, weights, affinities if routing.prescale else None, config)
+        elif self.persistent_prefill and prefill_gemm.applies(x, weights, layout.block_m):
+            # Prefill tiles of 16-bit weights on Hopper+: persistent TMA GEMMs (prefill_gemm.py).
+            prefill = config.get("prefill") or prefill_gemm.default_prefill_config(layout.block_m,
+                                                                                  weights.down_proj.shape[1])
+            rows = prefill_gemm.expert_rows(x, layout, weights, affinities if routing.prescale else None, prefill,
+                                            config)
         else:
             activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
                                            affinities if routing.prescale else None, config["gate_up"])
@@ -240,6 +248,7 @@ class TritonBackend(ExpertsBackend):
         options = {"configs": self.configs, "decode_configs": self.decode_configs}
         shown = [f"{name}={value!r}" for name, value in options.items() if value is not None]
         shown += [] if self.one_launch else ["one_launch=False"]
+        shown += [] if self.persistent_prefill else ["persistent_prefill=False"]
         return f"TritonBackend({', '.join(shown)})"
 
 

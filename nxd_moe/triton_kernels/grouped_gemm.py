@@ -62,7 +62,12 @@ def _tile_and_column(pid, num_tiles_ptr, num_n, GROUP_M: tl.constexpr):
     """Program -> (tile, column slice), ``GROUP_M`` tiles at a time: the group's gathered rows and each column
     slice of the weights are read from HBM once and reused from L2 by the whole group (tile-major order would
     re-read an expert's weights once per tile). ``tile = -1``: past the device-side tile count, nothing to do."""
-    num_tiles = tl.load(num_tiles_ptr)
+    return _grouped_order(pid, tl.load(num_tiles_ptr), num_n, GROUP_M)
+
+
+@triton.jit
+def _grouped_order(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
+    """:func:`_tile_and_column` for a tile count already loaded (work item ``pid`` of a persistent program)."""
     per_group = GROUP_M * num_n
     first = (pid // per_group) * GROUP_M
     group_size = tl.minimum(num_tiles - first, GROUP_M)
@@ -262,6 +267,25 @@ def _gate_up_tile(
                 acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
+    out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
+                            inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
+                            up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
+                            UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS)
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gate_up_epilogue(
+    acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter, inter_actual, num_experts,
+    stride_be, scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
+    ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
+    GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr,
+):
+    """The activated fp32 tile from the gate (and up) accumulators of rows ``token (M,)`` (``row_ok``: real rows)
+    and columns ``cols (N,)`` of ``expert``: affinity pre-scaling, bias, clamps, GLU / SwiGLU, padded columns
+    zeroed (see :func:`gate_up_projection`)."""
     if PRESCALE:
         scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
@@ -282,8 +306,7 @@ def _gate_up_tile(
         out = _activation(acc, ACT)
     if MASK_PADDED_COLUMNS:
         out = tl.where((cols < inter_actual)[None, :], out, 0.0)
-    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    return out
 
 
 @triton.jit

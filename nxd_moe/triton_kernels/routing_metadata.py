@@ -28,7 +28,10 @@ import triton.language as tl
 
 from nxd_moe.experts.token_mapping import BlockMapping
 
-PAIR_CHUNK = 4096
+# Pairs one program scans. 4096 compiled to 255 registers with spills on sm_90 (a 4096-wide int64 scan on 4
+# warps); 1024 to 77 and no spills, with four times the programs to hide the latency (H100 times of both:
+# benchmarks/gpu_prefill.py --layout-chunks).
+PAIR_CHUNK = 1024
 # Up to this many (expert, pair) comparisons, the layout kernel counts by itself (one launch instead of two).
 COUNT_HERE_ELEMENTS = 32768
 
