@@ -41,6 +41,7 @@ from nxd_moe.config import (
     to_torch_dtype,
 )
 from nxd_moe.experts.backends import BACKENDS, get_backend
+from nxd_moe.graphs import GraphedStep, capture
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec
@@ -114,24 +115,13 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return to_torch_dtype(name, "--dtype")
 
 
-def _graphed_ms(fn, repeats: int) -> float:
-    """Median time (ms, CUDA events) of one replay of ``fn`` captured in a CUDA graph after a warm-up on a side
-    stream (Triton compiles and caches fill outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
+def _graphed_ms(step: GraphedStep, repeats: int) -> float:
+    """Median time (ms, CUDA events) of one replay of a captured step."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(max(repeats, GRAPH_REPLAYS)):
         start.record()
-        graph.replay()
+        step.graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -187,7 +177,7 @@ def _step(moe, x: torch.Tensor, repeats: int, unquantized=None) -> dict:
         graph = {}
         if x.device.type == "cuda":
             try:
-                graph["graph_ms"] = _graphed_ms(lambda: moe(x), repeats)
+                graph["graph_ms"] = _graphed_ms(capture(moe, x), repeats)
             except Exception as error:  # a backend that syncs with the host cannot be captured: say so
                 graph["graph_error"] = f"{type(error).__name__}: {error}"[:300]
         reference = reference_for_moe(moe, x, capacity=stats.capacity)  # float64, on the CPU

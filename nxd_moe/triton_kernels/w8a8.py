@@ -40,7 +40,7 @@ import triton.language as tl
 from nxd_moe.config import GLUType
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.quantization.activations import INV_FP8_MAX
-from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _activation, _capability, _clamp, _tile_and_column
+from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _capability, _gate_up_epilogue, _tile_and_column
 from nxd_moe.triton_kernels.launch_configs import _multiprocessors, default_config, device_name, shape_key, tuned_table
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
 
@@ -232,26 +232,10 @@ def _w8a8_gate_up_kernel(
         acc = acc * tl.load(ws_base + cols * stride_sn, mask=col_ok, other=1.0)[None, :]
         if GLU:
             acc_up = acc_up * tl.load(ws_base + (cols + inter) * stride_sn, mask=col_ok, other=1.0)[None, :]
-    if PRESCALE:
-        scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
-        acc = acc * scale[:, None]
-        acc_up = acc_up * scale[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            acc_up += tl.load(bias_ptr + expert * stride_be + inter + cols, mask=col_ok,
-                              other=0.0).to(tl.float32)[None, :]
-    if GLU:
-        gate = _clamp(acc, gate_lower, gate_upper, GATE_LOWER, GATE_UPPER)
-        up = _clamp(acc_up, up_lower, up_upper, UP_LOWER, UP_UPPER)
-        out = _activation(gate * scaling, ACT)
-        if SWIGLU:
-            out = gate * out
-        out = out * (up + act_bias)
-    else:
-        out = _activation(acc, ACT)
-    if MASK_PADDED_COLUMNS:
-        out = tl.where((cols < inter_actual)[None, :], out, 0.0)
+    out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
+                            inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper, up_lower,
+                            up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER,
+                            UP_UPPER, MASK_PADDED_COLUMNS)
     store = row_ok[:, None] & col_ok[None, :]
     if OUT_GROUP == 0:
         tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=store)
