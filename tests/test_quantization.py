@@ -65,6 +65,17 @@ def test_round_trip_within_the_format_bound(name):
     print(f"{name}: round-trip max |err| {err.max():.3e}, mean |err| / mean |w| {err.mean() / w.abs().mean():.3e}")
 
 
+@pytest.mark.parametrize("k_major", [False, True])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantizing_one_expert_at_a_time_stores_the_same_bytes(name, k_major):
+    fmt = get_format(name)
+    w = weights()
+    data, scale = fmt.quantize_by_expert(w, k_major)
+    whole, whole_scale = fmt.quantize(w)
+    assert torch.equal(data.view(torch.uint8), whole.view(torch.uint8)) and torch.equal(scale, whole_scale)
+    assert data.stride() == (k_fastest(whole) if k_major else whole).stride()
+
+
 def test_mxfp4_rounds_to_nearest_even_and_packs_low_nibble_first():
     # Block max 6 -> scale 2**0. Ties: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4.
     values = torch.tensor([6.0, -0.25, 0.75, 1.25, 1.75, 2.5, 3.5, -5.0, 0.4, -1.1] + [0.0] * 22)

@@ -76,8 +76,12 @@ class ExpertLinear(FiniteWeightsOnLoad, nn.Module):
         if not self.format.quantized:
             self.weight = nn.Parameter(weight)
             return
-        stored = self.format.empty(shape, device) if weight.is_meta else self.format.quantize(weight)
-        self.weight = nn.Parameter(k_fastest(stored[0]) if k_major else stored[0], requires_grad=False)
+        if weight.is_meta:
+            stored = self.format.empty(shape, device)
+            stored = (k_fastest(stored[0]) if k_major else stored[0], stored[1])
+        else:
+            stored = self.format.quantize_by_expert(weight, k_major)
+        self.weight = nn.Parameter(stored[0], requires_grad=False)
         self.scale = nn.Parameter(stored[1], requires_grad=False)
         self.register_load_state_dict_pre_hook(ExpertLinear._check_quantized)
 

@@ -134,6 +134,17 @@ class QuantizationFormat:
         """Storage of any number of experts -> ``(E', K, N)`` in ``dtype``."""
         raise NotImplementedError
 
+    def quantize_by_expert(self, weight: torch.Tensor, k_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`quantize` one expert at a time: the float32 working copies stay one expert's size, so a layer
+        that fills most of an accelerator's memory (DeepSeek-V3's on one GPU) is quantized where it is.
+        ``k_major``: the weight stored contraction-dim fastest (see :func:`k_fastest`)."""
+        stored, scale = self.empty(Shape(*weight.shape), weight.device)
+        if k_major:
+            stored = k_fastest(stored)
+        for expert in range(weight.shape[0]):
+            stored[expert:expert + 1], scale[expert:expert + 1] = self.quantize(weight[expert:expert + 1])
+        return stored, scale
+
     def __repr__(self) -> str:
         return f"QuantizationFormat({self.name!r})"
 

@@ -9,7 +9,7 @@ from nxd_moe.config import check_bool
 from nxd_moe.experts.backends import check_backend_supports
 from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
 from nxd_moe.experts.shared import DenseProjection
-from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format, k_fastest
+from nxd_moe.quantization.formats import QuantizationFormat, get_format
 
 
 def quantize_expert_linear(linear: ExpertLinear, quantization: str | QuantizationFormat,
@@ -22,13 +22,7 @@ def quantize_expert_linear(linear: ExpertLinear, quantization: str | Quantizatio
     experts, k, n = linear.weight.shape
     out = ExpertLinear(experts, k, n, False, linear.dtype, "meta", quantization=fmt)
     if fmt.quantized:
-        # One expert at a time: the float32 working copies stay one expert's size, so a layer that fills most of
-        # an accelerator's memory can be quantized where it is.
-        weight, scale = fmt.empty(Shape(experts, k, n), linear.weight.device)
-        if k_major:
-            weight = k_fastest(weight)
-        for expert in range(experts):
-            weight[expert:expert + 1], scale[expert:expert + 1] = fmt.quantize(linear.weight[expert:expert + 1])
+        weight, scale = fmt.quantize_by_expert(linear.weight, k_major)
         out.weight = nn.Parameter(weight, requires_grad=False)
         out.scale = nn.Parameter(scale, requires_grad=False)
     else:
