@@ -291,10 +291,16 @@ def _is_identity(t: NkiTensor) -> bool:
 
 
 def nc_transpose(dst, data, engine=None, name=None) -> None:
-    """``dst (F, P) = data (P, F).T``: on the Tensor Engine (default; P, F <= 128, dst in PSUM) or the Vector Engine
-    (``engine=nisa.vector_engine``: P, F <= 32, SBUF or PSUM)."""
+    """``dst (F, P) = data (P, F).T``: on the Tensor Engine (P, F <= 128, data in SBUF, dst in PSUM) or the Vector
+    Engine (P, F <= 32, SBUF or PSUM either side).
+
+    Without ``engine`` the compiler picks one, as NKI documents: only the Vector Engine can write SBUF or read PSUM,
+    so a transpose into SBUF (or out of PSUM) runs there; otherwise the Tensor Engine does it.
+    """
     op = "nc_transpose"
-    on = _engine(engine, "tensor", ("tensor", "vector"), op)
+    vector_only = isinstance(dst, NkiTensor) and dst.buffer is Buffer.SBUF or \
+        isinstance(data, NkiTensor) and data.buffer is Buffer.PSUM
+    on = _engine(engine, "vector" if vector_only else "tensor", ("tensor", "vector"), op)
     limit = GEMM_STATIONARY_FMAX if on == "tensor" else 32
     dst = _tile(dst, "dst", op, (Buffer.PSUM,) if on == "tensor" else (Buffer.SBUF, Buffer.PSUM))
     data = _tile(data, "data", op, (Buffer.SBUF,) if on == "tensor" else (Buffer.SBUF, Buffer.PSUM))
