@@ -133,7 +133,7 @@ class NkiTensor:
     the view methods refuse to move or merge it.
     """
 
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "data", "written")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "data", "written", "outside")
 
     def __init__(self, alloc: Allocation, shape, strides, offset: int = 0, dtype=None):
         self.alloc = alloc
@@ -145,10 +145,14 @@ class NkiTensor:
             raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {self.shape} selects an empty region")
         lo, hi = self._extent()
         limit = alloc.size * alloc.dtype.itemsize // self.dtype.itemsize
+        # A view reaching outside its tensor is legal until an instruction accesses it, as on hardware: kernels build
+        # such patterns only for their shape (nki-library: ``nl.ndarray(t.ap(...).shape, ...)``).
+        self.outside = None
         if lo < 0 or hi >= limit:
-            raise HardwareLimitError(f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside "
-                                     "tensor "
-                                     f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
+            self.outside = (f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside tensor "
+                            f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
+            self.data = self.written = None
+            return
         self.data = self._strided(alloc.data, alloc.has_data)
         self.written = None if alloc.matmul_written is None else self._strided(alloc.matmul_written, True)
 
@@ -770,8 +774,11 @@ def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
 
 
 def check_alive(*tensors) -> None:
-    """Every instruction passes its tensors here: a freed tensor raises; with liveness, the use is recorded."""
+    """Every instruction passes its tensors here: a freed tensor, or a view reaching outside its tensor, raises; with
+    liveness, the use is recorded."""
     for t in tensors:
+        if isinstance(t, NkiTensor) and t.outside is not None:
+            raise HardwareLimitError(t.outside)
         if isinstance(t, NkiTensor) and t.alloc.born is not None:
             t.alloc.last_use = current_core().tick()
         if isinstance(t, NkiTensor) and not t.alloc.alive:

@@ -67,3 +67,27 @@ def test_transpose_into_sbuf_larger_than_32_is_rejected(k):
 
     with pytest.raises(HardwareLimitError, match="vector engine transpose limit 32 x 32"):
         compat.run(body, x)
+
+
+# ------------------------------------------------------------------------------------------------ access patterns
+
+
+def test_access_pattern_outside_its_tensor_is_checked_when_accessed_not_when_built(k):
+    """nki-library's shard-on-block sizes an SBUF tensor by ``block_to_expert.ap([[4, 128], [2, 2]], offset).shape``
+    -- a pattern reaching past the tensor that no instruction ever reads. Building it is legal; reading it is not."""
+    nl, nisa = k
+    block_to_expert = np.arange(6, dtype=np.int32).reshape(6, 1)
+
+    def read_outside(b2e):
+        t = nl.ndarray((128, 2), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=b2e.ap(pattern=[[4, 128], [2, 2]], offset=1))
+
+    with pytest.raises(HardwareLimitError, match=r"\[\[4, 128\], \[2, 2\]\] \+ offset 1 reaches outside tensor"):
+        compat.run(read_outside, block_to_expert)
+
+    def in_bounds(b2e):
+        t = nl.ndarray(b2e.ap(pattern=[[4, 128], [2, 2]], offset=0).shape, nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[0:2, 0:2], src=b2e.ap(pattern=[[3, 2], [2, 2]], offset=0))  # 0, 2 / 3, 5
+        return _store(nl, nisa, t[0:2, 0:2])
+
+    np.testing.assert_array_equal(compat.run(in_bounds, block_to_expert).outputs, [[0, 2], [3, 5]])
