@@ -35,6 +35,7 @@ from nxd_moe.nki_kernels.machine import (
     VirtualRegister,
     check_alive,
     current_core,
+    instruction,
     is_integer,
     scalar_value,
 )
@@ -118,7 +119,7 @@ def get_nc_sub_version() -> int:
 def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM)) -> NkiTensor:
     if not isinstance(t, NkiTensor):
         raise TypeError(f"{op}: {role} must be an on-chip tensor, got {type(t).__name__}")
-    check_alive(t)
+    check_alive(t, write=role in ("dst", "reduce_res"))
     if t.buffer not in buffers:
         allowed = " or ".join(b.value for b in buffers)
         raise HardwareLimitError(f"{op}: {role} {t.name!r} is in {t.buffer.value}; it must be in {allowed}")
@@ -204,6 +205,7 @@ def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str
     return name
 
 
+@instruction
 def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None, tile_position=(), tile_size=(),
               perf_mode=None, name=None) -> None:
@@ -264,6 +266,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
         raise HardwareLimitError(f"{op}: accumulate=True onto PSUM tile {dst.name!r} that no nc_matmul initialised "
                                  "(undefined behaviour on hardware)")
     core = current_core()
+    if accumulate is not False and not is_transpose and dst.written.any():
+        check_alive(dst)  # it adds to what the bank holds: a read of it
     if _computes(dst, stationary, moving):
         if is_transpose and _is_identity(moving):
             product = stationary.data.reshape(k, m).T[:, :n]  # bit-accurate: NaN and Inf pass through
@@ -290,6 +294,7 @@ def _is_identity(t: NkiTensor) -> bool:
                                                                  np.eye(*values.shape, dtype=np.float32))
 
 
+@instruction
 def nc_transpose(dst, data, engine=None, name=None) -> None:
     """``dst (F, P) = data (P, F).T``: on the Tensor Engine (P, F <= 128, data in SBUF, dst in PSUM) or the Vector
     Engine (P, F <= 32, SBUF or PSUM either side).
@@ -366,6 +371,7 @@ def _accumulate(core, name: str, engine_name: str, partials: np.ndarray, reduce_
             _store(res, value.reshape(p, 1))
 
 
+@instruction
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                name=None) -> None:
     """``dst = op(data * scale + bias)`` on the Scalar Engine; ``bias``/``scale`` are numbers or ``(P, 1)`` tiles.
@@ -392,12 +398,14 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _account("scalar", label, data, dst)
 
 
+@instruction
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None) -> None:
     """``activation`` plus a free-dim reduction of its result into ``reduce_res`` ``(P, 1)``."""
     activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
                reduce_cmd=reduce_cmd.reset_reduce)
 
 
+@instruction
 def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
     """``dst = data1 <op> data2`` elementwise on the Vector Engine (or GpSimd)."""
     label = "tensor_tensor"
@@ -424,6 +432,7 @@ def _ints(value):
     return np.int64(value)
 
 
+@instruction
 def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, operand1=None,
                   reverse1: bool = False, engine=None, name=None) -> None:
     """``dst = (data <op0> operand0) <op1> operand1`` with per-partition or constant operands (``reverse`` swaps
@@ -449,6 +458,7 @@ def _scalar_steps(data, op0, operand0, reverse0, op1=None, operand1=None, revers
     return x
 
 
+@instruction
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0: bool = False, reverse1: bool = False,
                          name=None) -> None:
     """``dst = (data <op0> operand0) <op1> operand1``: a per-partition scalar step, then an elementwise one with the
@@ -466,6 +476,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0: bool
     _account("vector", label, data, operand1, dst)
 
 
+@instruction
 def tensor_reduce(dst, op, data, axis, negate: bool = False, keepdims: bool = False, name=None) -> None:
     """Reduce ``data`` over free axes (never the partition axis) with ``nl.add`` / ``nl.multiply`` /
     ``nl.maximum`` / ``nl.minimum``; ``negate`` negates the result."""
@@ -489,6 +500,7 @@ def tensor_reduce(dst, op, data, axis, negate: bool = False, keepdims: bool = Fa
     _account("vector", label, data, dst)
 
 
+@instruction
 def tensor_copy(dst, src, engine=None, name=None) -> None:
     """Copy on an engine, converting to ``dst``'s dtype (how PSUM is evacuated to SBUF); bit-exact when the dtypes
     match. GpSimd cannot reach PSUM."""
@@ -503,6 +515,7 @@ def tensor_copy(dst, src, engine=None, name=None) -> None:
     _account(on, label, src, dst)
 
 
+@instruction
 def dequantize(dst, data, scale, weight_format) -> None:
     """``dst (P, C)`` = the weight tile stored as ``data`` with block scales ``scale`` in ``weight_format`` (a
     :class:`~nxd_moe.quantization.formats.QuantizationFormat`), converted on chip before the matmul.
@@ -530,6 +543,7 @@ def dequantize(dst, data, scale, weight_format) -> None:
     _account("vector", name, dst, data)
 
 
+@instruction
 def memset(dst, value, engine=None, name=None) -> None:
     """Fill ``dst`` with a constant on the Vector Engine (or GpSimd)."""
     label = "memset"
@@ -554,14 +568,17 @@ def _check_alu(name: str, op) -> None:
 # registers
 
 
+@instruction(fence=True)
 def register_alloc(x: int | None = None) -> VirtualRegister:
     return VirtualRegister(current_core(), 0 if x is None else int(x))
 
 
+@instruction(fence=True)
 def register_move(dst: VirtualRegister, src) -> None:
     dst.value = src.value if isinstance(src, VirtualRegister) else int(src)
 
 
+@instruction(fence=True)
 def register_load(dst: VirtualRegister, src) -> None:
     """Load a one-element integer tensor (SBUF or HBM) into a register: how device values steer loops."""
     if not isinstance(dst, VirtualRegister):
@@ -570,13 +587,14 @@ def register_load(dst: VirtualRegister, src) -> None:
     dst.value = scalar_value(src)
 
 
+@instruction(fence=True)
 def register_store(dst, src) -> None:
     """Write a register's value into a one-element integer tensor."""
     if not isinstance(src, VirtualRegister):
         raise TypeError(f"register_store: src must be a VirtualRegister, got {type(src).__name__}")
     if not isinstance(dst, NkiTensor) or not is_integer(dst.dtype) or dst.size != 1:
         raise TypeError(f"register_store: dst must be a one-element integer tensor, got {dst!r}")
-    check_alive(dst)
+    check_alive(dst, write=True)
     dst.data[...] = src.value
 
 
@@ -584,6 +602,7 @@ def register_store(dst, src) -> None:
 # DMA
 
 
+@instruction
 def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=dge_mode.unknown, engine=None,
              name=None) -> None:
     """Copy ``src`` to ``dst`` through the DMA queues (HBM <-> SBUF, HBM -> HBM, SBUF -> SBUF).
@@ -650,6 +669,7 @@ def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=d
         skipped_transfers=int(moved == 0)))
 
 
+@instruction
 def dma_compute(dst, srcs, reduce_op=nl.add, scales=None, unique_indices: bool = True, oob_mode: str = oob_mode.error,
                 name=None) -> None:
     """``dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...)`` elementwise inside the DMA engines, in fp32
@@ -690,9 +710,10 @@ def _check_dma_side(side, role: str, op: str) -> None:
         raise HardwareLimitError(f"{op}: {role} {side.name!r} is in PSUM, which DMA cannot reach; evacuate it to SBUF "
                                  "with tensor_copy first")
     if isinstance(side, AccessPattern):
-        check_alive(side.tensor, side.vector_offset, side.scalar_offset)
+        check_alive(side.tensor, write=role == "dst")
+        check_alive(side.vector_offset, side.scalar_offset)
     else:
-        check_alive(side)
+        check_alive(side, write=role == "dst")
 
 
 def _convert(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -738,6 +759,7 @@ def _dma_write(side, base, valid, values: np.ndarray) -> None:
 # LNC2: the two cores of a logical NeuronCore
 
 
+@instruction(fence=True)
 def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     """Wait until both cores of the logical core reach this point (both must have finished writing ``data``, a
     shared HBM tensor). A no-op when the kernel runs on one core."""
@@ -755,6 +777,7 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     core.launch.barrier.wait(core.program_id)
 
 
+@instruction(fence=True)
 def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma_engine=None, name=None) -> None:
     """Send ``src`` (SBUF) to the peer core's ``dst`` while receiving the peer's ``src`` into this core's ``dst``."""
     name = "sendrecv"
@@ -786,12 +809,14 @@ def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma
 # more Vector / GpSimd instructions
 
 
+@instruction
 def tensor_copy_predicated(dst, src, predicate, reverse_pred: bool = False, name=None) -> None:
     """``dst = where(predicate, src, dst)`` on the Vector Engine: where the (unsigned integer) predicate is non-zero
     (zero with ``reverse_pred``) copy ``src`` (a tile of dst's dtype, or a number); elsewhere ``dst`` keeps its
     values."""
     label = "tensor_copy_predicated"
     dst, predicate = _tile(dst, "dst", label), _tile(predicate, "predicate", label)
+    check_alive(dst)  # where the predicate is off, dst keeps its values: a read of it
     _same_shape(label, dst, "dst", predicate, "predicate")
     if predicate.dtype not in (nl.uint8, nl.uint16, nl.uint32):
         raise TypeError(f"{label}: predicate must be uint8, uint16 or uint32, got {predicate.dtype}")
@@ -813,6 +838,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred: bool = False, name
     _account("vector", label, dst, predicate)
 
 
+@instruction
 def iota(dst, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) -> None:
     """``dst[p, w, z, y, x] = offset + p * channel_multiplier + w*step_w + z*step_z + y*step_y + x*step_x`` on
     GpSimd: ``pattern`` is up to 4 ``[step, count]`` pairs whose counts multiply to dst's elements per partition;
@@ -838,6 +864,7 @@ def iota(dst, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) 
     _account("gpsimd", label, dst)
 
 
+@instruction
 def reciprocal(dst, data, name=None) -> None:
     """``dst = 1 / data`` elementwise on the Vector Engine, in fp32."""
     label = "reciprocal"
@@ -849,6 +876,7 @@ def reciprocal(dst, data, name=None) -> None:
     _account("vector", label, data, dst)
 
 
+@instruction
 def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0: bool = False,
                          reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate: bool = False,
                          name=None) -> None:
@@ -873,6 +901,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
 BN_STATS_FMAX = 512
 
 
+@instruction
 def bn_stats(dst, data, name=None) -> None:
     """Per partition: ``(count, mean, variance * count)`` of the even-indexed and of the odd-indexed elements of
     ``data`` (at most 512 per partition), in fp32 on the Vector Engine; dst has 6 elements per partition."""
@@ -895,6 +924,7 @@ def bn_stats(dst, data, name=None) -> None:
     _account("vector", label, data, dst)
 
 
+@instruction
 def bn_aggr(dst, data, name=None) -> None:
     """Combine ``(count, mean, variance * count)`` triples (``bn_stats`` outputs) into ``(mean, variance)`` per
     partition, in fp32 on the Vector Engine."""
@@ -916,6 +946,7 @@ def bn_aggr(dst, data, name=None) -> None:
     _account("vector", label, data, dst)
 
 
+@instruction
 def nc_stream_shuffle(dst, src, shuffle_mask, name=None) -> None:
     """Cross-partition moves inside each quadrant of 32 partitions on the Vector Engine: output partition ``i`` of a
     quadrant takes input partition ``shuffle_mask[i]`` of the same quadrant; 255 leaves it unmodified. The
@@ -964,6 +995,7 @@ def _start_partition(t: NkiTensor) -> int:
     return (t.offset // row) if row else 0
 
 
+@instruction
 def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_indices=None, name=None) -> None:
     """Gather within each partition on GpSimd, per core of 16 partitions (NKI's NumPy semantics): the core flattens
     its 16-partition slice of ``index`` (uint16) partition-first and keeps the first ``num_valid_indices``; every
@@ -1005,6 +1037,7 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_in
     _account("gpsimd", label, dst)
 
 
+@instruction
 def nonzero_with_count(dst, src, index_offset: int = 0, padding_val: int = -1, name=None) -> None:
     """On GpSimd, for partitions 0, 16, ..., 112 only: the indices (+ ``index_offset``) of ``src``'s non-zero
     elements, then ``padding_val`` up to ``src``'s length, then the count; dst has one more element per partition
@@ -1026,6 +1059,7 @@ def nonzero_with_count(dst, src, index_offset: int = 0, padding_val: int = -1, n
     _account("gpsimd", label, src, dst)
 
 
+@instruction
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode: str = oob_mode.error,
                   name=None) -> None:
     """``dst = src`` permuted by the DMA engines: ``[1, 0]`` for 2-D, ``[2, 1, 0]`` for 3-D, ``[3, 1, 2, 0]`` for
@@ -1087,12 +1121,14 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         skipped_transfers=int(moved_rows == 0)))
 
 
+@instruction
 def quantize_mx(dst, src, dst_scale, name=None) -> None:
     """MX quantization: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
     raise HardwareLimitError("quantize_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
                              "(nisa.get_nc_version() == nc_version.gen3)")
 
 
+@instruction
 def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
                  accumulate=None, name=None) -> None:
     """MX matmul: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""

@@ -244,6 +244,8 @@ def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     for i in range(first, last, step):
         core.accounting.dynamic_iterations += 1
         core.accounting.branches += 1
+        if core.trace is not None:  # a hardware loop iteration: nothing is scheduled across its boundary
+            core.trace.begin(fence=True)
         with core.scope():
             yield VirtualRegister(core, i)
     core.accounting.branches += 1

@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from nxd_moe.nki_kernels.accounting import Accounting
+from nxd_moe.nki_kernels.liveness import Trace, psum_banks
 
 PMAX = 128  # nl.tile_size.pmax: partitions of SBUF/PSUM, and of any on-chip tile
 SBUF_PARTITION_BYTES = 224 * 1024
@@ -84,8 +85,6 @@ class Allocation:
         self.owner = owner
         self.alive = True
         self.release: Callable[[], None] = lambda: None
-        self.born: int | None = None  # liveness: the core clock at allocation and at the last use
-        self.last_use: int | None = None
         # Counting runs keep real storage for integers (they steer control flow) and for on-chip tensors (bounded by
         # SBUF / PSUM), so index arithmetic routed through float tiles (an int -> fp32 -> transpose -> int round
         # trip) stays exact; ``known`` is False once a tensor holds values derived from data-less (HBM float) inputs.
@@ -563,6 +562,8 @@ class VirtualRegister:
 
     def __bool__(self) -> bool:
         self.core.accounting.branches += 1
+        if self.core.trace is not None:  # a branch on the device: nothing is scheduled across it
+            self.core.trace.begin(fence=True)
         return self.value != 0
 
     def __repr__(self) -> str:
@@ -631,12 +632,11 @@ class Core:
         self.accounting = Accounting()
         self._scopes: list[list[Allocation]] = [[]]
         self._private_count = 0
-        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use. With liveness
-        # (the compat front door) on-chip tensors occupy memory from allocation to their last use by an instruction,
-        # and capacity is checked over those lifetimes when the kernel ends (check_liveness).
+        # Real NKI loops are plain Python ranges and the compiler allocates on-chip memory over the instructions'
+        # dependencies. With liveness (the compat front door) the instruction stream is traced and capacity is
+        # checked when the kernel ends (check_liveness; see nxd_moe.nki_kernels.liveness).
         self.liveness = bool(getattr(launch, "liveness", False))
-        self.clock = 0
-        self._on_chip: list[Allocation] = []
+        self.trace = Trace() if self.liveness else None
         self.replays: dict[Hashable, Accounting] = {}
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
 
@@ -670,8 +670,6 @@ class Core:
         else:
             memory, amount = self.psum, -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
         if self.liveness:
-            alloc.born = alloc.last_use = self.tick()
-            self._on_chip.append(alloc)
             return whole(alloc)
         memory.reserve(amount, f"tensor {label!r} {shape} {alloc.dtype}")
         alloc.release = _Release(memory, amount)
@@ -695,34 +693,18 @@ class Core:
         alloc.alive = False
         alloc.release()
 
-    def tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     def check_liveness(self) -> None:
-        """With liveness: the SBUF / PSUM high-water marks over the tensors' lifetimes (allocation to last use),
-        raising :class:`HardwareLimitError` when one exceeds its capacity."""
-        for memory, buffer in ((self.sbuf, Buffer.SBUF), (self.psum, Buffer.PSUM)):
-            allocs = [a for a in self._on_chip if a.buffer is buffer]
-            size = (lambda a: a.bytes_per_partition) if buffer is Buffer.SBUF else (
-                lambda a: -(-a.bytes_per_partition // PSUM_BANK_BYTES))
-            events = sorted([(a.born, 1, a) for a in allocs] + [(a.last_use, 2, a) for a in allocs],
-                            key=lambda e: (e[0], e[1]))
-            used, peak, live, at_peak = 0, 0, set(), []
-            for _, kind, a in events:
-                if kind == 1:
-                    used += size(a)
-                    live.add(a)
-                    if used > peak:
-                        peak, at_peak = used, list(live)
-                else:
-                    used -= size(a)
-                    live.discard(a)
-            memory.high_water = peak
-            if peak > memory.capacity:
-                names = ", ".join(sorted({a.name for a in at_peak})[:8])
-                raise HardwareLimitError(f"{memory.name} over capacity: {peak} {memory.unit} live at once (tensors "
-                                         f"{names}{', ...' if len(at_peak) > 8 else ''}) exceeds {memory.capacity}")
+        """With liveness: the SBUF / PSUM high-water marks of the traced kernel, raising :class:`HardwareLimitError`
+        when what must be live at once under any schedule exceeds a capacity."""
+        for memory, buffer, size in ((self.sbuf, Buffer.SBUF, lambda a: a.bytes_per_partition),
+                                     (self.psum, Buffer.PSUM, lambda a: psum_banks(a, PSUM_BANK_BYTES))):
+            footprint = self.trace.footprint(buffer, size, memory.capacity)
+            memory.high_water = footprint.peak
+            if footprint.peak > memory.capacity:
+                names = footprint.tensors
+                raise HardwareLimitError(f"{memory.name} over capacity: {footprint.peak} {memory.unit} live at once "
+                                         f"under any instruction schedule (tensors {', '.join(names[:8])}"
+                                         f"{', ...' if len(names) > 8 else ''}) exceeds {memory.capacity}")
         self.accounting.sbuf_high_water = self.sbuf.high_water
         self.accounting.psum_high_water_banks = self.psum.high_water
 
@@ -773,14 +755,35 @@ def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
     return whole(alloc)
 
 
-def check_alive(*tensors) -> None:
-    """Every instruction passes its tensors here: a freed tensor, or a view reaching outside its tensor, raises; with
-    liveness, the use is recorded."""
+def check_alive(*tensors, write: bool = False) -> None:
+    """Every instruction passes the tensors it reads (or, ``write=True``, writes) here: a freed tensor, or a view
+    reaching outside its tensor, raises; with liveness, the access is traced."""
     for t in tensors:
-        if isinstance(t, NkiTensor) and t.outside is not None:
+        if not isinstance(t, NkiTensor):
+            continue
+        if t.outside is not None:
             raise HardwareLimitError(t.outside)
-        if isinstance(t, NkiTensor) and t.alloc.born is not None:
-            t.alloc.last_use = current_core().tick()
-        if isinstance(t, NkiTensor) and not t.alloc.alive:
+        trace = current_core().trace
+        if trace is not None:
+            trace.access(t.alloc, write, write and t.size * t.dtype.itemsize >= t.alloc.size * t.alloc.dtype.itemsize)
+        if not t.alloc.alive:
             raise RuntimeError(f"tensor {t.name!r} is used after the loop iteration that allocated it ended; "
                                "allocate tensors that outlive an iteration before the loop")
+
+
+def instruction(fn: Callable | None = None, *, fence: bool = False):
+    """Mark an ``nisa`` function as one instruction for the liveness trace (``fence``: nothing is reordered across
+    it -- barriers, cross-core exchanges, registers)."""
+
+    def decorate(f):
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            core = getattr(_CURRENT, "core", None)
+            if core is None or core.trace is None:
+                return f(*args, **kwargs)
+            with core.trace.instruction(fence):
+                return f(*args, **kwargs)
+
+        return run
+
+    return decorate if fn is None else decorate(fn)

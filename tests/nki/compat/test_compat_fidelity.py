@@ -91,3 +91,107 @@ def test_access_pattern_outside_its_tensor_is_checked_when_accessed_not_when_bui
         return _store(nl, nisa, t[0:2, 0:2])
 
     np.testing.assert_array_equal(compat.run(in_bounds, block_to_expert).outputs, [[0, 2], [3, 5]])
+
+
+# ------------------------------------------------------------------------------------------------ on-chip memory
+
+
+def _psum_tiles_then_evacuate(nl, nisa, a, b, tiles: int, normalise_by_all: bool):
+    """``tiles`` PSUM banks filled first and evacuated afterwards (the shape of nki-library's moe_cte gate/up
+    projection). With ``normalise_by_all`` each evacuation subtracts a maximum over *all* banks (softmax-style), so
+    every bank must stay live until all are written -- no schedule can avoid it."""
+    sa, sb = _load(nl, nisa, a), _load(nl, nisa, b)
+    banks = []
+    for _ in range(tiles):
+        ps = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=ps, stationary=sa, moving=sb)
+        banks.append(ps)
+    if normalise_by_all:
+        stat = nl.ndarray((128, tiles), nl.float32, buffer=nl.sbuf)
+        for j, ps in enumerate(banks):
+            nisa.tensor_reduce(dst=stat[:, j:j + 1], op=nl.maximum, data=ps, axis=1)
+        top = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=top, op=nl.maximum, data=stat, axis=1)
+    out = nl.ndarray((128, tiles, 512), nl.float32, buffer=nl.shared_hbm)
+    for j, ps in enumerate(banks):
+        o = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        if normalise_by_all:
+            nisa.tensor_scalar(dst=o, data=ps, op0=nl.subtract, operand0=top)
+        else:
+            nisa.tensor_copy(dst=o, src=ps)
+        nisa.dma_copy(dst=out[:, j, :], src=o)
+    return out
+
+
+def test_psum_banks_filled_then_evacuated_fit_as_the_compiler_schedules_them(k):
+    """Twelve banks written in program order and read afterwards: each evacuation depends only on its own bank, so
+    the compiler moves it up behind that bank's matmul -- the kernel fits the 8 banks (nki-library moe_cte, I=3072
+    at LNC2), and the high-water mark is what any schedule needs."""
+    nl, nisa = k
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 512)).astype(np.float32)
+    run = compat.run(lambda x, y: _psum_tiles_then_evacuate(nl, nisa, x, y, 12, False), a, b)
+    np.testing.assert_allclose(run.outputs, np.repeat((a.T @ b)[:, None, :], 12, axis=1), rtol=1e-5, atol=1e-4)
+    assert run.accounting.psum_high_water_banks <= 8
+
+
+def test_psum_over_capacity_under_every_schedule_is_rejected(k):
+    nl, nisa = k
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 512)).astype(np.float32)
+    run = compat.run(lambda x, y: _psum_tiles_then_evacuate(nl, nisa, x, y, 8, True), a, b)  # 8 banks: fits
+    assert run.accounting.psum_high_water_banks == 8
+    with pytest.raises(HardwareLimitError, match=r"PSUM over capacity: 9 banks .* live at once under any instruction "
+                                                 r"schedule .* exceeds 8"):
+        compat.run(lambda x, y: _psum_tiles_then_evacuate(nl, nisa, x, y, 9, True), a, b)
+
+
+def test_a_loop_reuses_psum_banks_and_sbuf_across_iterations(k):
+    """A tile allocated per iteration of a plain Python loop is dead once the iteration's last instruction read it:
+    48 iterations of a 2-bank accumulation and a 96 KiB SBUF staging tile reuse the same memory."""
+    nl, nisa = k
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 1024)).astype(np.float32)
+
+    def body(x, y):
+        sa, sb = _load(nl, nisa, x), _load(nl, nisa, y)
+        out = nl.ndarray((48, 128, 1024), nl.float32, buffer=nl.shared_hbm)
+        for i in range(48):
+            ps = nl.ndarray((128, 1024), nl.float32, buffer=nl.psum)  # 2 banks
+            for half in range(2):
+                nisa.nc_matmul(dst=ps[:, half * 512:(half + 1) * 512], stationary=sa,
+                               moving=sb[:, half * 512:(half + 1) * 512])
+            staging = nl.ndarray((128, 24 * 1024), nl.float32, buffer=nl.sbuf)  # 96 KiB per partition
+            nisa.tensor_copy(dst=staging[:, 0:1024], src=ps)
+            nisa.dma_copy(dst=out[i], src=staging[:, 0:1024])
+        return out
+
+    run = compat.run(body, a, b)
+    np.testing.assert_allclose(run.outputs[47], a.T @ b, rtol=1e-5, atol=1e-4)
+    assert run.accounting.psum_high_water_banks == 2
+    assert run.accounting.sbuf_high_water == 96 * 1024 + (128 + 1024) * 4  # one staging tile + the two operands
+
+
+def test_sbuf_over_capacity_under_every_schedule_is_rejected(k):
+    """Tiles that each need a statistic over all of them must all be resident at once: 3 x 64 KiB fit, 4 do not."""
+    nl, nisa = k
+    x = rng.standard_normal((128, 16 * 1024)).astype(np.float32)  # 64 KiB per partition
+
+    def body(a, count):
+        tiles = [_load(nl, nisa, a) for _ in range(count)]
+        stat = nl.ndarray((128, count), nl.float32, buffer=nl.sbuf)
+        for j, t in enumerate(tiles):
+            nisa.tensor_reduce(dst=stat[:, j:j + 1], op=nl.maximum, data=t, axis=1)
+        top = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=top, op=nl.maximum, data=stat, axis=1)
+        out = nl.ndarray((count, 128, 16 * 1024), nl.float32, buffer=nl.shared_hbm)
+        for j, t in enumerate(tiles):
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.subtract, operand0=top)
+            nisa.dma_copy(dst=out[j], src=t)
+        return out
+
+    run = compat.run(body, x, 3)
+    np.testing.assert_allclose(run.outputs[2], x - x.max(axis=1, keepdims=True), rtol=1e-6)
+    assert 3 * 64 * 1024 <= run.accounting.sbuf_high_water <= 224 * 1024
+    with pytest.raises(HardwareLimitError, match=r"SBUF over capacity: \d+ bytes per partition live at once"):
+        compat.run(body, x, 4)
