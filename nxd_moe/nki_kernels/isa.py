@@ -32,12 +32,15 @@ from nxd_moe.nki_kernels.machine import (
     HardwareLimitError,
     NkiTensor,
     OutOfBoundsError,
+    PendingMatmul,
     VirtualRegister,
     check_alive,
     current_core,
+    fp32_matmul,
     instruction,
     is_integer,
     scalar_value,
+    settle,
 )
 
 MATMUL_DTYPES = (nl.bfloat16, nl.float16, nl.float8_e4m3, nl.float32)
@@ -116,10 +119,10 @@ def get_nc_sub_version() -> int:
 # operand helpers
 
 
-def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM)) -> NkiTensor:
+def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bool = True) -> NkiTensor:
     if not isinstance(t, NkiTensor):
         raise TypeError(f"{op}: {role} must be an on-chip tensor, got {type(t).__name__}")
-    check_alive(t, write=role in ("dst", "reduce_res"))
+    check_alive(t, write=role in ("dst", "reduce_res"), settled=settled)
     if t.buffer not in buffers:
         allowed = " or ".join(b.value for b in buffers)
         raise HardwareLimitError(f"{op}: {role} {t.name!r} is in {t.buffer.value}; it must be in {allowed}")
@@ -220,7 +223,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
     stationary must fit the tile. ``perf_mode="double_row"`` needs fp8 operands.
     """
     op = "nc_matmul"
-    dst = _tile(dst, "dst", op, (Buffer.PSUM,))
+    dst = _tile(dst, "dst", op, (Buffer.PSUM,), settled=False)
     stationary = _tile(stationary, "stationary", op, (Buffer.SBUF,))
     moving = _tile(moving, "moving", op, (Buffer.SBUF,))
     k, m = stationary.partitions, stationary.free_size
@@ -266,18 +269,24 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
         raise HardwareLimitError(f"{op}: accumulate=True onto PSUM tile {dst.name!r} that no nc_matmul initialised "
                                  "(undefined behaviour on hardware)")
     core = current_core()
-    if accumulate is not False and not is_transpose and dst.written.any():
-        check_alive(dst)  # it adds to what the bank holds: a read of it
+    adds = accumulate is not False and not is_transpose
+    if adds and dst.written.any():
+        check_alive(dst, settled=False)  # it adds to what the bank holds: a read of it
+    pending = dst.alloc.pending
+    if pending is not None and not (adds and pending.key == (dst.offset, dst.shape, dst.strides)):
+        settle(dst.alloc)  # another region, or an overwrite: the group so far is complete
+        pending = None
     if _computes(dst, stationary, moving):
-        if is_transpose and _is_identity(moving):
-            product = stationary.data.reshape(k, m).T[:, :n]  # bit-accurate: NaN and Inf pass through
+        if is_transpose:
+            settle(dst.alloc)
+            if _is_identity(moving):
+                _store(dst, stationary.data.reshape(k, m).T[:, :n])  # bit-accurate: NaN and Inf pass through
+            else:
+                _store(dst, fp32_matmul(_f32(stationary), _f32(moving)))
         else:
-            # einsum's own loop, not BLAS: tiles are small, and BLAS threads oversubscribe an LNC2 launch's cores.
-            product = np.einsum("km,kn->mn", _f32(stationary), _f32(moving))
-        if accumulate is False or is_transpose:
-            _store(dst, product)
-        else:
-            _store(dst, np.where(dst.written.reshape(m, n), _f32(dst) + product, product))
+            if pending is None:
+                pending = dst.alloc.pending = PendingMatmul(dst, dst.written.reshape(m, n).copy() if adds else None)
+            pending.add(stationary, moving)
     dst.written[...] = True
     if is_transpose:
         core.accounting.transposes += 1

@@ -41,6 +41,15 @@ class Generation:
         return min(touched), max(touched)
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """What the check needs of an on-chip allocation."""
+
+    name: str
+    buffer: object
+    bytes_per_partition: int
+
+
 @dataclass
 class Footprint:
     """The result of a check: the peak (bytes per partition, or banks) and the tensors live at it."""
@@ -57,8 +66,10 @@ class Trace:
         self.depth = 0
         self.current = -1
         self.fence = -1
-        self._deps: dict[int, list] = {}  # id(allocation) -> [last write, reads since]
-        self.values: dict[int, tuple[object, list[Generation]]] = {}  # id(on-chip allocation) -> (alloc, values)
+        # Keyed by the allocation's serial number; the trace keeps no reference to tensors, so their memory goes when
+        # the kernel drops them.
+        self._deps: dict[int, list] = {}  # allocation -> [last write, reads since]
+        self.values: dict[int, tuple[Tensor, list[Generation]]] = {}  # on-chip allocation -> its values
 
     @contextmanager
     def instruction(self, fence: bool = False):
@@ -87,9 +98,9 @@ class Trace:
             self.begin()
         i = self.current
         preds = self.preds[i]
-        state = self._deps.get(id(alloc))
+        state = self._deps.get(alloc.serial)
         if state is None:
-            state = self._deps[id(alloc)] = [-1, []]
+            state = self._deps[alloc.serial] = [-1, []]
         last_write, reads = state
         if 0 <= last_write != i:
             preds.append(last_write)
@@ -100,9 +111,10 @@ class Trace:
             reads.append(i)
         if not alloc.buffer.on_chip:
             return
-        entry = self.values.get(id(alloc))
+        entry = self.values.get(alloc.serial)
         if entry is None:
-            entry = self.values[id(alloc)] = (alloc, [Generation()])
+            entry = self.values[alloc.serial] = (Tensor(alloc.name, alloc.buffer, alloc.bytes_per_partition),
+                                                 [Generation()])
         values = entry[1]
         value = values[-1]
         if write:
@@ -137,20 +149,18 @@ class Trace:
         over = np.flatnonzero(usage > capacity)
         probes = over if len(over) <= MAX_PROBES else np.sort(over[np.argsort(-usage[over], kind="stable")
                                                                     [:MAX_PROBES]])
-        necessary = self._necessary(values, spans, probes)
-        need = necessary.astype(np.int64).T @ sizes if len(values) else np.zeros(len(probes), np.int64)
+        need, live_at = self._necessary(values, spans, sizes, probes)
         at = int(need.argmax())
         peak = int(need[at])
         outside = np.delete(usage, over)
-        peak = max(peak, int(outside.max()) if outside.size else 0)
-        live = necessary[:, at] if need[at] >= peak else None
-        if live is None:  # the peak lies where program order already fits
-            at_po = int(np.flatnonzero(usage == peak)[0])
-            live = (spans[:, 0] <= at_po) & (at_po <= spans[:, 1])
-        return Footprint(peak, _names(values, live))
+        if outside.size and outside.max() > peak:  # the peak lies where program order already fits
+            at = int(np.flatnonzero(usage == outside.max())[0])
+            return Footprint(int(usage[at]), _names(values, (spans[:, 0] <= at) & (at <= spans[:, 1])))
+        return Footprint(peak, _names(values, live_at(at)))
 
-    def _necessary(self, values, spans, probes: np.ndarray) -> np.ndarray:
-        """``(values, probes)`` bool: value v is live at probe p under every schedule."""
+    def _necessary(self, values, spans, sizes, probes: np.ndarray):
+        """``(need, live_at)``: per probe, the size of the values live there under every schedule; ``live_at(k)``
+        the values (bool per value) live at probe ``k``."""
         n, width = len(self.preds), len(probes)
         bit = {int(p): 1 << k for k, p in enumerate(probes)}
         nbytes = (width + 7) // 8
@@ -170,7 +180,8 @@ class Trace:
                 acc |= descendants[s]
             descendants[i] = acc
         lo, hi = int(probes.min()), int(probes.max())
-        result = np.zeros((len(values), width), dtype=bool)
+        need = np.zeros(width, dtype=np.int64)
+        lives = [0] * len(values)
         for row, ((_, value), (start, end)) in enumerate(zip(values, spans)):
             if end < lo or start > hi:
                 continue
@@ -184,11 +195,11 @@ class Trace:
                 before_a_read = after_a_write & _bits(value.writes, bit)
             if not value.writes:  # read but never written (fresh memory): live only while read
                 after_a_write = before_a_read & _bits(value.reads, bit)
-            live = after_a_write & before_a_read
+            live = lives[row] = after_a_write & before_a_read
             if live:
-                result[row] = np.unpackbits(np.frombuffer(live.to_bytes(nbytes, "little"), np.uint8),
-                                            bitorder="little")[:width].astype(bool)
-        return result
+                bits = np.unpackbits(np.frombuffer(live.to_bytes(nbytes, "little"), np.uint8), bitorder="little")
+                need += sizes[row] * bits[:width]
+        return need, lambda k: np.array([(live >> k) & 1 for live in lives], dtype=bool)
 
 
 def _bits(instructions, bit) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import math
 import threading
 from contextlib import contextmanager
@@ -73,6 +74,9 @@ def _dummy(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape))
 
 
+_SERIALS = itertools.count()
+
+
 class Allocation:
     """One ``nl.ndarray``: its memory, where it lives and whether it is still alive."""
 
@@ -83,6 +87,7 @@ class Allocation:
         self.dtype = np.dtype(dtype)
         self.shape = shape
         self.owner = owner
+        self.serial = next(_SERIALS)
         self.alive = True
         self.release: Callable[[], None] = lambda: None
         # Counting runs keep real storage for integers (they steer control flow) and for on-chip tensors (bounded by
@@ -97,14 +102,68 @@ class Allocation:
             self.data = np.full(shape, fill, dtype=self.dtype)
         else:
             self.data = _dummy(shape, self.dtype)
-        # PSUM remembers what nc_matmul wrote, for its accumulate rules.
+        # PSUM remembers what nc_matmul wrote, for its accumulate rules, and holds the accumulation group being
+        # built (see PendingMatmul).
         self.matmul_written = np.zeros(shape, dtype=bool) if buffer is Buffer.PSUM else None
+        self.pending: PendingMatmul | None = None
+        self.read_by_pending: list[Allocation] = []  # PSUM tensors whose pending group reads this one
         free = math.prod(shape[1:]) if len(shape) > 1 else 1
         self.bytes_per_partition = free * self.dtype.itemsize
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+
+class PendingMatmul:
+    """An accumulation group not yet added up: consecutive ``nc_matmul`` into one PSUM region, each ``(K, M).T @
+    (K, N)``, are the single product of their operands stacked along K. It is computed as one BLAS call (fp32, as
+    PSUM accumulates) when anything touches the PSUM tensor or writes an operand (:func:`settle`): the slicing into
+    128-row matmuls is the hardware's, not the arithmetic's, and one large product is ~20x faster than many small
+    ones. The operands are kept as views, not copies, for the same reason.
+    """
+
+    def __init__(self, dst: "NkiTensor", adds_to: np.ndarray | None):
+        self.dst = dst
+        self.key = (dst.offset, dst.shape, dst.strides)
+        self.adds_to = adds_to  # (M, N) bool: elements the group adds to (None: it overwrites them all)
+        self.stationary: list[np.ndarray] = []
+        self.moving: list[np.ndarray] = []
+
+    def add(self, stationary: "NkiTensor", moving: "NkiTensor") -> None:
+        k = stationary.partitions
+        self.stationary.append(stationary.data.reshape(k, stationary.free_size))
+        self.moving.append(moving.data.reshape(k, moving.free_size))
+        for operand in (stationary.alloc, moving.alloc):
+            if not operand.read_by_pending or operand.read_by_pending[-1] is not self.dst.alloc:
+                operand.read_by_pending.append(self.dst.alloc)
+
+    def total(self) -> np.ndarray:
+        product = fp32_matmul(_stacked(self.stationary), _stacked(self.moving))
+        if self.adds_to is not None and self.adds_to.any():
+            held = self.dst.data.astype(np.float32).reshape(product.shape)
+            product = np.where(self.adds_to, held + product, product)
+        return product
+
+
+def _stacked(parts: list[np.ndarray]) -> np.ndarray:
+    whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return whole.astype(np.float32)
+
+
+def fp32_matmul(stationary: np.ndarray, moving: np.ndarray) -> np.ndarray:
+    """``stationary (K, M).T @ moving (K, N)`` in fp32, on the calling thread (BLAS's own threads only fight the
+    cores of an LNC2 launch: see ``lnc.simulate``)."""
+    import torch
+
+    return (torch.from_numpy(stationary).T @ torch.from_numpy(moving)).numpy()
+
+
+def settle(alloc: "Allocation") -> None:
+    """Store a PSUM tensor's pending accumulation group (before anything reads or writes the tensor)."""
+    pending, alloc.pending = alloc.pending, None
+    if pending is not None:
+        pending.dst.data[...] = pending.total().reshape(pending.dst.shape).astype(pending.dst.dtype)
 
 
 class DynSlice:
@@ -755,12 +814,19 @@ def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
     return whole(alloc)
 
 
-def check_alive(*tensors, write: bool = False) -> None:
+def check_alive(*tensors, write: bool = False, settled: bool = True) -> None:
     """Every instruction passes the tensors it reads (or, ``write=True``, writes) here: a freed tensor, or a view
-    reaching outside its tensor, raises; with liveness, the access is traced."""
+    reaching outside its tensor, raises; with liveness, the access is traced; a pending matmul accumulation is
+    stored first (unless ``settled=False``: ``nc_matmul`` extending it)."""
     for t in tensors:
         if not isinstance(t, NkiTensor):
             continue
+        if settled and t.alloc.pending is not None:
+            settle(t.alloc)
+        if write and t.alloc.read_by_pending:  # a pending product reads the old values: compute it first
+            for psum in t.alloc.read_by_pending:
+                settle(psum)
+            t.alloc.read_by_pending.clear()
         if t.outside is not None:
             raise HardwareLimitError(t.outside)
         trace = current_core().trace
