@@ -29,6 +29,7 @@ from nxd_moe.nki_kernels.machine import (
     DynSlice,
     NkiTensor,
     VirtualRegister,
+    check_alive,
     current_core,
 )
 
@@ -193,6 +194,7 @@ def program_ndim() -> int:
 
 def device_print(print_prefix: str, tensor: NkiTensor) -> None:
     """Print a tensor's values from inside the kernel (simulation only, as in NKI)."""
+    check_alive(tensor)  # a read: pending PSUM accumulation is stored first
     print(print_prefix, tensor.data)
 
 

@@ -195,3 +195,38 @@ def test_sbuf_over_capacity_under_every_schedule_is_rejected(k):
     assert 3 * 64 * 1024 <= run.accounting.sbuf_high_water <= 224 * 1024
     with pytest.raises(HardwareLimitError, match=r"SBUF over capacity: \d+ bytes per partition live at once"):
         compat.run(body, x, 4)
+
+
+# ------------------------------------------------------------------------------------------------ accumulation groups
+
+
+def test_matmul_accumulation_groups_equal_the_step_by_step_sum(k):
+    """Accumulation groups are computed lazily as one product (a speed-up): the result must equal the hardware's
+    step-by-step sum even when an operand tile is overwritten before PSUM is read, the group switches region, or a
+    matmul with ``accumulate=False`` restarts it."""
+    nl, nisa = k
+    a = rng.standard_normal((4, 128, 64)).astype(np.float32)
+    b = rng.standard_normal((4, 128, 256)).astype(np.float32)
+
+    def body(x, y):
+        st = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+        mv = nl.ndarray((128, 256), nl.float32, buffer=nl.sbuf)
+        ps = nl.ndarray((64, 512), nl.float32, buffer=nl.psum)
+        for kt in range(4):  # left half: sum over 4 K-tiles, the operand tiles reloaded in place each time
+            nisa.dma_copy(dst=st, src=x[kt])
+            nisa.dma_copy(dst=mv, src=y[kt])
+            nisa.nc_matmul(dst=ps[:, 0:256], stationary=st, moving=mv)
+        nisa.nc_matmul(dst=ps[:, 256:512], stationary=st, moving=mv)  # right half: K-tile 3 ...
+        nisa.nc_matmul(dst=ps[:, 256:512], stationary=st, moving=mv, accumulate=False)  # ... overwritten
+        nisa.dma_copy(dst=mv, src=y[0])
+        nisa.nc_matmul(dst=ps[:, 256:512], stationary=st, moving=mv)  # + x3.T @ y0
+        out = nl.ndarray((64, 512), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out, src=ps)
+        return _store(nl, nisa, out)
+
+    got = compat.run(body, a, b).outputs
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    left = sum(a64[kt].T @ b64[kt] for kt in range(4))
+    right = a64[3].T @ b64[3] + a64[3].T @ b64[0]
+    np.testing.assert_allclose(got[:, :256], left, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got[:, 256:], right, rtol=1e-5, atol=1e-4)
