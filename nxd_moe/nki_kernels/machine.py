@@ -81,7 +81,7 @@ class Allocation:
     """One ``nl.ndarray``: its memory, where it lives and whether it is still alive."""
 
     def __init__(self, name: str, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...], numerics: bool,
-                 owner: int | None):
+                 owner: int | None, data: np.ndarray | None = None):
         self.name = name
         self.buffer = buffer
         self.dtype = np.dtype(dtype)
@@ -95,7 +95,9 @@ class Allocation:
         # trip) stays exact; ``known`` is False once a tensor holds values derived from data-less (HBM float) inputs.
         self.has_data = numerics or is_integer(self.dtype) or buffer in (Buffer.SBUF, Buffer.PSUM)
         self.known = self.has_data
-        if self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
+        if self.has_data and data is not None:  # given contents (a kernel argument)
+            self.data = data
+        elif self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
             self.data = np.full(shape + (self.dtype.itemsize,), 0xFF, np.uint8).view(self.dtype).reshape(shape)
         elif self.has_data:
             fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
@@ -806,12 +808,12 @@ def whole(alloc: Allocation) -> NkiTensor:
     return NkiTensor(alloc, alloc.shape, _row_major(alloc.shape))
 
 
-def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
-    """A kernel argument: ``array`` copied into shared HBM."""
-    alloc = Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None)
-    if alloc.has_data:
-        alloc.data[...] = array
-    return whole(alloc)
+def hbm_tensor(array: np.ndarray, name: str, numerics: bool, alias: bool = False) -> NkiTensor:
+    """A kernel argument in shared HBM: a copy of ``array``, or with ``alias`` (a writeable C-contiguous array) the
+    array itself -- what the kernel writes lands in it, and a large weight costs no second copy."""
+    own = alias and array.flags.c_contiguous and array.flags.writeable
+    data = array if own else np.array(array, order="C")
+    return whole(Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None, data))
 
 
 def check_alive(*tensors, write: bool = False, settled: bool = True) -> None:

@@ -101,7 +101,8 @@ def run(kernel, *args, numerics: bool = True, lnc: int | None = None, **kwargs) 
     cores = lnc if lnc is not None else kernel.lnc
     args = [to_numpy(a) for a in args]
     kwargs = {k: to_numpy(v) for k, v in kwargs.items()}
-    result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, liveness=True)(*args, **kwargs)
+    result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, liveness=True,
+                     alias_inputs=True)(*args, **kwargs)
     _LAST.run = result
     return result
 
@@ -117,7 +118,8 @@ def simulate(kernel) -> Callable[..., Any]:
         result = run(kernel, *args, **kwargs)
         for name, value in bound.arguments.items():  # kernels may write their inputs
             written = result.arguments.get(name)
-            if isinstance(value, np.ndarray) and written is not None and value.flags.writeable:
+            if isinstance(value, np.ndarray) and written is not None and value.flags.writeable \
+                    and not np.may_share_memory(value, written):
                 value[...] = written
         return _to_torch(result.outputs) if torch_in else result.outputs
 

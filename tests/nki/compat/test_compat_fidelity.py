@@ -230,3 +230,22 @@ def test_matmul_accumulation_groups_equal_the_step_by_step_sum(k):
     right = a64[3].T @ b64[3] + a64[3].T @ b64[0]
     np.testing.assert_allclose(got[:, :256], left, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got[:, 256:], right, rtol=1e-5, atol=1e-4)
+
+
+def test_array_arguments_are_not_copied(k):
+    """A writeable C-contiguous argument is the HBM tensor itself (a large weight costs no second copy); an argument
+    overlapping an earlier one, or a read-only one, is copied."""
+    nl, nisa = k
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+
+    def body(a, b, c):
+        t = _load(nl, nisa, b)
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=1.0)
+        nisa.dma_copy(dst=a, src=t)  # writes the first argument
+        return _store(nl, nisa, t)
+
+    frozen = x.copy()
+    frozen.flags.writeable = False
+    run = compat.run(body, x, x, frozen)
+    assert run.arguments["a"] is x and run.arguments["b"] is not x and run.arguments["c"] is not frozen
+    np.testing.assert_array_equal(x, frozen + 1)  # the kernel's write landed in the caller's array
