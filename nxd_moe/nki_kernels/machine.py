@@ -193,7 +193,7 @@ class NkiTensor:
     the view methods refuse to move or merge it.
     """
 
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "data", "written", "outside")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "_data", "_written", "outside")
 
     def __init__(self, alloc: Allocation, shape, strides, offset: int = 0, dtype=None):
         self.alloc = alloc
@@ -211,10 +211,23 @@ class NkiTensor:
         if lo < 0 or hi >= limit:
             self.outside = (f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside tensor "
                             f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
-            self.data = self.written = None
-            return
-        self.data = self._strided(alloc.data, alloc.has_data)
-        self.written = None if alloc.matmul_written is None else self._strided(alloc.matmul_written, True)
+        self._data = self._written = None  # NumPy views, made on first use: most views are only passed along
+
+    @property
+    def data(self) -> np.ndarray:
+        """The elements, a NumPy view of the allocation's storage (a zero-stride stand-in without data)."""
+        if self._data is None:
+            if self.outside is not None:
+                raise HardwareLimitError(self.outside)
+            self._data = self._strided(self.alloc.data, self.alloc.has_data)
+        return self._data
+
+    @property
+    def written(self) -> np.ndarray | None:
+        """PSUM only: which elements an ``nc_matmul`` has written."""
+        if self._written is None and self.alloc.matmul_written is not None and self.outside is None:
+            self._written = self._strided(self.alloc.matmul_written, True)
+        return self._written
 
     def _extent(self) -> tuple[int, int]:
         lo = self.offset + sum(min(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
