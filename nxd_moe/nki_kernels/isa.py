@@ -208,6 +208,12 @@ def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str
     return name
 
 
+def _reaches(on: str, label: str, *tiles) -> None:
+    """The ISA's memory rule for the engines: GpSimd cannot access PSUM (Vector and Scalar read and write both)."""
+    if on == "gpsimd" and any(isinstance(t, NkiTensor) and t.buffer is Buffer.PSUM for t in tiles):
+        raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
+
+
 @instruction
 def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None, tile_position=(), tile_size=(),
@@ -420,6 +426,7 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
     label = "tensor_tensor"
     on = _engine(engine, "vector", ("vector", "gpsimd"), label)
     dst, data1, data2 = (_tile(t, r, label) for t, r in ((dst, "dst"), (data1, "data1"), (data2, "data2")))
+    _reaches(on, label, dst, data1, data2)
     _same_shape(label, data1, "data1", data2, "data2")
     _same_shape(label, dst, "dst", data1, "data1")
     _check_alu(label, op)
@@ -451,6 +458,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, op
     _same_shape(label, dst, "dst", data, "data")
     _check_alu(label, op0)
     on = _engine(engine, "vector", op=label)
+    _reaches(on, label, dst, data, operand0, operand1)
     operand0 = _operand(operand0, data, label, "operand0")
     if op1 is not None:
         _check_alu(label, op1)
@@ -517,8 +525,7 @@ def tensor_copy(dst, src, engine=None, name=None) -> None:
     dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
     _same_shape(label, dst, "dst", src, "src")
     on = _engine(engine, "vector", op=label)
-    if on == "gpsimd" and Buffer.PSUM in (dst.buffer, src.buffer):
-        raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
+    _reaches(on, label, dst, src)
     if _computes(dst, src):
         _store(dst, src.data if is_integer(src.dtype) or src.dtype == dst.dtype else _f32(src))
     _account(on, label, src, dst)
@@ -558,6 +565,7 @@ def memset(dst, value, engine=None, name=None) -> None:
     label = "memset"
     dst = _tile(dst, "dst", label)
     on = _engine(engine, "vector", ("vector", "gpsimd"), label)
+    _reaches(on, label, dst)
     if dst.alloc.has_data:
         if dst.dtype.names is not None:
             if value != 0:
@@ -1014,6 +1022,7 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_in
     label = "local_gather"
     dst, src_buffer, index = (_tile(t, r, label) for t, r in ((dst, "dst"), (src_buffer, "src_buffer"),
                                                                 (index, "index")))
+    _reaches("gpsimd", label, dst, src_buffer, index)
     if index.dtype != nl.uint16:
         raise TypeError(f"{label}: index must be uint16, got {index.dtype}")
     if src_buffer.partitions != index.partitions or src_buffer.partitions % 16:
@@ -1053,6 +1062,7 @@ def nonzero_with_count(dst, src, index_offset: int = 0, padding_val: int = -1, n
     than src; other partitions are not modified."""
     label = "nonzero_with_count"
     dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
+    _reaches("gpsimd", label, dst, src)
     if dst.partitions != src.partitions or dst.free_size != src.free_size + 1:
         raise HardwareLimitError(f"{label}: dst must be ({src.partitions}, {src.free_size + 1}), got {dst.shape}")
     if _computes(dst, src):

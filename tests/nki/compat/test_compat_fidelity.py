@@ -250,3 +250,21 @@ def test_array_arguments_are_not_copied(k):
     assert np.shares_memory(run.arguments["a"], x)
     assert not np.shares_memory(run.arguments["b"], x) and not np.shares_memory(run.arguments["c"], frozen)
     np.testing.assert_array_equal(x, frozen + 1)  # the kernel's write landed in the caller's array
+
+
+def test_gpsimd_cannot_access_psum_in_any_instruction(k):
+    nl, nisa = k
+
+    def body():
+        ps = nl.ndarray((32, 32), nl.float32, buffer=nl.psum)
+        sb = nl.ndarray((32, 32), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=sb, value=1.0, engine=nisa.gpsimd_engine)
+        nisa.memset(dst=ps, value=0.0)  # the Vector Engine may
+        for call in (lambda: nisa.memset(dst=ps, value=0.0, engine=nisa.gpsimd_engine),
+                     lambda: nisa.tensor_tensor(dst=sb, data1=ps, data2=sb, op=nl.add, engine=nisa.gpsimd_engine),
+                     lambda: nisa.tensor_scalar(dst=ps, data=sb, op0=nl.add, operand0=1.0, engine=nisa.gpsimd_engine),
+                     lambda: nisa.tensor_copy(dst=sb, src=ps, engine=nisa.gpsimd_engine)):
+            with pytest.raises(HardwareLimitError, match="GpSimd Engine cannot access PSUM"):
+                call()
+
+    compat.run(body)
