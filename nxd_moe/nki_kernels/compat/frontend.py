@@ -126,7 +126,19 @@ def simulate(kernel) -> Callable[..., Any]:
     return call
 
 
-cpu_simulate = simulate
+class cpu_simulate:  # noqa: N801 -- NKI's name
+    """``nki.cpu_simulate(kernel)[lnc](**inputs)``, as nki-library's harness calls AWS's CPU simulator (its
+    ``test/utils/simulation_setup.py``): ``[lnc]`` picks the launch grid; called without it, the kernel's own grid
+    (``kernel[2]``) or one core. Same results as :func:`simulate`."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+    def __getitem__(self, lnc) -> Callable[..., Any]:
+        return simulate(self.kernel[lnc])
+
+    def __call__(self, *args, **kwargs):
+        return simulate(self.kernel)(*args, **kwargs)
 
 
 def simulate_kernel(kernel, *args, **kwargs):
