@@ -27,6 +27,9 @@ from nxd_moe.nki_kernels.machine import _CURRENT
 
 dtype = np.dtype
 _LAST = threading.local()
+# Called as hook(kernel, run) after every host launch (``simulate`` / ``cpu_simulate`` / ``run``): how a test harness
+# collects each kernel's counts and cost estimate without holding the runs (and their arrays).
+launch_hooks: list[Callable[["Kernel", KernelRun], None]] = []
 
 
 class Kernel:
@@ -104,6 +107,8 @@ def run(kernel, *args, numerics: bool = True, lnc: int | None = None, **kwargs) 
     result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, liveness=True,
                      alias_inputs=True)(*args, **kwargs)
     _LAST.run = result
+    for hook in list(launch_hooks):
+        hook(kernel, result)
     return result
 
 
@@ -164,5 +169,5 @@ baremetal = _no_device("baremetal")
 benchmark = _no_device("benchmark")
 profile = _no_device("profile")
 
-__all__ = ["jit", "Kernel", "simulate", "cpu_simulate", "simulate_kernel", "run", "last_run", "language", "isa",
-           "dtype", "baremetal", "benchmark", "profile"]
+__all__ = ["jit", "Kernel", "simulate", "cpu_simulate", "simulate_kernel", "run", "last_run", "launch_hooks",
+           "language", "isa", "dtype", "baremetal", "benchmark", "profile"]
