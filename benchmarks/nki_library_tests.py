@@ -46,8 +46,8 @@ SUITE_ROOT = Path("test/integration/nkilib")
 HARNESS_DEPENDENCIES = ("pandas", "aws_embedded_metrics", "boto3", "fabric2", "filelock", "plotext", "xdist",
                         "pytest_metadata", "pytest_html", "allpairspy", "scipy")
 
-REMOTE_LOCK_SCRIPTS = '''"""Stand-in (nxd_moe benchmark) for nki-library's private test/utils/scripts/remote_lock_scripts.py: the names
-the remote-host core-lock client imports. Simulation mode locks no device cores, so nothing here runs."""
+REMOTE_LOCK_SCRIPTS = '''"""Stand-in (nxd_moe benchmark) for nki-library's private
+test/utils/scripts/remote_lock_scripts.py: the names the remote-host core-lock client imports. Simulation mode locks no device cores, so nothing here runs."""
 
 import dataclasses
 import enum
@@ -85,8 +85,8 @@ class LockResult:
         return cls(LockStatus[data["status"]], data.get("cores", []), data.get("max_lock_expiry", 0.0))
 '''
 
-PERF_ANALYSIS_PRIVATE = '''"""Stand-in (nxd_moe benchmark) for nki-library's private test/utils/perf_analysis_private.py. It analyses device
-profiles; simulation mode has none, so this does nothing."""
+PERF_ANALYSIS_PRIVATE = '''"""Stand-in (nxd_moe benchmark) for nki-library's private
+test/utils/perf_analysis_private.py. It analyses device profiles; simulation mode has none, so this does nothing."""
 
 
 def analyze_trace(*args, **kwargs):
@@ -94,7 +94,8 @@ def analyze_trace(*args, **kwargs):
 '''
 
 ORCHESTRATOR_ANCHOR = "        self.kernel_under_test: Optional[KernelArgs] = None\n"
-ORCHESTRATOR_FIX = "        self._compiled_kernel = None  # nxd_moe benchmark: simulation mode reads it before it is set\n"
+ORCHESTRATOR_FIX = ("        self._compiled_kernel = None  # nxd_moe benchmark: simulation mode reads it before it is "
+                    "set\n")
 
 
 def commit_of(path: Path) -> str:
@@ -144,7 +145,8 @@ def environment(checkout: Path, site: list[str], report: Path, timeout: float) -
 
 
 def missing_dependencies(env: dict) -> list[str]:
-    probe = "import importlib.util, sys; print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
+    probe = ("import importlib.util, sys; "
+             "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))")
     out = subprocess.run([sys.executable, "-c", probe, *HARNESS_DEPENDENCIES], env=env, capture_output=True,
                          text=True)
     return out.stdout.split()
@@ -226,7 +228,8 @@ def summarise(result: dict) -> dict:
 def markdown(results: list[dict], commit: str, argv: list[str]) -> str:
     lines = [f"nki-library `{commit}`, `python benchmarks/nki_library_tests.py {' '.join(argv)}` "
              "(pass rate = passed / tests that ran; skips are the harness's own: Trn3-only, large shapes, ...)", "",
-             "| suite | passed | failed | skipped | xfail | pass rate | s (max test) | MB (max RSS) | main failure causes |",
+             "| suite | passed | failed | skipped | xfail | pass rate | s (max test) | MB (max RSS) | main failure "
+             "causes |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["summary"]
