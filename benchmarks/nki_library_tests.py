@@ -47,7 +47,8 @@ HARNESS_DEPENDENCIES = ("pandas", "aws_embedded_metrics", "boto3", "fabric2", "f
                         "pytest_metadata", "pytest_html", "allpairspy", "scipy")
 
 REMOTE_LOCK_SCRIPTS = '''"""Stand-in (nxd_moe benchmark) for nki-library's private
-test/utils/scripts/remote_lock_scripts.py: the names the remote-host core-lock client imports. Simulation mode locks no device cores, so nothing here runs."""
+test/utils/scripts/remote_lock_scripts.py: the names the remote-host core-lock client imports. Simulation mode
+locks no device cores, so nothing here runs."""
 
 import dataclasses
 import enum
