@@ -1140,16 +1140,33 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         skipped_transfers=int(moved_rows == 0)))
 
 
-@instruction
-def quantize_mx(dst, src, dst_scale, name=None) -> None:
-    """MX quantization: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
-    raise HardwareLimitError("quantize_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
-                             "(nisa.get_nc_version() == nc_version.gen3)")
-
-
-@instruction
-def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
-                 accumulate=None, name=None) -> None:
-    """MX matmul: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
-    raise HardwareLimitError("nc_matmul_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
-                             "(nisa.get_nc_version() == nc_version.gen3)")
+# The other instruction families live in their own modules (nxd_moe.nki_kernels.instructions); re-exported so that
+# this module stays the one nki.isa namespace.
+from nxd_moe.nki_kernels.instructions.gather import nc_n_gather  # noqa: E402
+from nxd_moe.nki_kernels.instructions.prng import (  # noqa: E402
+    dropout,
+    rand_get_state,
+    rand_set_state,
+    rng,
+    set_rng_seed,
+)
+from nxd_moe.nki_kernels.instructions.scan import (  # noqa: E402
+    tensor_partition_reduce,
+    tensor_scalar_cumulative,
+    tensor_tensor_scan,
+)
+from nxd_moe.nki_kernels.instructions.select import (  # noqa: E402
+    affine_select,
+    range_select,
+    select_reduce,
+    sequence_bounds,
+)
+from nxd_moe.nki_kernels.instructions.top8 import max8, nc_find_index8, nc_match_replace8, topk  # noqa: E402
+from nxd_moe.nki_kernels.instructions.trn3 import (  # noqa: E402
+    Trn3OnlyError,
+    activate2,
+    exponential,
+    nc_matmul_mx,
+    quantize_mx,
+    rand2,
+)
