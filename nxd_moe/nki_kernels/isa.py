@@ -1142,27 +1142,27 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
 
 # The other instruction families live in their own modules (nxd_moe.nki_kernels.instructions); re-exported so that
 # this module stays the one nki.isa namespace.
-from nxd_moe.nki_kernels.instructions.gather import nc_n_gather  # noqa: E402
-from nxd_moe.nki_kernels.instructions.prng import (  # noqa: E402
+from nxd_moe.nki_kernels.instructions.gather import nc_n_gather  # noqa: E402, F401 -- re-exports
+from nxd_moe.nki_kernels.instructions.prng import (  # noqa: E402, F401 -- re-exports
     dropout,
     rand_get_state,
     rand_set_state,
     rng,
     set_rng_seed,
 )
-from nxd_moe.nki_kernels.instructions.scan import (  # noqa: E402
+from nxd_moe.nki_kernels.instructions.scan import (  # noqa: E402, F401 -- re-exports
     tensor_partition_reduce,
     tensor_scalar_cumulative,
     tensor_tensor_scan,
 )
-from nxd_moe.nki_kernels.instructions.select import (  # noqa: E402
+from nxd_moe.nki_kernels.instructions.select import (  # noqa: E402, F401 -- re-exports
     affine_select,
     range_select,
     select_reduce,
     sequence_bounds,
 )
-from nxd_moe.nki_kernels.instructions.top8 import max8, nc_find_index8, nc_match_replace8, topk  # noqa: E402
-from nxd_moe.nki_kernels.instructions.trn3 import (  # noqa: E402
+from nxd_moe.nki_kernels.instructions.top8 import max8, nc_find_index8, nc_match_replace8, topk  # noqa: E402, F401 -- re-exports
+from nxd_moe.nki_kernels.instructions.trn3 import (  # noqa: E402, F401 -- re-exports
     Trn3OnlyError,
     activate2,
     exponential,
