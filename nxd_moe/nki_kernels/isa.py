@@ -436,7 +436,10 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
 
 
 def _alu(op, a, b):
-    """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers."""
+    """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers; a unary op
+    (``nl.abs``, ``nl.invert``, ``nl.bypass``, ...) acts on ``a`` alone."""
+    if op.name in nl.UNARY_ALU_OPS:
+        return op(_ints(a)) if op.name in nl.INTEGER_ALU_OPS else op(_f32(a))
     if op.name in nl.INTEGER_ALU_OPS:
         return op(_ints(a), _ints(b))
     return op(_f32(a), _f32(b))
@@ -469,9 +472,9 @@ def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, op
 
 
 def _scalar_steps(data, op0, operand0, reverse0, op1=None, operand1=None, reverse1=False):
-    x = _alu(op0, operand0, data) if reverse0 else _alu(op0, data, operand0)
+    x = _alu(op0, operand0, data) if reverse0 and op0.name not in nl.UNARY_ALU_OPS else _alu(op0, data, operand0)
     if op1 is not None:
-        x = _alu(op1, operand1, x) if reverse1 else _alu(op1, x, operand1)
+        x = _alu(op1, operand1, x) if reverse1 and op1.name not in nl.UNARY_ALU_OPS else _alu(op1, x, operand1)
     return x
 
 

@@ -20,7 +20,7 @@ import types
 import numpy as np
 
 from nxd_moe.nki_kernels import isa, language
-from nxd_moe.nki_kernels.compat import frontend, neuron_dtypes
+from nxd_moe.nki_kernels.compat import frontend, neuron_dtypes, nki_typing
 
 
 def _module(name: str, doc: str, **attributes) -> types.ModuleType:
@@ -51,8 +51,7 @@ constants = _module("nki.isa.constants", "NKI's instruction constants (nki.isa.c
 dtypes = _module("nki.language.dtypes", "NKI's dtypes (nki.language.dtypes): NumPy / ml_dtypes dtypes.",
                  **{name: value for name, value in vars(language).items()
                     if not name.startswith("_") and isinstance(value, np.dtype)})
-typing = _module("nki.typing", "NKI's type names (nki.typing).", tensor=language.NkiTensor,
-                 NkiTensor=language.NkiTensor)
+typing = nki_typing
 compiler = _package("nki.compiler", "nki.compiler: the Neuron compiler's driver -- not part of the CPU simulator.")
 compiler.__getattr__ = _no_compiler("nki.compiler")
 tensor = _module("nki.tensor", "nki.tensor: the NKI tensor type.", Tensor=language.NkiTensor,
