@@ -29,6 +29,7 @@ from nxd_moe.nki_kernels.machine import (
     DynSlice,
     NkiTensor,
     VirtualRegister,
+    check_alive,
     current_core,
 )
 
@@ -144,6 +145,19 @@ def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) ->
     return t
 
 
+def shared_constant(constant) -> NkiTensor:
+    """A shared-HBM tensor holding ``constant`` (a NumPy array, or the path of a ``.npy`` file): data the compiler
+    embeds and loads at model load time, so no DMA is counted; both cores of an LNC2 launch share it."""
+    values = np.load(constant) if isinstance(constant, (str, bytes)) or hasattr(constant, "__fspath__") \
+        else np.asarray(constant)
+    if values.dtype == np.float64:
+        raise TypeError("shared_constant: float64 is not an NKI dtype; convert the constant (e.g. to float32) first")
+    t = ndarray(values.shape if values.ndim else (1,), values.dtype, shared_hbm, "shared_constant")
+    if t.alloc.has_data:
+        t.data[...] = values.reshape(t.shape)
+    return t
+
+
 def full(shape, fill_value, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
     """A new tensor filled with ``fill_value`` (a ``memset`` on chip)."""
     from nxd_moe.nki_kernels import isa
@@ -193,6 +207,7 @@ def program_ndim() -> int:
 
 def device_print(print_prefix: str, tensor: NkiTensor) -> None:
     """Print a tensor's values from inside the kernel (simulation only, as in NKI)."""
+    check_alive(tensor)  # a read: pending PSUM accumulation is stored first
     print(print_prefix, tensor.data)
 
 
@@ -244,6 +259,8 @@ def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     for i in range(first, last, step):
         core.accounting.dynamic_iterations += 1
         core.accounting.branches += 1
+        if core.trace is not None:  # a hardware loop iteration: nothing is scheduled across its boundary
+            core.trace.begin(fence=True)
         with core.scope():
             yield VirtualRegister(core, i)
     core.accounting.branches += 1
@@ -308,6 +325,8 @@ left_shift = Op("left_shift", np.left_shift)
 right_shift = Op("right_shift", np.right_shift)
 mod = Op("mod", np.mod)
 fmod = Op("fmod", np.fmod)
+invert = Op("invert", np.invert)  # bitwise not (a unary bitvec ALU op)
+bypass = Op("bypass", lambda x, *unused: x)  # passes its data through: skips an instruction's op0 / op1 stage
 
 copy = Op("copy", lambda x: x)
 silu = Op("silu", lambda x: x * _sigmoid(x))
@@ -334,12 +353,39 @@ mish = Op("mish", lambda x: (x * np.tanh(np.logaddexp(np.float32(0.0), x))).asty
 sin = Op("sin", np.sin)
 cos = Op("cos", np.cos)
 erf = Op("erf", _erf)
+arctan = Op("arctan", np.arctan)
+tan = Op("tan", np.tan)
+ceil = Op("ceil", np.ceil)
+floor = Op("floor", np.floor)
+trunc = Op("trunc", np.trunc)
+logical_not = Op("logical_not", lambda x: np.logical_not(x).astype(np.float32))
+# PReLU's negative slope is the instruction's relu_param (NeuronCore-v4's activate2); nisa.activation has none,
+# so there its slope is 0.
+prelu = Op("prelu", lambda x, alpha=0.0: np.where(x >= 0, x, np.float32(alpha) * x).astype(np.float32))
+
+
+def _phi(x):
+    return (np.exp(-0.5 * x * x) / np.float32(math.sqrt(2.0 * math.pi))).astype(np.float32)
+
+
+# Derivatives (the backward passes' activation functions)
+gelu_dx = Op("gelu_dx", lambda x: (0.5 * (1.0 + _erf(x / np.float32(math.sqrt(2.0)))) + x * _phi(x)).astype(
+    np.float32))
+silu_dx = Op("silu_dx", lambda x: (_sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x)))).astype(np.float32))
+gelu_apprx_sigmoid_dx = Op("gelu_apprx_sigmoid_dx", lambda x: (
+    _sigmoid(np.float32(1.702) * x) * (1.0 + np.float32(1.702) * x * (1.0 - _sigmoid(np.float32(1.702) * x)))
+).astype(np.float32))
+erf_dx = Op("erf_dx", lambda x: (np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x)).astype(np.float32))
 
 ACTIVATION_FUNCTIONS = {op.name: op for op in (
     copy, silu, gelu, relu, sigmoid, tanh, leaky_relu, gelu_apprx_sigmoid, gelu_apprx_tanh, exp, log, sqrt, rsqrt,
-    reciprocal, square, abs, negative, sign, softplus, mish, sin, cos, erf)}
+    reciprocal, square, abs, negative, sign, softplus, mish, sin, cos, erf, arctan, prelu, gelu_dx, silu_dx,
+    gelu_apprx_sigmoid_dx, erf_dx)}
 ALU_OPS = {op.name: op for op in (
     add, subtract, multiply, maximum, minimum, equal, not_equal, divide, power, less, less_equal, greater,
     greater_equal, abs_max, abs_min, logical_and, logical_or, logical_xor, bitwise_and, bitwise_or, bitwise_xor,
-    left_shift, right_shift, mod, fmod)}
-INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift")
+    left_shift, right_shift, mod, fmod, abs, square, relu, rsqrt, reciprocal, invert, bypass)}
+INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "invert")
+# Unary ALU ops (NKI's "Arithmetic Unary" and bitwise not, and bypass) act on the data alone: an instruction's
+# scalar operand is ignored.
+UNARY_ALU_OPS = ("abs", "square", "relu", "rsqrt", "reciprocal", "invert", "bypass")

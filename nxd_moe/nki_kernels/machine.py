@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import math
 import threading
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from nxd_moe.nki_kernels.accounting import Accounting
+from nxd_moe.nki_kernels.liveness import Trace, psum_banks
 
 PMAX = 128  # nl.tile_size.pmax: partitions of SBUF/PSUM, and of any on-chip tile
 SBUF_PARTITION_BYTES = 224 * 1024
@@ -72,40 +74,98 @@ def _dummy(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape))
 
 
+_SERIALS = itertools.count()
+
+
 class Allocation:
     """One ``nl.ndarray``: its memory, where it lives and whether it is still alive."""
 
     def __init__(self, name: str, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...], numerics: bool,
-                 owner: int | None):
+                 owner: int | None, data: np.ndarray | None = None):
         self.name = name
         self.buffer = buffer
         self.dtype = np.dtype(dtype)
         self.shape = shape
         self.owner = owner
+        self.serial = next(_SERIALS)
         self.alive = True
         self.release: Callable[[], None] = lambda: None
-        self.born: int | None = None  # liveness: the core clock at allocation and at the last use
-        self.last_use: int | None = None
         # Counting runs keep real storage for integers (they steer control flow) and for on-chip tensors (bounded by
         # SBUF / PSUM), so index arithmetic routed through float tiles (an int -> fp32 -> transpose -> int round
         # trip) stays exact; ``known`` is False once a tensor holds values derived from data-less (HBM float) inputs.
         self.has_data = numerics or is_integer(self.dtype) or buffer in (Buffer.SBUF, Buffer.PSUM)
         self.known = self.has_data
-        if self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
+        if self.has_data and data is not None:  # given contents (a kernel argument)
+            self.data = data
+        elif self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
             self.data = np.full(shape + (self.dtype.itemsize,), 0xFF, np.uint8).view(self.dtype).reshape(shape)
         elif self.has_data:
             fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
             self.data = np.full(shape, fill, dtype=self.dtype)
         else:
             self.data = _dummy(shape, self.dtype)
-        # PSUM remembers what nc_matmul wrote, for its accumulate rules.
+        # PSUM remembers what nc_matmul wrote, for its accumulate rules, and holds the accumulation group being
+        # built (see PendingMatmul).
         self.matmul_written = np.zeros(shape, dtype=bool) if buffer is Buffer.PSUM else None
+        self.pending: PendingMatmul | None = None
+        self.read_by_pending: list[Allocation] = []  # PSUM tensors whose pending group reads this one
         free = math.prod(shape[1:]) if len(shape) > 1 else 1
         self.bytes_per_partition = free * self.dtype.itemsize
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+
+class PendingMatmul:
+    """An accumulation group not yet added up: consecutive ``nc_matmul`` into one PSUM region, each ``(K, M).T @
+    (K, N)``, are the single product of their operands stacked along K. It is computed as one BLAS call (fp32, as
+    PSUM accumulates) when anything touches the PSUM tensor or writes an operand (:func:`settle`): the slicing into
+    128-row matmuls is the hardware's, not the arithmetic's, and one large product is ~20x faster than many small
+    ones. The operands are kept as views, not copies, for the same reason.
+    """
+
+    def __init__(self, dst: "NkiTensor", adds_to: np.ndarray | None):
+        self.dst = dst
+        self.key = (dst.offset, dst.shape, dst.strides)
+        self.adds_to = adds_to  # (M, N) bool: elements the group adds to (None: it overwrites them all)
+        self.stationary: list[np.ndarray] = []
+        self.moving: list[np.ndarray] = []
+
+    def add(self, stationary: "NkiTensor", moving: "NkiTensor") -> None:
+        k = stationary.partitions
+        self.stationary.append(stationary.data.reshape(k, stationary.free_size))
+        self.moving.append(moving.data.reshape(k, moving.free_size))
+        for operand in (stationary.alloc, moving.alloc):
+            if not operand.read_by_pending or operand.read_by_pending[-1] is not self.dst.alloc:
+                operand.read_by_pending.append(self.dst.alloc)
+
+    def total(self) -> np.ndarray:
+        product = fp32_matmul(_stacked(self.stationary), _stacked(self.moving))
+        if self.adds_to is not None and self.adds_to.any():
+            held = self.dst.data.astype(np.float32).reshape(product.shape)
+            product = np.where(self.adds_to, held + product, product)
+        return product
+
+
+def _stacked(parts: list[np.ndarray]) -> np.ndarray:
+    whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return whole.astype(np.float32)
+
+
+def fp32_matmul(stationary: np.ndarray, moving: np.ndarray) -> np.ndarray:
+    """``stationary (K, M).T @ moving (K, N)`` in fp32, on the calling thread (BLAS's own threads only fight the
+    cores of an LNC2 launch: see ``lnc.simulate``)."""
+    import torch
+
+    return (torch.from_numpy(stationary).T @ torch.from_numpy(moving)).numpy()
+
+
+def settle(alloc: "Allocation") -> None:
+    """Store a PSUM tensor's pending accumulation group (before anything reads or writes the tensor)."""
+    pending, alloc.pending = alloc.pending, None
+    if pending is not None:
+        pending.dst.data[...] = pending.total().reshape(pending.dst.shape).astype(pending.dst.dtype)
 
 
 class DynSlice:
@@ -133,7 +193,7 @@ class NkiTensor:
     the view methods refuse to move or merge it.
     """
 
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "data", "written")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "_data", "_written", "outside")
 
     def __init__(self, alloc: Allocation, shape, strides, offset: int = 0, dtype=None):
         self.alloc = alloc
@@ -145,12 +205,29 @@ class NkiTensor:
             raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {self.shape} selects an empty region")
         lo, hi = self._extent()
         limit = alloc.size * alloc.dtype.itemsize // self.dtype.itemsize
+        # A view reaching outside its tensor is legal until an instruction accesses it, as on hardware: kernels build
+        # such patterns only for their shape (nki-library: ``nl.ndarray(t.ap(...).shape, ...)``).
+        self.outside = None
         if lo < 0 or hi >= limit:
-            raise HardwareLimitError(f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside "
-                                     "tensor "
-                                     f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
-        self.data = self._strided(alloc.data, alloc.has_data)
-        self.written = None if alloc.matmul_written is None else self._strided(alloc.matmul_written, True)
+            self.outside = (f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside tensor "
+                            f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
+        self._data = self._written = None  # NumPy views, made on first use: most views are only passed along
+
+    @property
+    def data(self) -> np.ndarray:
+        """The elements, a NumPy view of the allocation's storage (a zero-stride stand-in without data)."""
+        if self._data is None:
+            if self.outside is not None:
+                raise HardwareLimitError(self.outside)
+            self._data = self._strided(self.alloc.data, self.alloc.has_data)
+        return self._data
+
+    @property
+    def written(self) -> np.ndarray | None:
+        """PSUM only: which elements an ``nc_matmul`` has written."""
+        if self._written is None and self.alloc.matmul_written is not None and self.outside is None:
+            self._written = self._strided(self.alloc.matmul_written, True)
+        return self._written
 
     def _extent(self) -> tuple[int, int]:
         lo = self.offset + sum(min(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
@@ -559,6 +636,8 @@ class VirtualRegister:
 
     def __bool__(self) -> bool:
         self.core.accounting.branches += 1
+        if self.core.trace is not None:  # a branch on the device: nothing is scheduled across it
+            self.core.trace.begin(fence=True)
         return self.value != 0
 
     def __repr__(self) -> str:
@@ -627,12 +706,11 @@ class Core:
         self.accounting = Accounting()
         self._scopes: list[list[Allocation]] = [[]]
         self._private_count = 0
-        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use. With liveness
-        # (the compat front door) on-chip tensors occupy memory from allocation to their last use by an instruction,
-        # and capacity is checked over those lifetimes when the kernel ends (check_liveness).
+        # Real NKI loops are plain Python ranges and the compiler allocates on-chip memory over the instructions'
+        # dependencies. With liveness (the compat front door) the instruction stream is traced and capacity is
+        # checked when the kernel ends (check_liveness; see nxd_moe.nki_kernels.liveness).
         self.liveness = bool(getattr(launch, "liveness", False))
-        self.clock = 0
-        self._on_chip: list[Allocation] = []
+        self.trace = Trace() if self.liveness else None
         self.replays: dict[Hashable, Accounting] = {}
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
 
@@ -666,8 +744,6 @@ class Core:
         else:
             memory, amount = self.psum, -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
         if self.liveness:
-            alloc.born = alloc.last_use = self.tick()
-            self._on_chip.append(alloc)
             return whole(alloc)
         memory.reserve(amount, f"tensor {label!r} {shape} {alloc.dtype}")
         alloc.release = _Release(memory, amount)
@@ -691,34 +767,18 @@ class Core:
         alloc.alive = False
         alloc.release()
 
-    def tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     def check_liveness(self) -> None:
-        """With liveness: the SBUF / PSUM high-water marks over the tensors' lifetimes (allocation to last use),
-        raising :class:`HardwareLimitError` when one exceeds its capacity."""
-        for memory, buffer in ((self.sbuf, Buffer.SBUF), (self.psum, Buffer.PSUM)):
-            allocs = [a for a in self._on_chip if a.buffer is buffer]
-            size = (lambda a: a.bytes_per_partition) if buffer is Buffer.SBUF else (
-                lambda a: -(-a.bytes_per_partition // PSUM_BANK_BYTES))
-            events = sorted([(a.born, 1, a) for a in allocs] + [(a.last_use, 2, a) for a in allocs],
-                            key=lambda e: (e[0], e[1]))
-            used, peak, live, at_peak = 0, 0, set(), []
-            for _, kind, a in events:
-                if kind == 1:
-                    used += size(a)
-                    live.add(a)
-                    if used > peak:
-                        peak, at_peak = used, list(live)
-                else:
-                    used -= size(a)
-                    live.discard(a)
-            memory.high_water = peak
-            if peak > memory.capacity:
-                names = ", ".join(sorted({a.name for a in at_peak})[:8])
-                raise HardwareLimitError(f"{memory.name} over capacity: {peak} {memory.unit} live at once (tensors "
-                                         f"{names}{', ...' if len(at_peak) > 8 else ''}) exceeds {memory.capacity}")
+        """With liveness: the SBUF / PSUM high-water marks of the traced kernel, raising :class:`HardwareLimitError`
+        when what must be live at once under any schedule exceeds a capacity."""
+        for memory, buffer, size in ((self.sbuf, Buffer.SBUF, lambda a: a.bytes_per_partition),
+                                     (self.psum, Buffer.PSUM, lambda a: psum_banks(a, PSUM_BANK_BYTES))):
+            footprint = self.trace.footprint(buffer, size, memory.capacity)
+            memory.high_water = footprint.peak
+            if footprint.peak > memory.capacity:
+                names = footprint.tensors
+                raise HardwareLimitError(f"{memory.name} over capacity: {footprint.peak} {memory.unit} live at once "
+                                         f"under any instruction schedule (tensors {', '.join(names[:8])}"
+                                         f"{', ...' if len(names) > 8 else ''}) exceeds {memory.capacity}")
         self.accounting.sbuf_high_water = self.sbuf.high_water
         self.accounting.psum_high_water_banks = self.psum.high_water
 
@@ -761,19 +821,50 @@ def whole(alloc: Allocation) -> NkiTensor:
     return NkiTensor(alloc, alloc.shape, _row_major(alloc.shape))
 
 
-def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
-    """A kernel argument: ``array`` copied into shared HBM."""
-    alloc = Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None)
-    if alloc.has_data:
-        alloc.data[...] = array
-    return whole(alloc)
+def hbm_tensor(array: np.ndarray, name: str, numerics: bool, alias: bool = False) -> NkiTensor:
+    """A kernel argument in shared HBM: a copy of ``array``, or with ``alias`` (a writeable C-contiguous array) the
+    array itself -- what the kernel writes lands in it, and a large weight costs no second copy."""
+    own = alias and array.flags.c_contiguous and array.flags.writeable
+    data = array if own else np.array(array, order="C")
+    return whole(Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None, data))
 
 
-def check_alive(*tensors) -> None:
-    """Every instruction passes its tensors here: a freed tensor raises; with liveness, the use is recorded."""
+def check_alive(*tensors, write: bool = False, settled: bool = True) -> None:
+    """Every instruction passes the tensors it reads (or, ``write=True``, writes) here: a freed tensor, or a view
+    reaching outside its tensor, raises; with liveness, the access is traced; a pending matmul accumulation is
+    stored first (unless ``settled=False``: ``nc_matmul`` extending it)."""
     for t in tensors:
-        if isinstance(t, NkiTensor) and t.alloc.born is not None:
-            t.alloc.last_use = current_core().tick()
-        if isinstance(t, NkiTensor) and not t.alloc.alive:
+        if not isinstance(t, NkiTensor):
+            continue
+        if settled and t.alloc.pending is not None:
+            settle(t.alloc)
+        if write and t.alloc.read_by_pending:  # a pending product reads the old values: compute it first
+            for psum in t.alloc.read_by_pending:
+                settle(psum)
+            t.alloc.read_by_pending.clear()
+        if t.outside is not None:
+            raise HardwareLimitError(t.outside)
+        trace = current_core().trace
+        if trace is not None:
+            trace.access(t.alloc, write, write and t.size * t.dtype.itemsize >= t.alloc.size * t.alloc.dtype.itemsize)
+        if not t.alloc.alive:
             raise RuntimeError(f"tensor {t.name!r} is used after the loop iteration that allocated it ended; "
                                "allocate tensors that outlive an iteration before the loop")
+
+
+def instruction(fn: Callable | None = None, *, fence: bool = False):
+    """Mark an ``nisa`` function as one instruction for the liveness trace (``fence``: nothing is reordered across
+    it -- barriers, cross-core exchanges, registers)."""
+
+    def decorate(f):
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            core = getattr(_CURRENT, "core", None)
+            if core is None or core.trace is None:
+                return f(*args, **kwargs)
+            with core.trace.instruction(fence):
+                return f(*args, **kwargs)
+
+        return run
+
+    return decorate if fn is None else decorate(fn)

@@ -84,8 +84,8 @@ def test_ap_on_chip_and_in_hbm_address_row_major_storage(k):
         every_other = t.ap([[16, 8], [2, 8]], offset=1)  # partitions step by a whole row
         with pytest.raises(HardwareLimitError, match="partition step"):
             t.ap([[3, 8], [1, 2]])
-        with pytest.raises(HardwareLimitError, match="reaches outside"):
-            a.ap([[16, 8], [1, 16]], offset=1)
+        outside = a.ap([[16, 8], [1, 16]], offset=1)  # legal to build; an access raises (test_compat_fidelity)
+        assert outside.shape == (8, 16)
         as_bf16 = _load(nl, nisa, a.ap([[32, 8], [1, 32]], dtype=nl.bfloat16))
         return _store(nl, nisa, every_other), _store(nl, nisa, as_bf16)
 
