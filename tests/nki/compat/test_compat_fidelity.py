@@ -268,3 +268,24 @@ def test_gpsimd_cannot_access_psum_in_any_instruction(k):
                 call()
 
     compat.run(body)
+
+
+def test_tensor_copy_converts_through_fp32_fp8_by_table_ints_to_nearest(k):
+    nl, nisa = k
+    import ml_dtypes
+
+    every_fp8 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3).reshape(2, 128)
+    floats = np.array([[0.4, 0.6, 1.5, -2.6]], np.float32)
+
+    def body(a, f):
+        t, tf = _load(nl, nisa, a), _load(nl, nisa, f)
+        wide = nl.ndarray(a.shape, nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=wide, src=t)
+        ints = nl.ndarray(f.shape, nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=ints, src=tf)
+        return _store(nl, nisa, wide), _store(nl, nisa, ints)
+
+    wide, ints = compat.run(body, every_fp8, floats).outputs
+    np.testing.assert_array_equal(wide.view(np.uint16), every_fp8.astype(np.float32).astype(ml_dtypes.bfloat16)
+                                  .view(np.uint16))  # all 256 codes, NaN and Inf included, bit for bit
+    np.testing.assert_array_equal(ints, [[0, 1, 2, -3]])
