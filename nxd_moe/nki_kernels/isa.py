@@ -34,6 +34,7 @@ from nxd_moe.nki_kernels.machine import (
     OutOfBoundsError,
     PendingMatmul,
     VirtualRegister,
+    cast,
     check_alive,
     current_core,
     fp32_matmul,
@@ -173,7 +174,7 @@ def _mark_unknown(dst: NkiTensor, sources) -> None:
 def _f32(value) -> np.ndarray | float:
     """An operand as fp32: a tile flattened to ``(partitions, elements per partition)``, or a number."""
     if isinstance(value, NkiTensor):
-        return value.data.astype(np.float32).reshape(value.partitions, value.free_size)
+        return cast(value.data, np.float32).reshape(value.partitions, value.free_size)
     return np.float32(value)
 
 
@@ -183,7 +184,7 @@ def _store(dst: NkiTensor, values) -> None:
         values = np.rint(values)
     if values.size == dst.size and values.shape != dst.shape:
         values = values.reshape(dst.shape)
-    dst.data[...] = np.broadcast_to(values, dst.shape).astype(dst.dtype)
+    np.copyto(dst.data, values, casting="unsafe")
 
 
 def _wide(*tensors) -> bool:
@@ -271,15 +272,17 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
                                      "128 x 128 PE array (sizes 32, 64 or 128; positions multiples of the size)")
         if k > rows or m > cols:
             raise HardwareLimitError(f"{op}: stationary ({k}, {m}) does not fit the PE tile {tile_size}")
-    if accumulate is True and not dst.written.all():
-        raise HardwareLimitError(f"{op}: accumulate=True onto PSUM tile {dst.name!r} that no nc_matmul initialised "
-                                 "(undefined behaviour on hardware)")
     core = current_core()
     adds = accumulate is not False and not is_transpose
-    if adds and dst.written.any():
-        check_alive(dst, settled=False)  # it adds to what the bank holds: a read of it
     pending = dst.alloc.pending
-    if pending is not None and not (adds and pending.key == (dst.offset, dst.shape, dst.strides)):
+    # Extending the accumulation group being built on this region: it is written, and nothing else touched it.
+    continuing = adds and pending is not None and pending.key == (dst.offset, dst.shape, dst.strides)
+    if accumulate is True and not continuing and not dst.written.all():
+        raise HardwareLimitError(f"{op}: accumulate=True onto PSUM tile {dst.name!r} that no nc_matmul initialised "
+                                 "(undefined behaviour on hardware)")
+    if continuing or (adds and dst.written.any()):
+        check_alive(dst, settled=False)  # it adds to what the bank holds: a read of it
+    if pending is not None and not continuing:
         settle(dst.alloc)  # another region, or an overwrite: the group so far is complete
         pending = None
     if _computes(dst, stationary, moving):
@@ -293,7 +296,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
             if pending is None:
                 pending = dst.alloc.pending = PendingMatmul(dst, dst.written.reshape(m, n).copy() if adds else None)
             pending.add(stationary, moving)
-    dst.written[...] = True
+    if not continuing:
+        dst.written[...] = True
     if is_transpose:
         core.accounting.transposes += 1
         core.accounting.record("tensor", "transpose", n, stationary.dtype == nl.float32)
@@ -530,7 +534,10 @@ def tensor_copy(dst, src, engine=None, name=None) -> None:
     on = _engine(engine, "vector", op=label)
     _reaches(on, label, dst, src)
     if _computes(dst, src):
-        _store(dst, src.data if is_integer(src.dtype) or src.dtype == dst.dtype else _f32(src))
+        if is_integer(src.dtype) or src.dtype == dst.dtype:
+            _store(dst, src.data)
+        else:  # through fp32; an integer dst rounds to nearest (_store)
+            _store(dst, _f32(src) if is_integer(dst.dtype) else cast(src.data, dst.dtype))
     _account(on, label, src, dst)
 
 

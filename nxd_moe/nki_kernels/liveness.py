@@ -118,7 +118,7 @@ class Trace:
         values = entry[1]
         value = values[-1]
         if write:
-            fresh = covers and value.reads and i not in value.reads
+            fresh = covers and value.reads and value.reads[-1] != i  # not read by this instruction either
             if fresh:
                 value = Generation()
                 values.append(value)

@@ -69,6 +69,20 @@ def is_integer(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.integer)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_table(src: np.dtype, dst: np.dtype) -> np.ndarray:
+    return np.arange(256, dtype=np.uint8).view(src).astype(np.float32).astype(dst)
+
+
+def cast(values: np.ndarray, dtype) -> np.ndarray:
+    """``values.astype(dtype)`` through fp32 (how engines convert). One-byte floats (fp8) go through a 256-entry table
+    -- the same values, ~4x faster than ``ml_dtypes``' element loop."""
+    dtype = np.dtype(dtype)
+    if values.dtype.itemsize == 1 and values.dtype.kind not in "biu" and values.dtype.names is None:
+        return np.take(_byte_table(values.dtype, dtype), values.view(np.uint8))
+    return values.astype(np.float32).astype(dtype, copy=False) if dtype != np.float32 else values.astype(dtype)
+
+
 def _dummy(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A zero-stride stand-in of ``shape``: slicing it gives the right shapes, and it costs one element."""
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape))

@@ -11,6 +11,8 @@ from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.machine import HardwareLimitError
 
+from test_compat_ops import _load, _store  # the same test helpers (pytest puts this folder on sys.path)
+
 rng = np.random.default_rng(7)
 
 
@@ -22,51 +24,29 @@ def k(nki_compat):  # noqa: F811
     return nl, nisa
 
 
-def _load(nl, nisa, a):
-    t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=a)
-    return t
-
-
-def _store(nl, nisa, t):
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ engines
 
 
 def test_transpose_into_sbuf_runs_on_the_vector_engine(k):
-    """NKI: without ``engine`` the compiler picks; only the Vector Engine writes SBUF (32 x 32 at most)."""
+    """NKI: without ``engine`` the compiler picks; only the Vector Engine writes SBUF, 32 x 32 at most."""
     nl, nisa = k
     x = rng.standard_normal((32, 24)).astype(np.float32)
+    tall = rng.standard_normal((64, 16)).astype(np.float32)
 
-    def body(a):
+    def body(a, b):
         t = _load(nl, nisa, a)
         out = nl.ndarray((24, 32), nl.float32, buffer=nl.sbuf)
         nisa.nc_transpose(dst=out, data=t)
         with pytest.raises(HardwareLimitError, match="is in sbuf; it must be in psum"):
             nisa.nc_transpose(dst=out, data=t, engine=nisa.tensor_engine)
+        with pytest.raises(HardwareLimitError, match="vector engine transpose limit 32 x 32"):
+            nisa.nc_transpose(dst=nl.ndarray((16, 64), nl.float32, buffer=nl.sbuf), data=_load(nl, nisa, b))
         return _store(nl, nisa, out)
 
-    run = compat.run(body, x)
+    run = compat.run(body, x, tall)
     np.testing.assert_array_equal(run.outputs, x.T)
     assert run.accounting.transposes == 0  # not a Tensor Engine transpose
     assert any(key[0] == "vector" and key[1] == "transpose" for key in run.accounting.engine_ops)
-
-
-def test_transpose_into_sbuf_larger_than_32_is_rejected(k):
-    nl, nisa = k
-    x = rng.standard_normal((64, 16)).astype(np.float32)
-
-    def body(a):
-        t = _load(nl, nisa, a)
-        out = nl.ndarray((16, 64), nl.float32, buffer=nl.sbuf)
-        nisa.nc_transpose(dst=out, data=t)
-
-    with pytest.raises(HardwareLimitError, match="vector engine transpose limit 32 x 32"):
-        compat.run(body, x)
 
 
 # ------------------------------------------------------------------------------------------------ access patterns
@@ -268,3 +248,24 @@ def test_gpsimd_cannot_access_psum_in_any_instruction(k):
                 call()
 
     compat.run(body)
+
+
+def test_tensor_copy_converts_through_fp32_fp8_by_table_ints_to_nearest(k):
+    nl, nisa = k
+    import ml_dtypes
+
+    every_fp8 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3).reshape(2, 128)
+    floats = np.array([[0.4, 0.6, 1.5, -2.6]], np.float32)
+
+    def body(a, f):
+        t, tf = _load(nl, nisa, a), _load(nl, nisa, f)
+        wide = nl.ndarray(a.shape, nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=wide, src=t)
+        ints = nl.ndarray(f.shape, nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=ints, src=tf)
+        return _store(nl, nisa, wide), _store(nl, nisa, ints)
+
+    wide, ints = compat.run(body, every_fp8, floats).outputs
+    np.testing.assert_array_equal(wide.view(np.uint16), every_fp8.astype(np.float32).astype(ml_dtypes.bfloat16)
+                                  .view(np.uint16))  # all 256 codes, NaN and Inf included, bit for bit
+    np.testing.assert_array_equal(ints, [[0, 1, 2, -3]])
