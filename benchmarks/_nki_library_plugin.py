@@ -1,9 +1,14 @@
 """pytest plugin that ``benchmarks/nki_library_tests.py`` loads into every suite process (``-p _nki_library_plugin``).
 
+Each test's dumped artifacts (``--output-directory``, the harness's ``neuron_test_output``) are deleted after it.
+
 Per test it writes JSON lines to ``$NKI_LIBRARY_TESTS_REPORT``: a ``start`` line before the test (so a process that
 dies mid-test leaves its culprit named), and an ``end`` line with the outcome, the cause of a failure or skip
 (the exception's last line), the duration, the process's memory high-water mark, and one summary per kernel launch
 (DMA bytes, instructions per engine, matmul FLOPs, SBUF/PSUM high-water marks, the Trn2 cost model's estimate).
+
+``$NKI_LIBRARY_TESTS_SAMPLE`` (N > 1) keeps every N-th collected test (after the harness's own skips are marked;
+the others are deselected): a fixed, deterministic sample of a large suite.
 
 ``$NKI_LIBRARY_TESTS_TIMEOUT`` (seconds) bounds each test: the first alarm raises :class:`TestTimeout` in the test;
 a test still running a minute later is ended with the process (``os._exit``) after its ``end`` line is written.
@@ -14,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +31,7 @@ from nxd_moe.nki_kernels.cost_model import TRN2
 
 _REPORT = os.environ.get("NKI_LIBRARY_TESTS_REPORT")
 _TIMEOUT = float(os.environ.get("NKI_LIBRARY_TESTS_TIMEOUT", "0") or 0)
+_SAMPLE = int(os.environ.get("NKI_LIBRARY_TESTS_SAMPLE", "0") or 0)
 _HARD_GRACE_S = 60.0
 
 
@@ -118,6 +126,13 @@ def pytest_configure(config) -> None:
     frontend.launch_hooks.append(_record_launch)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items) -> None:
+    if _SAMPLE > 1:
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % _SAMPLE])
+        items[:] = items[::_SAMPLE]
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _launches.clear()
@@ -132,6 +147,15 @@ def pytest_runtest_protocol(item, nextitem):
         if _TIMEOUT > 0:
             signal.setitimer(signal.ITIMER_REAL, 0)
         _end(item.nodeid)
+        _remove_artifacts(item.config)
+
+
+def _remove_artifacts(config) -> None:
+    """The harness dumps every test's inputs and outputs under ``--output-directory`` (GBs for its sweep tests);
+    nothing here reads them, so each test's are deleted after it."""
+    root = Path(config.getoption("--output-directory", "neuron_test_output"))  # relative to the working directory
+    for path in root.glob("out-*") if root.is_dir() else ():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,7 +1,7 @@
 """AWS nki-library's own test suites in ``--test-mode simulation`` on the nxd_moe NKI simulator: the conformance bar.
 
     python benchmarks/nki_library_tests.py PATH [--suite core/max ...] [--jobs N] [--timeout S] [--mem-gb G]
-        [--site DIR] [--out FILE] [--docs docs/nki.md] [pytest args...]
+        [--sample N] [--site DIR] [--out FILE] [--docs docs/nki.md [--docs-section NAME]] [pytest args...]
 
 ``PATH`` is a checkout of github.com/aws-neuron/nki-library (not vendored). The benchmark
 
@@ -13,11 +13,12 @@
    reads the attribute, which only compilation sets);
 2. runs each suite (a directory or file under ``test/integration/nkilib``; default every ``core/`` family) in its
    own process through the front door ``python -m nxd_moe.nki_kernels.compat -m pytest SUITE --test-mode
-   simulation``, ``--jobs`` at a time, each test under ``--timeout`` seconds and each process under ``--mem-gb`` of
+   simulation``, ``--jobs`` at a time (``--sample N``: every N-th collected test of each suite), each test under ``--timeout`` seconds and each process under ``--mem-gb`` of
    address space (a test over it fails with ``MemoryError``);
 3. writes JSON (``--out``): per suite pass / fail / skip counts, per failure its cause, per test its time and memory,
    and for each kernel launch its DMA bytes, instruction counts and the Trn2 cost model's estimate; and (``--docs``)
-   replaces the table between ``<!-- nki_library_tests:begin -->`` and ``<!-- nki_library_tests:end -->``.
+   replaces the table between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (``--docs-section NAME``, default
+   ``nki_library_tests``).
 
 Extra arguments go to pytest (``-k 'lnc-1'``, ``-x``). nki-library's harness needs its test dependencies
 (``pandas aws-embedded-metrics boto3 fabric2 filelock plotext pytest-xdist pytest-metadata pytest-html allpairspy
@@ -136,11 +137,12 @@ def default_suites(checkout: Path) -> list[str]:
     return sorted(f"core/{p.name}" for p in core.iterdir() if p.is_dir() and not p.name.startswith("__"))
 
 
-def environment(checkout: Path, site: list[str], report: Path, timeout: float) -> dict:
+def environment(checkout: Path, site: list[str], report: Path, timeout: float, sample: int = 0) -> dict:
     env = dict(os.environ)
     paths = [str(BENCHMARKS), str(REPO), *site, str(checkout / "src"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.update(NKI_LIBRARY_TESTS_REPORT=str(report), NKI_LIBRARY_TESTS_TIMEOUT=str(timeout),
+               NKI_LIBRARY_TESTS_SAMPLE=str(sample),
                MALLOC_ARENA_MAX="2", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     return env
 
@@ -162,14 +164,15 @@ def _limit_memory(gb: float):
 
 
 def run_suite(checkout: Path, suite: str, pytest_args: list[str], site: list[str], timeout: float, mem_gb: float,
-              logs: Path) -> dict:
+              logs: Path, sample: int = 0) -> dict:
     """One suite in one process; returns its per-test records."""
     name = suite.replace("/", "_").removesuffix(".py")
     report, log = logs / f"{name}.jsonl", logs / f"{name}.log"
     report.unlink(missing_ok=True)
-    env = environment(checkout, site, report, timeout)
+    env = environment(checkout, site, report, timeout, sample)
     command = [sys.executable, "-m", "nxd_moe.nki_kernels.compat", "-m", "pytest", str(SUITE_ROOT / suite),
                "--test-mode", "simulation", "-p", "_nki_library_plugin", "-p", "no:cacheprovider", "-q",
+               "--continue-on-collection-errors",
                "-o", "addopts=", *pytest_args]
     t0 = time.perf_counter()
     with open(log, "w") as out:
@@ -249,8 +252,8 @@ def markdown(results: list[dict], commit: str, argv: list[str]) -> str:
     return "\n".join(lines)
 
 
-def update_docs(path: Path, table: str) -> None:
-    begin, end = "<!-- nki_library_tests:begin -->", "<!-- nki_library_tests:end -->"
+def update_docs(path: Path, table: str, section: str = "nki_library_tests") -> None:
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
     text = path.read_text()
     if begin not in text or end not in text:
         raise SystemExit(f"{path}: no {begin} ... {end} section to replace")
@@ -268,11 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="suites run at once (default 1)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test (default 300)")
     parser.add_argument("--mem-gb", type=float, default=8.0, help="address space per process in GiB (default 8)")
+    parser.add_argument("--sample", type=int, default=0, help="run every N-th collected test of each suite")
     parser.add_argument("--site", action="append", default=[], help="a directory with the harness's dependencies")
     parser.add_argument("--scratch", type=Path, help="where to make the scratch copy (default: a temporary directory)")
     parser.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/nki_library_tests_<commit>"
                                                  ".json)")
     parser.add_argument("--docs", type=Path, help="also write the table into this markdown file's marked section")
+    parser.add_argument("--docs-section", default="nki_library_tests",
+                        help="the section's marker name: <!-- NAME:begin --> ... <!-- NAME:end -->")
     ns, pytest_args = parser.parse_known_args(argv)
     commit = commit_of(ns.path)
     scratch = ns.scratch or Path(tempfile.mkdtemp(prefix="nki_library_tests_"))
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
 
     def one(suite: str) -> dict:
-        result = run_suite(checkout, suite, pytest_args, site, ns.timeout, ns.mem_gb, logs)
+        result = run_suite(checkout, suite, pytest_args, site, ns.timeout, ns.mem_gb, logs, ns.sample)
         result["summary"] = summarise(result)
         s = result["summary"]
         print(f"  {suite:40s} {s['passed']:4d} passed {s['failed']:4d} failed {s['skipped']:4d} skipped "
@@ -299,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     with ThreadPoolExecutor(max(1, ns.jobs)) as pool:
         results = list(pool.map(one, suites))
     document = {"nki_library_commit": commit, "argv": argv, "pytest_args": pytest_args,
-                "per_test_timeout_s": ns.timeout, "mem_gb": ns.mem_gb, "jobs": ns.jobs,
+                "per_test_timeout_s": ns.timeout, "mem_gb": ns.mem_gb, "jobs": ns.jobs, "sample": ns.sample,
                 "seconds": round(time.perf_counter() - t0, 1),
                 "totals": {key: sum(r["summary"][key] for r in results) for key in ("passed", "failed", "skipped",
                                                                                     "xfailed")},
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"wrote {out}")
     if ns.docs:
-        update_docs(ns.docs, table)
+        update_docs(ns.docs, table, ns.docs_section)
         print(f"updated {ns.docs}")
     return 0
 

@@ -227,14 +227,22 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
     ``accumulate``: ``None`` overwrites PSUM no matmul has written yet and adds to what one has; ``True`` always adds
     (and raises on PSUM no matmul initialised: undefined on hardware); ``False`` overwrites. ``tile_position`` /
     ``tile_size`` (row, column) place a small stationary in a quarter or half of the PE array: checked, and the
-    stationary must fit the tile. ``perf_mode="double_row"`` needs fp8 operands.
+    stationary must fit the tile. ``perf_mode="double_row"`` needs fp8 operands ``(K, 2, M)`` / ``(K, 2, N)``: the
+    contraction runs over the partitions and that first free dim of 2 (K x 2 rows; M, N count the rest).
     """
     op = "nc_matmul"
     dst = _tile(dst, "dst", op, (Buffer.PSUM,), settled=False)
     stationary = _tile(stationary, "stationary", op, (Buffer.SBUF,))
     moving = _tile(moving, "moving", op, (Buffer.SBUF,))
-    k, m = stationary.partitions, stationary.free_size
-    k2, n = moving.partitions, moving.free_size
+    double_row = getattr(perf_mode, "value", perf_mode) == "double_row"
+    k_rows = 2 if double_row else 1  # double_row contracts over the partitions and a first free dim of 2
+    if double_row and not all(t.dtype.itemsize == 1 for t in (stationary, moving)):
+        raise TypeError(f"{op}: perf_mode=double_row needs fp8 stationary and moving tiles")
+    if double_row and not all(len(t.shape) >= 3 and t.shape[1] == 2 for t in (stationary, moving)):
+        raise HardwareLimitError(f"{op}: perf_mode=double_row needs stationary (K, 2, M) and moving (K, 2, N) tiles, "
+                                 f"got {stationary.shape} and {moving.shape}")
+    k, m = stationary.partitions, stationary.free_size // k_rows
+    k2, n = moving.partitions, moving.free_size // k_rows
     if k != k2:
         raise HardwareLimitError(f"{op}: stationary and moving partition (contraction) sizes differ: {k} vs {k2}")
     if m > GEMM_STATIONARY_FMAX:
@@ -258,9 +266,6 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
     if perf_mode not in (None, "none", "double_row") \
             and getattr(perf_mode, "value", None) not in ("none", "double_row"):
         raise ValueError(f"{op}: perf_mode must be matmul_perf_mode.none or .double_row, got {perf_mode!r}")
-    if getattr(perf_mode, "value", perf_mode) == "double_row" and not all(
-            t.dtype.itemsize == 1 for t in (stationary, moving)):
-        raise TypeError(f"{op}: perf_mode=double_row needs fp8 stationary and moving tiles")
     if bool(tile_position) != bool(tile_size):
         raise ValueError(f"{op}: tile_position and tile_size must be given together")
     if tile_size:
@@ -295,7 +300,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
         else:
             if pending is None:
                 pending = dst.alloc.pending = PendingMatmul(dst, dst.written.reshape(m, n).copy() if adds else None)
-            pending.add(stationary, moving)
+            pending.add(stationary, moving, k_rows)
     if not continuing:
         dst.written[...] = True
     if is_transpose:
@@ -303,7 +308,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
         core.accounting.record("tensor", "transpose", n, stationary.dtype == nl.float32)
         return
     core.accounting.matmuls += 1
-    core.accounting.matmul_flops += 2 * k * m * n
+    core.accounting.matmul_flops += 2 * k_rows * k * m * n
     core.accounting.record("tensor", "matmul", n, stationary.dtype == nl.float32)
 
 

@@ -11,6 +11,7 @@ allocated before the loop -- NKI's rule too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterator
 
@@ -88,19 +89,42 @@ class tile_size:  # noqa: N801 -- NKI's name
 class NKIObject:
     """Base class of NKI kernel dataclasses and configuration objects (plain Python objects here).
 
-    Annotated fields without a default default to ``None``: nki-library constructs ``@dataclass`` NKIObjects without
-    every field (``MLPTKGConstantsDimensionSizes`` misses ``remainderIFused``), which its own CPU simulator accepts.
+    Every subclass gets this keyword-friendly ``__init__`` (``@dataclass`` keeps an ``__init__`` the class already
+    has): positional arguments fill the dataclass fields in order; keywords may name any field or any other
+    attribute (the plain class attributes of an unannotated ``@dataclass``); a field given neither takes its default
+    (or ``default_factory()``), else ``None``. nki-library relies on all three: ``SectionParams(section_idx=...)`` is
+    a ``@dataclass`` whose attributes are unannotated, and ``MLPTKGConstantsDimensionSizes(...)`` omits
+    ``remainderIFused`` -- both of which its own CPU simulator accepts. A subclass defining ``__init__`` itself keeps
+    it; ``__post_init__`` runs as in a dataclass.
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        for name in cls.__dict__.get("__annotations__", {}):
-            if name not in cls.__dict__:
-                setattr(cls, name, None)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = NKIObject.__init__
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        cls = type(self)
+        fields = [f for f in getattr(cls, "__dataclass_fields__", {}).values()
+                  if f._field_type is dataclasses._FIELD]  # not ClassVar / InitVar pseudo-fields
+        if len(args) > len(fields):
+            raise TypeError(f"{cls.__name__}() takes {len(fields)} positional arguments but {len(args)} were given")
+        for f, value in zip(fields, args):
+            if f.name in kwargs:
+                raise TypeError(f"{cls.__name__}() got multiple values for argument '{f.name}'")
+            kwargs[f.name] = value
+        for f in fields:
+            if f.name not in kwargs:
+                if f.default is not dataclasses.MISSING:
+                    kwargs[f.name] = f.default
+                elif f.default_factory is not dataclasses.MISSING:
+                    kwargs[f.name] = f.default_factory()
+                else:
+                    kwargs[f.name] = None
         for key, value in kwargs.items():
-            setattr(self, key, value)
+            object.__setattr__(self, key, value)  # frozen dataclasses too
+        if hasattr(self, "__post_init__"):
+            self.__post_init__()
 
 
 tensor = NkiTensor

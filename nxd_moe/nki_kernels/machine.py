@@ -146,10 +146,11 @@ class PendingMatmul:
         self.stationary: list[np.ndarray] = []
         self.moving: list[np.ndarray] = []
 
-    def add(self, stationary: "NkiTensor", moving: "NkiTensor") -> None:
-        k = stationary.partitions
-        self.stationary.append(stationary.data.reshape(k, stationary.free_size))
-        self.moving.append(moving.data.reshape(k, moving.free_size))
+    def add(self, stationary: "NkiTensor", moving: "NkiTensor", rows: int = 1) -> None:
+        """``rows=2``: ``perf_mode=double_row`` operands ``(K, 2, M)`` / ``(K, 2, N)``, contracted over ``(K, 2)``."""
+        k = stationary.partitions * rows
+        self.stationary.append(stationary.data.reshape(k, stationary.free_size // rows))
+        self.moving.append(moving.data.reshape(k, moving.free_size // rows))
         for operand in (stationary.alloc, moving.alloc):
             if not operand.read_by_pending or operand.read_by_pending[-1] is not self.dst.alloc:
                 operand.read_by_pending.append(self.dst.alloc)
@@ -556,7 +557,8 @@ class AccessPattern:
                 raise HardwareLimitError(f"vector_offset indirection reads or writes HBM; {tensor.name!r} is in "
                                          f"{tensor.buffer.value}")
             if (not isinstance(vector_offset, NkiTensor) or vector_offset.buffer is not Buffer.SBUF
-                    or not is_integer(vector_offset.dtype) or vector_offset.shape != (pattern[0][1], 1)):
+                    or not is_integer(vector_offset.dtype) or vector_offset.shape[0] != pattern[0][1]
+                    or math.prod(vector_offset.shape[1:]) != 1):  # (P, 1) or (P, 1, 1): one offset per partition
                 raise TypeError(f"vector_offset must be an integer SBUF tensor of shape ({pattern[0][1]}, 1), got "
                                 f"{vector_offset!r}")
         self.tensor = tensor

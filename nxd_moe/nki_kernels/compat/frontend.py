@@ -98,7 +98,13 @@ def _to_torch(value):
 def run(kernel, *args, numerics: bool = True, lnc: int | None = None, **kwargs) -> KernelRun:
     """Run a kernel (``@nki.jit`` or plain function, optionally ``kernel[2]``) on the simulator and return the whole
     :class:`~nxd_moe.nki_kernels.lnc.KernelRun`: outputs, per-core accounting (for the cost model). ``numerics=False``
-    makes a counting run."""
+    makes a counting run. (A kernel with its own ``lnc`` / ``numerics`` parameter: use ``simulate``.)"""
+    return _run(kernel, args, kwargs, numerics, lnc)
+
+
+def _run(kernel, args: tuple, kwargs: dict, numerics: bool = True, lnc: int | None = None) -> KernelRun:
+    """:func:`run` with the kernel's arguments as containers, so that a kernel parameter named ``lnc`` or
+    ``numerics`` (nki-library's attention kernels take ``lnc``) reaches the kernel."""
     kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     grid_ndim = 0 if kernel.grid is None and lnc is None else 1
     cores = lnc if lnc is not None else kernel.lnc
@@ -120,7 +126,7 @@ def simulate(kernel) -> Callable[..., Any]:
     def call(*args, **kwargs):
         torch_in = any(type(a).__module__.startswith("torch") for a in (*args, *kwargs.values()))
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
-        result = run(kernel, *args, **kwargs)
+        result = _run(kernel, args, kwargs)
         for name, value in bound.arguments.items():  # kernels may write their inputs
             written = result.arguments.get(name)
             if isinstance(value, np.ndarray) and written is not None and value.flags.writeable \

@@ -52,8 +52,26 @@ dtypes = _module("nki.language.dtypes", "NKI's dtypes (nki.language.dtypes): Num
                  **{name: value for name, value in vars(language).items()
                     if not name.startswith("_") and isinstance(value, np.dtype)})
 typing = nki_typing
-compiler = _package("nki.compiler", "nki.compiler: the Neuron compiler's driver -- not part of the CPU simulator.")
+compiler = _package("nki.compiler", "nki.compiler: the Neuron compiler's driver -- not part of the CPU simulator "
+                    "(only its trace front end, nki.compiler.frontend, which traces by simulating).")
 compiler.__getattr__ = _no_compiler("nki.compiler")
+
+
+class ParserFrontend:
+    """``nki.compiler.frontend.ParserFrontend``: the compiler's Python front end, which traces a kernel into MLIR. A
+    trace here is a simulated run of the kernel with the given inputs: every shape check, ``kernel_assert`` and
+    hardware limit it meets is checked as the trace checks it, and no MLIR module is produced (``result.module`` is
+    ``None``). nki-library's ``trace_only`` tests (``core/utils/test_tensor_view.py``) call it in simulation mode."""
+
+    def compile(self, kernel, inputs: dict | None = None, target: str | None = None, lnc: int = 1, **options):
+        run = frontend._run(kernel[lnc] if isinstance(kernel, frontend.Kernel) else frontend.Kernel(kernel)[lnc],
+                            (), dict(inputs or {}))
+        return types.SimpleNamespace(module=None, run=run, target=target, lnc=lnc)
+
+
+compiler_frontend = _module("nki.compiler.frontend", ParserFrontend.__doc__, ParserFrontend=ParserFrontend,
+                            NKIFrontend=ParserFrontend, TracerFrontend=ParserFrontend)
+compiler.frontend = compiler_frontend
 tensor = _module("nki.tensor", "nki.tensor: the NKI tensor type.", Tensor=language.NkiTensor,
                  NkiTensor=language.NkiTensor, tensor=language.NkiTensor)
 builtin = _module("nki.builtin", "nki.builtin: the NKI builtins (the simulator's language and isa).",
@@ -73,6 +91,7 @@ NKI: dict[str, types.ModuleType] = {
     "nki.isa.constants": constants,
     "nki.typing": typing,
     "nki.compiler": compiler,
+    "nki.compiler.frontend": compiler_frontend,
     "nki.tensor": tensor,
     "nki.builtin": builtin,
     "nki.dtype": dtypes,  # nki-library's harness puts the dtypes module there
