@@ -13,8 +13,9 @@
    reads the attribute, which only compilation sets);
 2. runs each suite (a directory or file under ``test/integration/nkilib``; default every ``core/`` family) in its
    own process through the front door ``python -m nxd_moe.nki_kernels.compat -m pytest SUITE --test-mode
-   simulation``, ``--jobs`` at a time (``--sample N``: every N-th collected test of each suite), each test under ``--timeout`` seconds and each process under ``--mem-gb`` of
-   address space (a test over it fails with ``MemoryError``);
+   simulation``, ``--jobs`` at a time (``--sample N``: every N-th collected test of each suite), each test under
+   ``--timeout`` seconds and each process under ``--mem-gb`` of address space (a test over it fails with
+   ``MemoryError``);
 3. writes JSON (``--out``): per suite pass / fail / skip counts, per failure its cause, per test its time and memory,
    and for each kernel launch its DMA bytes, instruction counts and the Trn2 cost model's estimate; and (``--docs``)
    replaces the table between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` (``--docs-section NAME``, default

@@ -116,6 +116,22 @@ def get_nc_sub_version() -> int:
     return 0
 
 
+NkiValidationError = HardwareLimitError  # NKI's name for a violated hardware constraint
+
+
+class NkiInstruction:
+    """NKI's handle to a traced instruction, for ``.depends_on(*producers)`` (run after them). The simulator
+    executes instructions in program order, which satisfies any such dependency, so this only records them."""
+
+    def __init__(self, handle=None):
+        self.handle = handle
+        self.dependencies: list = []
+
+    def depends_on(self, *producers) -> "NkiInstruction":
+        self.dependencies.extend(producers)
+        return self
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # operand helpers
 

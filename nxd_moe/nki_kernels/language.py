@@ -62,6 +62,8 @@ float8_e5m2_x4 = _packed("float8_e5m2_x4")
 float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4")
 globals()["bool"] = bool_  # NKI's name (nki-library's resolve_dtype_to_nki returns nl.bool); not shadowing here
 
+DType = np.dtype  # what the dtype names above are (NKI annotates dtype parameters with nl.DType)
+MemoryRegion = Buffer  # the buffers below (NKI's enum of memory regions)
 sbuf = Buffer.SBUF
 psum = Buffer.PSUM
 shared_hbm = Buffer.SHARED_HBM
@@ -271,6 +273,34 @@ sequential_range = affine_range
 static_range = affine_range
 
 
+def fori_loop(lower, upper, body_fun: Callable[[VirtualRegister], None], step: int = 1) -> None:
+    """``body_fun(i)`` for ``i`` in ``[lower, upper)`` by ``step``: a hardware loop whose bounds may be registers
+    (``dynamic_range``), ``i`` a register passed by value."""
+    for i in dynamic_range(lower, upper, step):
+        body_fun(i)
+
+
+def while_loop(init: VirtualRegister, body_fun: Callable[[VirtualRegister], VirtualRegister]) -> None:
+    """``r = init; while r != 0: r = body_fun(r)`` -- a hardware loop on a register condition, checked before each
+    iteration; the body gets the condition by value and returns the next condition register."""
+    if not isinstance(init, VirtualRegister):
+        raise TypeError(f"while_loop: init must be a VirtualRegister (nisa.register_alloc), got {type(init).__name__}")
+    core = current_core()
+    condition = init
+    while True:
+        core.accounting.branches += 1
+        if condition.value == 0:
+            return
+        core.accounting.dynamic_iterations += 1
+        if core.trace is not None:  # a hardware loop iteration: nothing is scheduled across its boundary
+            core.trace.begin(fence=True)
+        with core.scope():
+            condition = body_fun(VirtualRegister(core, condition.value))
+        if not isinstance(condition, VirtualRegister):
+            raise TypeError(f"while_loop: body_fun must return the next condition register, got "
+                            f"{type(condition).__name__}")
+
+
 def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     """A hardware loop: bounds are ints or registers, read once when the loop starts; ``step`` is a compile-time
     int. The induction variable is a register (usable as a ``scalar_offset``)."""
@@ -297,7 +327,13 @@ class Op:
         self.name = name
         self.fn = fn
 
-    def __call__(self, *args) -> np.ndarray:
+    def __call__(self, *args, dtype=None):
+        """On NumPy values: the fp32 semantics the instructions use. On tiles: NKI's ``nl.<op>(x[, y], dtype=None)``,
+        a new tile (see :mod:`nxd_moe.nki_kernels.tiles`)."""
+        if any(isinstance(a, NkiTensor) for a in args):
+            from nxd_moe.nki_kernels import tiles
+
+            return tiles.elementwise(self, args, dtype)
         return self.fn(*args)
 
     def __repr__(self) -> str:
@@ -349,6 +385,7 @@ left_shift = Op("left_shift", np.left_shift)
 right_shift = Op("right_shift", np.right_shift)
 mod = Op("mod", np.mod)
 fmod = Op("fmod", np.fmod)
+average = Op("average", lambda *xs: np.mean(np.stack(xs), axis=0))  # a reduction op (tensor_partition_reduce)
 invert = Op("invert", np.invert)  # bitwise not (a unary bitvec ALU op)
 bypass = Op("bypass", lambda x, *unused: x)  # passes its data through: skips an instruction's op0 / op1 stage
 
@@ -413,3 +450,29 @@ INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "ri
 # Unary ALU ops (NKI's "Arithmetic Unary" and bitwise not, and bypass) act on the data alone: an instruction's
 # scalar operand is ignored.
 UNARY_ALU_OPS = ("abs", "square", "relu", "rsqrt", "reciprocal", "invert", "bypass")
+
+# NKI's tile-level functions (nl.sum, nl.softmax, nl.matmul, ...), built on nisa: see tiles.py.
+from nxd_moe.nki_kernels.tiles import (  # noqa: E402,F401 -- re-exported as nl.*
+    all,
+    broadcast_to,
+    dropout,
+    empty_like,
+    expand_dims,
+    gather_flattened,
+    load_transpose2d,
+    matmul,
+    max,
+    mean,
+    min,
+    no_reorder,
+    prod,
+    rand,
+    random_seed,
+    rms_norm,
+    softmax,
+    sum,
+    transpose,
+    var,
+    where,
+    zeros_like,
+)

@@ -2,8 +2,8 @@
 on request:
 
 - ``nki``: ``nki``, ``nki.language`` (+ ``nki.language.dtypes``), ``nki.isa`` (+ ``nki.isa.constants``),
-  ``nki.typing``, ``nki.compiler``, ``nki.tensor``, ``nki.builtin`` and ``nki.dtype`` -- every name nki-library's
-  ``test/utils/simulation_setup.py`` puts in ``sys.modules``;
+  ``nki.typing``, ``nki.compiler`` (+ ``nki.compiler.frontend``), ``nki.tensor``, ``nki.builtin``, ``nki.dtype`` --
+  every name nki-library's ``test/utils/simulation_setup.py`` puts in ``sys.modules`` -- and ``nki.collectives``;
 - ``nki_cpu_simulator``: the same modules under AWS's CPU-simulator package (``nki_cpu_simulator.nki.isa``, ...),
   which that harness imports in ``--test-mode simulation``;
 - ``neuronxcc``: the legacy ``neuronxcc.nki.*`` namespace (NxD and some nki-library files import
@@ -20,7 +20,7 @@ import types
 import numpy as np
 
 from nxd_moe.nki_kernels import isa, language
-from nxd_moe.nki_kernels.compat import frontend, neuron_dtypes, nki_typing
+from nxd_moe.nki_kernels.compat import collectives, frontend, neuron_dtypes, nki_typing
 
 
 def _module(name: str, doc: str, **attributes) -> types.ModuleType:
@@ -80,7 +80,7 @@ builtin = _module("nki.builtin", "nki.builtin: the NKI builtins (the simulator's
 isa.constants = constants  # `from nki.isa import constants` as well as `import nki.isa.constants`
 language.dtypes = dtypes
 for _name, _value in (("language", language), ("isa", isa), ("typing", typing), ("compiler", compiler),
-                      ("tensor", tensor), ("builtin", builtin)):
+                      ("tensor", tensor), ("builtin", builtin), ("collectives", collectives)):
     setattr(frontend, _name, _value)
 
 NKI: dict[str, types.ModuleType] = {
@@ -94,6 +94,7 @@ NKI: dict[str, types.ModuleType] = {
     "nki.compiler.frontend": compiler_frontend,
     "nki.tensor": tensor,
     "nki.builtin": builtin,
+    "nki.collectives": collectives,
     "nki.dtype": dtypes,  # nki-library's harness puts the dtypes module there
 }
 
