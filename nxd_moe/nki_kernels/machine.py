@@ -512,6 +512,38 @@ class NkiTensor:
 
     reinterpret_cast = view
 
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes: dict[str, int] | None = None) -> "NkiTensor":
+        """einops-style view: ``t.rearrange(('b', ('h', 'w')), ('b', 'w', 'h'), {'h': 4})`` splits dim 1 into
+        ``(h, w)`` and swaps them; groups in ``dst_pattern`` merge (their dims must be contiguous). The same
+        ``reshape_dim`` / ``permute`` / ``flatten_dims`` rules apply (the partition dim stays first on chip)."""
+        src = [d if isinstance(d, (tuple, list)) else (d,) for d in src_pattern]
+        dst = [d if isinstance(d, (tuple, list)) else (d,) for d in dst_pattern]
+        if len(src) != self.ndim:
+            raise ValueError(f"rearrange: source pattern {src_pattern} names {len(src)} dims; the tensor has "
+                             f"{self.ndim}")
+        names = [n for group in src for n in group]
+        if sorted(names) != sorted(n for group in dst for n in group) or len(set(names)) != len(names):
+            raise ValueError(f"rearrange: {src_pattern} and {dst_pattern} must name the same dims, once each")
+        sizes = dict(fixed_sizes or {})
+        view = self
+        for dim in reversed(range(len(src))):
+            if len(src[dim]) > 1:
+                view = view.reshape_dim(dim, [sizes.get(n, -1) for n in src[dim]])
+        view = view.permute([names.index(n) for group in dst for n in group])
+        start = len([n for group in dst for n in group])
+        for group in reversed(dst):
+            start -= len(group)
+            if len(group) > 1:
+                view = view.flatten_dims(start, start + len(group) - 1)
+        return view
+
+    def indirect(self, index: "NkiTensor", num_elem: int | None = None) -> "NkiTensor":
+        """Tensor indirection (a gather / scatter view at per-partition offsets): NeuronCore-v4 (Trn3) only."""
+        from nxd_moe.nki_kernels.instructions.trn3 import Trn3OnlyError
+
+        raise Trn3OnlyError("NkiTensor.indirect (tensor indirection) is only available on NeuronCore-v4 (Trn3); this "
+                            "simulator models Trn2")
+
     def __repr__(self) -> str:
         return f"NkiTensor({self.name!r}, {self.buffer.value}, {self.dtype}, {self.shape})"
 

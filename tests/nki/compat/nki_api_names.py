@@ -3,7 +3,7 @@ table in docs/nki.md.
 
 Source: the NKI API reference of Neuron 2.32 -- the public modules ``nki``, ``nki.isa``, ``nki.language`` and
 ``nki.collectives`` as listed in aws-neuron-sdk's ``nki/api/*.rst`` and their API stubs ``nki/api/nki/**/__init__.py``
-(every public name, in the reference's order) -- plus the names of the other ``nki.*`` modules that nki-library
+(every public name, in the reference's order, and the methods of its ``NkiTensor``) -- plus the names of the other ``nki.*`` modules that nki-library
 (d2ad3a5) imports: its harness (``test/utils/simulation_setup.py``, ``kernel_tracer.py``) and kernels
 (``nki.typing``, ``nki.isa.constants``, ``nki.dtype``, ``nki.compiler.frontend``, ``nl.tensor`` / ``nl.bool`` /
 ``nl.par_dim``).
@@ -57,6 +57,13 @@ DOCUMENTED: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# The methods and attributes of the reference's nl.NkiTensor class (its view operations).
+TENSOR_METHODS = (
+    "is_contiguous", "get_pattern", "is_indirect", "permute", "broadcast", "expand_dim", "squeeze_dim", "reshape_dim",
+    "flatten_dims", "reshape", "rearrange", "slice", "select", "vector_select", "ap", "view", "indirect", "shape",
+    "strides", "offset", "name", "dtype", "buffer", "ndim", "size",
+)
+
 # Names outside the reference that nki-library's harness and kernels use.
 USED_BY_NKI_LIBRARY: dict[str, tuple[str, ...]] = {
     "nki": ("cpu_simulate", "simulate_kernel"),
@@ -69,12 +76,12 @@ USED_BY_NKI_LIBRARY: dict[str, tuple[str, ...]] = {
     "nki.compiler.frontend": ("ParserFrontend", "NKIFrontend"),
 }
 
-TRN3_ONLY = ("nc_matmul_mx", "quantize_mx", "activate2", "exponential", "rand2")
+TRN3_ONLY = ("nc_matmul_mx", "quantize_mx", "activate2", "exponential", "rand2", "NkiTensor.indirect")
 MULTI_RANK_ONLY = tuple(n for n in DOCUMENTED["nki.collectives"] if n not in ("ReplicaGroup", "rank_id"))
 
 
 def status(module: str, name: str) -> str:
-    if module == "nki.isa" and name in TRN3_ONLY:
+    if module in ("nki.isa", "nki.language") and name in TRN3_ONLY:
         return TRN3
     if module == "nki.collectives" and name in MULTI_RANK_ONLY:
         return MULTI_RANK
@@ -84,7 +91,8 @@ def status(module: str, name: str) -> str:
 def inventory() -> list[tuple[str, str, str]]:
     """``(module, name, status)`` for every listed name."""
     rows = []
-    for table in (DOCUMENTED, USED_BY_NKI_LIBRARY):
+    for table in (DOCUMENTED, {"nki.language": tuple(f"NkiTensor.{m}" for m in TENSOR_METHODS)},
+                  USED_BY_NKI_LIBRARY):
         for module, names in table.items():
             rows += [(module, name, status(module, name)) for name in names]
     return rows

@@ -209,3 +209,27 @@ def test_fori_loop_while_loop_and_no_reorder(k):
         return _out(nl, nisa, acc2)
 
     assert run(body, n)[0, 0] == 7.0
+
+
+def test_rearrange_splits_permutes_and_merges_views_and_indirect_is_trn3_only(k):
+    nl, nisa, run = k
+    from nxd_moe.nki_kernels.instructions.trn3 import Trn3OnlyError
+
+    a = np.arange(8 * 24, dtype=np.float32).reshape(8, 24)
+
+    def body(x):
+        t = nl.load(x)
+        r = t.rearrange(("b", ("h", "w")), ("b", "w", "h"), {"h": 4})  # NKI's documented example
+        assert r.shape == (8, 6, 4)
+        c = nl.ndarray(r.shape, nl.float32)
+        nisa.tensor_copy(dst=c, src=r)
+        assert c.rearrange(("b", "w", "h"), ("b", ("w", "h"))).shape == (8, 24)
+        with pytest.raises(ValueError, match="same dims"):
+            t.rearrange(("b", "x"), ("b", "y"))
+        with pytest.raises(HardwareLimitError, match="dims.0. must stay 0"):
+            t.rearrange(("b", "x"), ("x", "b"))
+        with pytest.raises(Trn3OnlyError, match="NeuronCore-v4"):
+            t.indirect(t)
+        return _out(nl, nisa, c)
+
+    np.testing.assert_array_equal(run(body, a), a.reshape(8, 4, 6).transpose(0, 2, 1))
