@@ -5,8 +5,8 @@ Source: the NKI API reference of Neuron 2.32 -- the public modules ``nki``, ``nk
 ``nki.collectives`` as listed in aws-neuron-sdk's ``nki/api/*.rst`` and their API stubs ``nki/api/nki/**/__init__.py``
 (every public name, in the reference's order, and the methods of its ``NkiTensor``) -- plus the names of the other
 ``nki.*`` modules that nki-library (d2ad3a5) imports: its harness (``test/utils/simulation_setup.py``,
-``kernel_tracer.py``) and kernels (``nki.typing``, ``nki.isa.constants``, ``nki.dtype``, ``nki.compiler.frontend``, ``nl.tensor`` / ``nl.bool`` /
-``nl.par_dim``).
+``kernel_tracer.py``) and kernels (``nki.typing``, ``nki.isa.constants``, ``nki.dtype``, ``nki.compiler.frontend``,
+``nl.tensor`` / ``nl.bool`` / ``nl.par_dim``).
 
 Status of a name: ``SIM`` runs on the simulator; ``TRN3`` is a NeuronCore-v4 (Trn3) instruction -- the simulated
 target is Trn2 -- and raises ``Trn3OnlyError`` when called; ``MULTI_RANK`` is a collective between ranks, which the
