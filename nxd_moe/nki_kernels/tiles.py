@@ -99,7 +99,10 @@ def rand(shape, dtype, buffer=Buffer.SBUF, name: str = "") -> NkiTensor:
     bits = _new(shape, nl.uint32, Buffer.SBUF)
     isa.rng(dst=bits)
     out = nl.ndarray(shape, dtype, buffer=buffer, name=name)
-    isa.tensor_scalar(dst=out, data=bits, op0=nl.multiply, operand0=2.0 ** -32)
+    on_chip = out if out.buffer.on_chip else _new(shape, dtype)
+    isa.tensor_scalar(dst=on_chip, data=bits, op0=nl.multiply, operand0=2.0 ** -32)
+    if on_chip is not out:
+        isa.dma_copy(dst=out, src=on_chip)
     return out
 
 

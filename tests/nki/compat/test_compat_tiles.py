@@ -166,9 +166,11 @@ def test_gather_flattened_rand_dropout_and_creation(k):
         e = nl.empty_like(g, dtype=nl.bfloat16)
         assert e.dtype == nl.bfloat16 and e.shape == g.shape
         kept = nl.dropout(nl.full((16, 64), 1.0, nl.float32), 0.25)
-        return tuple(_out(nl, nisa, t) for t in (g, r1, r2, z, kept))
+        in_hbm = nl.rand((4, 8), nl.float32, buffer=nl.shared_hbm)
+        return tuple(_out(nl, nisa, t) for t in (g, r1, r2, z, kept)) + (in_hbm,)
 
-    g, r1, r2, z, kept = run(body, data, idx)
+    g, r1, r2, z, kept, in_hbm = run(body, data, idx)
+    assert ((0 <= in_hbm) & (in_hbm < 1)).all()
     np.testing.assert_array_equal(g, np.take_along_axis(data.reshape(16, 32), idx, axis=1))
     np.testing.assert_array_equal(r1, r2)
     assert 0.0 <= r1.min() and r1.max() < 1.0 and 0.4 < r1.mean() < 0.6
