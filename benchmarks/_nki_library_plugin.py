@@ -24,6 +24,7 @@ import resource
 import shutil
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -243,12 +244,22 @@ def pytest_runtest_makereport(item, call):
 
 
 def _harness_allocation(excinfo) -> str:
-    """For a ``MemoryError`` raised outside the simulator (nki-library's own input generator or reference, under the
-    benchmark's address-space cap): where, as ``file:line``; else ``""``."""
-    if not excinfo.errisinstance(MemoryError):
+    """For an allocation failure raised outside the simulator (nki-library's own input generator or torch
+    reference, under the benchmark's address-space cap) -- a ``MemoryError`` or torch's "can't allocate memory",
+    possibly wrapped by the harness (``ValidationException`` from it) -- where, as ``file:line``; else ``""``."""
+    error = excinfo.value
+    while error is not None and not _allocation_failure(error):
+        error = error.__cause__ or error.__context__
+    if error is None:
         return ""
-    frames = [entry for entry in excinfo.traceback if "numpy" not in str(entry.path)]
-    if not frames or any("/nxd_moe/" in str(entry.path) for entry in frames):
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)
+              if "numpy" not in frame.f_code.co_filename and "/torch/" not in frame.f_code.co_filename]
+    if not frames or any("/nxd_moe/" in frame.f_code.co_filename for frame in frames):
         return ""
     innermost = frames[-1]
-    return f"{Path(str(innermost.path)).name}:{innermost.lineno + 1}"
+    return f"{Path(innermost.f_code.co_filename).name}:{innermost.f_lineno}"
+
+
+def _allocation_failure(error: BaseException) -> bool:
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError)
+                                              and "can't allocate memory" in str(error))
