@@ -8,28 +8,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.machine import HardwareLimitError
 
+# the same fixture and helper as the instruction tests (pytest puts this folder on sys.path)
+from test_compat_instructions import _out, k  # noqa: F401
+
 rng = np.random.default_rng(11)
-
-
-@pytest.fixture
-def k(nki_compat):  # noqa: F811
-    import nki.isa as nisa
-    import nki.language as nl
-
-    def run(body, *arrays):
-        return compat.run(body, *arrays).outputs
-
-    return nl, nisa, run
-
-
-def _out(nl, nisa, t):
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
 
 
 def test_math_functions_on_tiles_return_tiles(k):
