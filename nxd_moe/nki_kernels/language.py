@@ -451,28 +451,20 @@ INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "ri
 # scalar operand is ignored.
 UNARY_ALU_OPS = ("abs", "square", "relu", "rsqrt", "reciprocal", "invert", "bypass")
 
-# NKI's tile-level functions (nl.sum, nl.softmax, nl.matmul, ...), built on nisa: see tiles.py.
-from nxd_moe.nki_kernels.tiles import (  # noqa: E402,F401 -- re-exported as nl.*
-    all,
-    broadcast_to,
-    dropout,
-    empty_like,
-    expand_dims,
-    gather_flattened,
-    load_transpose2d,
-    matmul,
-    max,
-    mean,
-    min,
-    no_reorder,
-    prod,
-    rand,
-    random_seed,
-    rms_norm,
-    softmax,
-    sum,
-    transpose,
-    var,
-    where,
-    zeros_like,
-)
+# NKI's tile-level functions (nl.sum, nl.softmax, nl.matmul, ...) are built on nisa (tiles.py), which imports this
+# module: they are looked up on first use, so that importing any of language / isa / tiles first works.
+TILE_FUNCTIONS = ("all", "broadcast_to", "dropout", "empty_like", "expand_dims", "gather_flattened", "load_transpose2d",
+                  "matmul", "max", "mean", "min", "no_reorder", "prod", "rand", "random_seed", "rms_norm", "softmax",
+                  "sum", "transpose", "var", "where", "zeros_like")
+
+
+def __getattr__(name: str):  # noqa: N807 -- a module's __getattr__
+    if name in TILE_FUNCTIONS:
+        from nxd_moe.nki_kernels import tiles
+
+        return getattr(tiles, name)
+    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # noqa: N807
+    return sorted(list(globals()) + list(TILE_FUNCTIONS))

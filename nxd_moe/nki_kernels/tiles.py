@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from nxd_moe.nki_kernels import isa  # used at call time: language imports this module while isa may be importing
+from nxd_moe.nki_kernels import isa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, NkiTensor, instruction, is_integer
 

@@ -16,3 +16,6 @@ follows the NKI API reference's signature, checks its documented limits (raising
 :class:`~nxd_moe.nki_kernels.machine.HardwareLimitError`), computes in fp32, rounds to the destination and is
 counted on its engine.
 """
+
+# isa re-exports every family: import it first, so that importing a family module first works too.
+from nxd_moe.nki_kernels import isa as _isa  # noqa: E402, F401

@@ -95,3 +95,13 @@ def test_front_door_module_forms(nki_compat):  # noqa: F811
         is None
     with pytest.raises(AssertionError, match="traced shape check"):
         frontend.ParserFrontend().compile(check_shape, inputs={"x": x, "rows": 5}, target="trn2", lnc=1)
+
+
+@pytest.mark.parametrize("first", ["nxd_moe.nki_kernels.instructions.top8", "nxd_moe.nki_kernels.tiles"])
+def test_any_module_can_be_imported_first(first):
+    """language, isa, tiles and the instruction families import each other: each must work as the first import."""
+    import subprocess
+    import sys
+
+    code = f"import {first}; from nxd_moe.nki_kernels import isa, language; assert language.softmax and isa.max8"
+    subprocess.run([sys.executable, "-c", code], check=True)
