@@ -75,6 +75,21 @@ def test_max8_find_index8_match_replace8_topk(k):
     assert list(ridx[1]) == list(range(7, -1, -1))  # match_replace8's tie-break: last column first
 
 
+def test_max8_ranks_nan_below_numbers_like_a_descending_sort(k):
+    nl, nisa, run = k
+    x = rng.standard_normal((4, 24)).astype(np.float32)
+    x[0, ::2] = np.nan  # 12 numbers left: NaN never in the top 8
+    x[1, 3:] = np.nan  # 3 numbers: then the NaNs fill up, as a descending sort puts them last
+
+    def body(a):
+        t = _load(nl, nisa, a)
+        top = nl.ndarray((4, 8), nl.float32)
+        nisa.max8(dst=top, src=t)
+        return _out(nl, nisa, top)
+
+    np.testing.assert_array_equal(run(body, x), -np.sort(-x, axis=1)[:, :8])
+
+
 def test_match_replace8_documented_example_and_missing_values(k):
     nl, nisa, run = k
     data = np.array([[1, 2, 3, 4, 8, 8, 8, 8, 8, 8, 8]], np.float32)
