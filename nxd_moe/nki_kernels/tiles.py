@@ -21,7 +21,8 @@ from nxd_moe.nki_kernels import isa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, NkiTensor, instruction, is_integer
 
-_VECTOR_ONLY = {"tan": np.tan, "ceil": np.ceil, "floor": np.floor, "trunc": np.trunc}
+# nl math functions that are neither ALU nor activation opcodes: one Vector Engine op each here
+_VECTOR_ONLY = ("tan", "ceil", "floor", "trunc", "logical_not")
 
 
 def _new(shape, dtype, buffer: Buffer = Buffer.SBUF, name: str = "") -> NkiTensor:
@@ -42,7 +43,7 @@ def elementwise(op: nl.Op, args: tuple, dtype=None) -> NkiTensor:
     if len(args) == 1:
         (x,) = args
         out = _new(x.shape, dtype or x.dtype)
-        if op.name in _VECTOR_ONLY or op.name == "logical_not":
+        if op.name in _VECTOR_ONLY:
             _vector_unary(out, op, x)
         elif op in nl.ACTIVATION_FUNCTIONS.values():
             isa.activation(dst=out, op=op, data=x)
