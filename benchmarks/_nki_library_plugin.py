@@ -236,7 +236,8 @@ def _harness_allocation(excinfo) -> str:
     benchmark's address-space cap): where, as ``file:line``; else ``""``."""
     if not excinfo.errisinstance(MemoryError):
         return ""
-    frames = [entry for entry in excinfo.traceback if "numpy" not in str(entry.path)]
+    frames = [entry for entry in excinfo.traceback
+              if str(entry.path).endswith(".py") and "numpy" not in str(entry.path)]
     if not frames or any("/nxd_moe/" in str(entry.path) for entry in frames):
         return ""
     innermost = frames[-1]
