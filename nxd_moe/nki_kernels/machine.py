@@ -169,10 +169,7 @@ class Allocation:
         self.read_by_pending: list[Allocation] = []  # PSUM tensors whose pending group reads this one
         free = math.prod(shape[1:]) if len(shape) > 1 else 1
         self.bytes_per_partition = free * self.dtype.itemsize
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
+        self.size = math.prod(shape)
 
 
 class PendingMatmul:
@@ -257,20 +254,27 @@ class NkiTensor:
     __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "_data", "_written", "outside")
 
     def __init__(self, alloc: Allocation, shape, strides, offset: int = 0, dtype=None):
+        # Every index and view makes one of these (hundreds of thousands per nki-library kernel): one pass, no
+        # generators.
         self.alloc = alloc
-        self.shape = tuple(int(n) for n in shape)
-        self.strides = tuple(int(s) for s in strides)
-        self.offset = int(offset)
-        self.dtype = alloc.dtype if dtype is None else np.dtype(dtype)
-        if any(n < 1 for n in self.shape):
-            raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {self.shape} selects an empty region")
-        lo, hi = self._extent()
-        limit = alloc.size * alloc.dtype.itemsize // self.dtype.itemsize
+        self.shape = shape = tuple(map(int, shape))
+        self.strides = strides = tuple(map(int, strides))
+        self.offset = offset = int(offset)
+        self.dtype = dtype = alloc.dtype if dtype is None else np.dtype(dtype)
+        lo = hi = offset
+        for n, s in zip(shape, strides):
+            if n < 1:
+                raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {shape} selects an empty region")
+            if s > 0:
+                hi += s * (n - 1)
+            else:
+                lo += s * (n - 1)
+        limit = alloc.size if dtype == alloc.dtype else alloc.size * alloc.dtype.itemsize // dtype.itemsize
         # A view reaching outside its tensor is legal until an instruction accesses it, as on hardware: kernels build
         # such patterns only for their shape (nki-library: ``nl.ndarray(t.ap(...).shape, ...)``).
         self.outside = None
         if lo < 0 or hi >= limit:
-            self.outside = (f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside tensor "
+            self.outside = (f"access pattern {self.get_pattern()} + offset {offset} reaches outside tensor "
                             f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
         self._data = self._written = None  # NumPy views, made on first use: most views are only passed along
 
@@ -289,11 +293,6 @@ class NkiTensor:
         if self._written is None and self.alloc.matmul_written is not None and self.outside is None:
             self._written = self._strided(self.alloc.matmul_written, True)
         return self._written
-
-    def _extent(self) -> tuple[int, int]:
-        lo = self.offset + sum(min(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
-        hi = self.offset + sum(max(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
-        return lo, hi
 
     def _strided(self, storage: np.ndarray, real: bool) -> np.ndarray:
         """This view over ``storage`` (the allocation's data, in this view's dtype, or a same-shaped mask). Built
@@ -343,15 +342,17 @@ class NkiTensor:
 
     def __getitem__(self, key) -> "NkiTensor":
         key = list(key) if isinstance(key, tuple) else [key]
-        if sum(k is Ellipsis for k in key) > 1:
+        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+        if len(ellipses) > 1:
             raise IndexError(f"tensor {self.name!r}: at most one Ellipsis in an index")
-        if Ellipsis in key:
-            i = key.index(Ellipsis)
+        if ellipses:
+            i = ellipses[0]
             key[i:i + 1] = [slice(None)] * (self.ndim - len(key) + 1)
         if len(key) > self.ndim:
             raise IndexError(f"tensor {self.name!r} of shape {self.shape}: {len(key)} indices for {self.ndim} dims")
         key += [slice(None)] * (self.ndim - len(key))
         shape, strides, offset = [], [], self.offset
+        on_chip = self.alloc.buffer.on_chip
         for dim, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
             if isinstance(k, DynSlice):
                 k = slice(k.start, k.start + k.size * k.step, k.step)
@@ -373,7 +374,7 @@ class NkiTensor:
                 if not 0 <= k < n:
                     raise IndexError(f"tensor {self.name!r}: index {k} is out of bounds for dim {dim} of size {n}")
                 offset += s * k
-                if dim == 0 and self.buffer.on_chip:  # the partition dimension stays, as size 1
+                if dim == 0 and on_chip:  # the partition dimension stays, as size 1
                     shape.append(1)
                     strides.append(s)
             else:
@@ -382,9 +383,9 @@ class NkiTensor:
                                 "vector_offset=...) or .select(dim, index_tensor)")
         if not shape:
             shape, strides = [1], [1]
-        if self.buffer.on_chip and len(shape) == 1:  # on-chip views stay at least 2-D
+        if on_chip and len(shape) == 1:  # on-chip views stay at least 2-D
             shape, strides = shape + [1], strides + [1]
-        return self._view(shape, strides, offset)
+        return NkiTensor(self.alloc, shape, strides, offset, self.dtype)
 
     def __setitem__(self, key, value):
         raise TypeError(f"tensor {self.name!r}: NKI tensors are written by instructions (nisa.*), not by assignment")
