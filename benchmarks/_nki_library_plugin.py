@@ -252,8 +252,8 @@ def _harness_allocation(excinfo) -> str:
         error = error.__cause__ or error.__context__
     if error is None:
         return ""
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)
-              if "numpy" not in frame.f_code.co_filename and "/torch/" not in frame.f_code.co_filename]
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__) if frame.f_code.co_filename.endswith(".py")
+              and "numpy" not in frame.f_code.co_filename and "/torch/" not in frame.f_code.co_filename]
     if not frames or any("/nxd_moe/" in frame.f_code.co_filename for frame in frames):
         return ""
     innermost = frames[-1]

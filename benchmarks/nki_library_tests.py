@@ -2,6 +2,7 @@
 
     python benchmarks/nki_library_tests.py PATH [--suite core/max ...] [--jobs N] [--timeout S] [--mem-gb G]
         [--sample N] [--site DIR] [--out FILE] [--docs docs/nki.md [--docs-section NAME]] [pytest args...]
+    python benchmarks/nki_library_tests.py --from-json FILE [--docs docs/nki.md [--docs-section NAME]]   # re-render
 
 ``PATH`` is a checkout of github.com/aws-neuron/nki-library (not vendored). The benchmark
 
@@ -237,7 +238,10 @@ def summarise(result: dict) -> dict:
         "max_test_seconds": max((t["seconds"] for t in timed), default=0),
         "max_test_cpu_seconds": max((t.get("cpu_seconds", 0) for t in timed), default=0),
         "test_cpu_seconds": round(sum(t.get("cpu_seconds", 0) for t in result["tests"]), 1),
+        "simulator_cpu_seconds": round(sum(t.get("simulator_cpu_seconds", 0) for t in result["tests"]), 1),
+        "max_test_simulator_cpu_seconds": max((t.get("simulator_cpu_seconds", 0) for t in timed), default=0),
         "max_rss_mb": max((t["max_rss_mb"] for t in timed if "max_rss_mb" in t), default=0),
+        "max_simulator_extra_mb": max((t.get("simulator_extra_mb", 0) for t in timed), default=0),
         "failure_causes": dict(causes.most_common()),
         "memory_causes": dict(memory.most_common()),
         "kernels": kernels,
@@ -247,11 +251,12 @@ def summarise(result: dict) -> dict:
 def markdown(results: list[dict], commit: str, argv: list[str], seconds: float, jobs: int) -> str:
     lines = [f"nki-library `{commit}`, `python benchmarks/nki_library_tests.py {' '.join(argv)}`: {seconds:.0f} s "
              f"wall with {jobs} suite process(es) at once. Pass rate = passed / tests that ran; *skipped* are the "
-             "harness's own (large shapes in simulation); *over memory* are tests whose nki-library input generator "
-             "or reference allocates more than the per-process cap (`--mem-gb`), counted apart and not as passes. "
-             "Seconds and MB are per test (wall, CPU of all threads; peak resident memory of the test).", "",
-             "| suite | passed | failed | skipped | over memory | xfail | pass rate | wall s | CPU s (sum) | max test "
-             "CPU s | max test MB | failure causes |",
+             "harness's own (large shapes in simulation, Trn3-only); *over memory* are tests whose nki-library input "
+             "generator or reference asks for more than the per-process cap (`--mem-gb`), counted apart and not as "
+             "passes. Per test: CPU seconds of all threads (*sim*: inside the simulator's launches) and peak resident "
+             "memory (*sim +MB*: what the simulator added to what the test held when the launch began).", "",
+             "| suite | passed | failed | skipped | over memory | xfail | pass rate | wall s | CPU s, all tests "
+             "(sim) | max test CPU s (sim) | max test MB (sim +MB) | failure causes |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["summary"]
@@ -260,17 +265,21 @@ def markdown(results: list[dict], commit: str, argv: list[str], seconds: float, 
         if r.get("files_not_importing"):
             causes += f"{'; ' if causes else ''}does not import: {', '.join(r['files_not_importing'])}"
         lines.append(f"| `{r['suite']}` | {s['passed']} | {s['failed']} | {s['skipped']} | {s['memory']} | "
-                     f"{s['xfailed']} | {rate} | {r['seconds']:.0f} | {s['test_cpu_seconds']:.0f} | "
-                     f"{s['max_test_cpu_seconds']:.1f} | {s['max_rss_mb']:.0f} | {causes.replace('|', '/') or '--'} |")
+                     f"{s['xfailed']} | {rate} | {r['seconds']:.0f} | {s['test_cpu_seconds']:.0f} "
+                     f"({s['simulator_cpu_seconds']:.0f}) | {s['max_test_cpu_seconds']:.1f} "
+                     f"({s['max_test_simulator_cpu_seconds']:.1f}) | {s['max_rss_mb']:.0f} "
+                     f"(+{s['max_simulator_extra_mb']:.0f}) | {causes.replace('|', '/') or '--'} |")
     memory = [(c, n) for r in results for c, n in r["summary"]["memory_causes"].items()]
     if memory:
         lines += ["", "Over memory: " + "; ".join(f"{n}x {c}" for c, n in memory)]
     slowest = sorted((t for r in results for t in r["tests"] if "cpu_seconds" in t and t["outcome"] != "memory"),
                      key=lambda t: -t["cpu_seconds"])[:8]
     if slowest:
-        lines += ["", "| slowest tests | outcome | wall s | CPU s | MB |", "|---|---|---|---|---|"]
+        lines += ["", "| slowest tests | outcome | wall s | CPU s | sim CPU s | MB | sim +MB |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| `{t['nodeid'].split('::')[-1]}` | {t['outcome']} | {t['seconds']:.1f} | {t['cpu_seconds']:.1f} | "
-                  f"{t['max_rss_mb']:.0f} |" for t in slowest]
+                  f"{t.get('simulator_cpu_seconds', 0):.1f} | {t['max_rss_mb']:.0f} | "
+                  f"{t.get('simulator_extra_mb', 0):.0f} |" for t in slowest]
     lines += ["", "| kernel (launches) | DMA bytes (median) | instructions (median) | est. us, Trn2 cost model "
               "(min / median / max) |", "|---|---|---|---|"]
     for r in results:
@@ -290,10 +299,26 @@ def update_docs(path: Path, table: str, section: str = "nki_library_tests") -> N
     path.write_text(f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}")
 
 
+def rerender(path: Path, docs: Path | None, section: str = "nki_library_tests") -> int:
+    """The table of an earlier run's JSON, with the summaries recomputed from its per-test records."""
+    document = json.loads(path.read_text())
+    for result in document["suites"]:
+        result["summary"] = summarise(result)
+    shown = document.get("shown_argv") or ["NKI_LIBRARY" if (Path(a) / SUITE_ROOT).is_dir() else a
+                                           for a in document["argv"]]
+    table = markdown(document["suites"], document["nki_library_commit"], shown, document["seconds"],
+                     document["jobs"])
+    print(table)
+    if docs:
+        update_docs(docs, table, section)
+        print(f"updated {docs}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", type=Path, help="an nki-library checkout")
+    parser.add_argument("path", type=Path, nargs="?", help="an nki-library checkout")
     parser.add_argument("--suite", action="append", default=[],
                         help="a directory or file under test/integration/nkilib (repeatable; default every core/ "
                              "family)")
@@ -308,7 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=Path, help="also write the table into this markdown file's marked section")
     parser.add_argument("--docs-section", default="nki_library_tests",
                         help="the section's marker name: <!-- NAME:begin --> ... <!-- NAME:end -->")
+    parser.add_argument("--from-json", type=Path, help="run nothing: re-summarise this results file (its tests) and "
+                                                       "write its table (to --docs)")
     ns, pytest_args = parser.parse_known_args(argv)
+    if ns.from_json:
+        return rerender(ns.from_json, ns.docs, ns.docs_section)
+    if ns.path is None:
+        parser.error("the nki-library checkout PATH is required")
     commit = commit_of(ns.path)
     scratch = ns.scratch or Path(tempfile.mkdtemp(prefix="nki_library_tests_"))
     checkout = prepare(ns.path.resolve(), scratch.resolve())
@@ -333,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with ThreadPoolExecutor(max(1, ns.jobs)) as pool:
         results = list(pool.map(one, suites))
-    document = {"nki_library_commit": commit, "argv": argv, "pytest_args": pytest_args,
+    shown = ["NKI_LIBRARY" if a == str(ns.path) else a for a in map(str, argv)]  # the command, without local paths
+    document = {"nki_library_commit": commit, "argv": argv, "shown_argv": shown, "pytest_args": pytest_args,
                 "per_test_timeout_s": ns.timeout, "mem_gb": ns.mem_gb, "jobs": ns.jobs, "sample": ns.sample,
                 "seconds": round(time.perf_counter() - t0, 1),
                 "totals": {key: sum(r["summary"][key] for r in results)
@@ -341,8 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 "suites": results}
     out = ns.out or BENCHMARKS / "results" / f"nki_library_tests_{commit}.json"
     out.write_text(json.dumps(document, indent=1) + "\n")
-    shown = ["NKI_LIBRARY" if a == str(ns.path) else a for a in map(str, argv)]  # the command, without local paths
-    table = markdown(results, commit, shown, document["seconds"], ns.jobs)
+    table = markdown(results, commit, document["shown_argv"], document["seconds"], ns.jobs)
     print(table)
     print(f"wrote {out}")
     if ns.docs:

@@ -22,32 +22,39 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 MAX_PROBES = 4096  # instructions at which the necessary footprint is evaluated (the fullest in program order)
 
 
-@dataclass
 class Generation:
-    """One value of an on-chip tensor: the instructions that wrote it and those that read it."""
+    """One value of an on-chip tensor: the instructions that wrote it and those that read it (each list in
+    instruction order)."""
 
-    writes: list[int] = field(default_factory=list)
-    reads: list[int] = field(default_factory=list)
+    __slots__ = ("writes", "reads")
+
+    def __init__(self):
+        self.writes: list[int] = []
+        self.reads: list[int] = []
 
     def span(self) -> tuple[int, int]:
-        touched = self.writes + self.reads
-        return min(touched), max(touched)
+        w, r = self.writes, self.reads
+        if not w:
+            return r[0], r[-1]
+        if not r:
+            return w[0], w[-1]
+        return min(w[0], r[0]), max(w[-1], r[-1])
 
 
-@dataclass(frozen=True)
 class Tensor:
     """What the check needs of an on-chip allocation."""
 
-    name: str
-    buffer: object
-    bytes_per_partition: int
+    __slots__ = ("name", "buffer", "bytes_per_partition")
+
+    def __init__(self, name: str, buffer, bytes_per_partition: int):
+        self.name, self.buffer, self.bytes_per_partition = name, buffer, bytes_per_partition
 
 
 @dataclass

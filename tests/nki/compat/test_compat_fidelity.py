@@ -152,6 +152,34 @@ def test_a_loop_reuses_psum_banks_and_sbuf_across_iterations(k):
     assert run.accounting.sbuf_high_water == 96 * 1024 + (128 + 1024) * 4  # one staging tile + the two operands
 
 
+def test_tiles_a_kernel_dropped_are_freed_though_a_resident_operand_fed_them(k):
+    """Host memory: a weight tile read by many matmuls into per-iteration PSUM tiles does not keep those tiles alive
+    once their products are stored (nki-library's moe_tkg at T=1024 held 1.4 GB of dead PSUM tiles that way)."""
+    import gc
+    import weakref
+
+    nl, nisa = k
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 512)).astype(np.float32)
+    psum_tiles = []
+
+    def body(x, y):
+        sa, sb = _load(nl, nisa, x), _load(nl, nisa, y)
+        out = nl.ndarray((128, 512), nl.float32, buffer=nl.shared_hbm)
+        for _ in range(20):
+            ps = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=ps, stationary=sa, moving=sb)
+            staging = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=staging, src=ps)
+            nisa.dma_copy(dst=out, src=staging)
+            psum_tiles.append(weakref.ref(ps.alloc))
+        gc.collect()
+        assert sum(ref() is not None for ref in psum_tiles) <= 1  # only the last iteration's, still named ``ps``
+        return out
+
+    np.testing.assert_allclose(compat.run(body, a, b).outputs, a.T @ b, rtol=1e-5, atol=1e-4)
+
+
 def test_sbuf_over_capacity_under_every_schedule_is_rejected(k):
     """Tiles that each need a statistic over all of them must all be resident at once: 3 x 64 KiB fit, 4 do not."""
     nl, nisa = k
