@@ -66,11 +66,11 @@ def _nested_call(self, *args, **kwargs):
 
 _kernel_call = frontend.Kernel.__call__
 _nested: list[str] = []
-_host_run = frontend.run
+_host_run = frontend._run  # simulate / cpu_simulate / run all launch through it
 
 
 def _timed_run(*args, **kwargs):
-    """``frontend.run`` (every host launch goes through it), timed: the simulator's share of a test's time, and the
+    """``frontend._run`` (every host launch goes through it), timed: the simulator's share of a test's time, and the
     memory it adds on top of what the test held when the launch began."""
     _current["peak_before_mb"] = max(_current.get("peak_before_mb", 0), _max_rss_mb())
     rss0 = _status_mb("VmRSS:")
@@ -193,7 +193,7 @@ def _alarm(signum, frame):
 def pytest_configure(config) -> None:
     frontend.launch_hooks.append(_record_launch)
     frontend.Kernel.__call__ = _nested_call
-    frontend.run = _timed_run
+    frontend._run = _timed_run
 
 
 @pytest.hookimpl(trylast=True)
