@@ -32,11 +32,16 @@ from nxd_moe.nki_kernels.machine import (
     HardwareLimitError,
     NkiTensor,
     OutOfBoundsError,
+    PendingMatmul,
     VirtualRegister,
+    cast,
     check_alive,
     current_core,
+    fp32_matmul,
+    instruction,
     is_integer,
     scalar_value,
+    settle,
 )
 
 MATMUL_DTYPES = (nl.bfloat16, nl.float16, nl.float8_e4m3, nl.float32)
@@ -111,14 +116,30 @@ def get_nc_sub_version() -> int:
     return 0
 
 
+NkiValidationError = HardwareLimitError  # NKI's name for a violated hardware constraint
+
+
+class NkiInstruction:
+    """NKI's handle to a traced instruction, for ``.depends_on(*producers)`` (run after them). The simulator
+    executes instructions in program order, which satisfies any such dependency, so this only records them."""
+
+    def __init__(self, handle=None):
+        self.handle = handle
+        self.dependencies: list = []
+
+    def depends_on(self, *producers) -> "NkiInstruction":
+        self.dependencies.extend(producers)
+        return self
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # operand helpers
 
 
-def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM)) -> NkiTensor:
+def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bool = True) -> NkiTensor:
     if not isinstance(t, NkiTensor):
         raise TypeError(f"{op}: {role} must be an on-chip tensor, got {type(t).__name__}")
-    check_alive(t)
+    check_alive(t, write=role in ("dst", "reduce_res"), settled=settled)
     if t.buffer not in buffers:
         allowed = " or ".join(b.value for b in buffers)
         raise HardwareLimitError(f"{op}: {role} {t.name!r} is in {t.buffer.value}; it must be in {allowed}")
@@ -169,7 +190,7 @@ def _mark_unknown(dst: NkiTensor, sources) -> None:
 def _f32(value) -> np.ndarray | float:
     """An operand as fp32: a tile flattened to ``(partitions, elements per partition)``, or a number."""
     if isinstance(value, NkiTensor):
-        return value.data.astype(np.float32).reshape(value.partitions, value.free_size)
+        return cast(value.data, np.float32).reshape(value.partitions, value.free_size)
     return np.float32(value)
 
 
@@ -177,9 +198,11 @@ def _store(dst: NkiTensor, values) -> None:
     values = np.asarray(values)
     if is_integer(dst.dtype) and not is_integer(values.dtype):
         values = np.rint(values)
+    elif dst.dtype == np.float16 and values.dtype != np.float16 and values.ndim:
+        values = cast(values, np.float16)  # NumPy's own half-precision rounding loop is ~15x slower
     if values.size == dst.size and values.shape != dst.shape:
         values = values.reshape(dst.shape)
-    dst.data[...] = np.broadcast_to(values, dst.shape).astype(dst.dtype)
+    np.copyto(dst.data, values, casting="unsafe")
 
 
 def _wide(*tensors) -> bool:
@@ -204,6 +227,13 @@ def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str
     return name
 
 
+def _reaches(on: str, label: str, *tiles) -> None:
+    """The ISA's memory rule for the engines: GpSimd cannot access PSUM (Vector and Scalar read and write both)."""
+    if on == "gpsimd" and any(isinstance(t, NkiTensor) and t.buffer is Buffer.PSUM for t in tiles):
+        raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
+
+
+@instruction
 def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None, tile_position=(), tile_size=(),
               perf_mode=None, name=None) -> None:
@@ -215,14 +245,22 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
     ``accumulate``: ``None`` overwrites PSUM no matmul has written yet and adds to what one has; ``True`` always adds
     (and raises on PSUM no matmul initialised: undefined on hardware); ``False`` overwrites. ``tile_position`` /
     ``tile_size`` (row, column) place a small stationary in a quarter or half of the PE array: checked, and the
-    stationary must fit the tile. ``perf_mode="double_row"`` needs fp8 operands.
+    stationary must fit the tile. ``perf_mode="double_row"`` needs fp8 operands ``(K, 2, M)`` / ``(K, 2, N)``: the
+    contraction runs over the partitions and that first free dim of 2 (K x 2 rows; M, N count the rest).
     """
     op = "nc_matmul"
-    dst = _tile(dst, "dst", op, (Buffer.PSUM,))
+    dst = _tile(dst, "dst", op, (Buffer.PSUM,), settled=False)
     stationary = _tile(stationary, "stationary", op, (Buffer.SBUF,))
     moving = _tile(moving, "moving", op, (Buffer.SBUF,))
-    k, m = stationary.partitions, stationary.free_size
-    k2, n = moving.partitions, moving.free_size
+    double_row = getattr(perf_mode, "value", perf_mode) == "double_row"
+    k_rows = 2 if double_row else 1  # double_row contracts over the partitions and a first free dim of 2
+    if double_row and not all(t.dtype.itemsize == 1 for t in (stationary, moving)):
+        raise TypeError(f"{op}: perf_mode=double_row needs fp8 stationary and moving tiles")
+    if double_row and not all(len(t.shape) >= 3 and t.shape[1] == 2 for t in (stationary, moving)):
+        raise HardwareLimitError(f"{op}: perf_mode=double_row needs stationary (K, 2, M) and moving (K, 2, N) tiles, "
+                                 f"got {stationary.shape} and {moving.shape}")
+    k, m = stationary.partitions, stationary.free_size // k_rows
+    k2, n = moving.partitions, moving.free_size // k_rows
     if k != k2:
         raise HardwareLimitError(f"{op}: stationary and moving partition (contraction) sizes differ: {k} vs {k2}")
     if m > GEMM_STATIONARY_FMAX:
@@ -246,9 +284,6 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
     if perf_mode not in (None, "none", "double_row") \
             and getattr(perf_mode, "value", None) not in ("none", "double_row"):
         raise ValueError(f"{op}: perf_mode must be matmul_perf_mode.none or .double_row, got {perf_mode!r}")
-    if getattr(perf_mode, "value", perf_mode) == "double_row" and not all(
-            t.dtype.itemsize == 1 for t in (stationary, moving)):
-        raise TypeError(f"{op}: perf_mode=double_row needs fp8 stationary and moving tiles")
     if bool(tile_position) != bool(tile_size):
         raise ValueError(f"{op}: tile_position and tile_size must be given together")
     if tile_size:
@@ -260,27 +295,38 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero: bool = False, is_m
                                      "128 x 128 PE array (sizes 32, 64 or 128; positions multiples of the size)")
         if k > rows or m > cols:
             raise HardwareLimitError(f"{op}: stationary ({k}, {m}) does not fit the PE tile {tile_size}")
-    if accumulate is True and not dst.written.all():
+    core = current_core()
+    adds = accumulate is not False and not is_transpose
+    pending = dst.alloc.pending
+    # Extending the accumulation group being built on this region: it is written, and nothing else touched it.
+    continuing = adds and pending is not None and pending.key == (dst.offset, dst.shape, dst.strides)
+    if accumulate is True and not continuing and not dst.written.all():
         raise HardwareLimitError(f"{op}: accumulate=True onto PSUM tile {dst.name!r} that no nc_matmul initialised "
                                  "(undefined behaviour on hardware)")
-    core = current_core()
+    if continuing or (adds and dst.written.any()):
+        check_alive(dst, settled=False)  # it adds to what the bank holds: a read of it
+    if pending is not None and not continuing:
+        settle(dst.alloc)  # another region, or an overwrite: the group so far is complete
+        pending = None
     if _computes(dst, stationary, moving):
-        if is_transpose and _is_identity(moving):
-            product = stationary.data.reshape(k, m).T[:, :n]  # bit-accurate: NaN and Inf pass through
+        if is_transpose:
+            settle(dst.alloc)
+            if _is_identity(moving):
+                _store(dst, stationary.data.reshape(k, m).T[:, :n])  # bit-accurate: NaN and Inf pass through
+            else:
+                _store(dst, fp32_matmul(_f32(stationary), _f32(moving)))
         else:
-            # einsum's own loop, not BLAS: tiles are small, and BLAS threads oversubscribe an LNC2 launch's cores.
-            product = np.einsum("km,kn->mn", _f32(stationary), _f32(moving))
-        if accumulate is False or is_transpose:
-            _store(dst, product)
-        else:
-            _store(dst, np.where(dst.written.reshape(m, n), _f32(dst) + product, product))
-    dst.written[...] = True
+            if pending is None:
+                pending = dst.alloc.pending = PendingMatmul(dst, dst.written.reshape(m, n).copy() if adds else None)
+            pending.add(stationary, moving, k_rows)
+    if not continuing:
+        dst.written[...] = True
     if is_transpose:
         core.accounting.transposes += 1
         core.accounting.record("tensor", "transpose", n, stationary.dtype == nl.float32)
         return
     core.accounting.matmuls += 1
-    core.accounting.matmul_flops += 2 * k * m * n
+    core.accounting.matmul_flops += 2 * k_rows * k * m * n
     core.accounting.record("tensor", "matmul", n, stationary.dtype == nl.float32)
 
 
@@ -290,11 +336,18 @@ def _is_identity(t: NkiTensor) -> bool:
                                                                  np.eye(*values.shape, dtype=np.float32))
 
 
+@instruction
 def nc_transpose(dst, data, engine=None, name=None) -> None:
-    """``dst (F, P) = data (P, F).T``: on the Tensor Engine (default; P, F <= 128, dst in PSUM) or the Vector Engine
-    (``engine=nisa.vector_engine``: P, F <= 32, SBUF or PSUM)."""
+    """``dst (F, P) = data (P, F).T``: on the Tensor Engine (P, F <= 128, data in SBUF, dst in PSUM) or the Vector
+    Engine (P, F <= 32, SBUF or PSUM either side).
+
+    Without ``engine`` the compiler picks one, as NKI documents: only the Vector Engine can write SBUF or read PSUM,
+    so a transpose into SBUF (or out of PSUM) runs there; otherwise the Tensor Engine does it.
+    """
     op = "nc_transpose"
-    on = _engine(engine, "tensor", ("tensor", "vector"), op)
+    vector_only = isinstance(dst, NkiTensor) and dst.buffer is Buffer.SBUF or \
+        isinstance(data, NkiTensor) and data.buffer is Buffer.PSUM
+    on = _engine(engine, "vector" if vector_only else "tensor", ("tensor", "vector"), op)
     limit = GEMM_STATIONARY_FMAX if on == "tensor" else 32
     dst = _tile(dst, "dst", op, (Buffer.PSUM,) if on == "tensor" else (Buffer.SBUF, Buffer.PSUM))
     data = _tile(data, "data", op, (Buffer.SBUF,) if on == "tensor" else (Buffer.SBUF, Buffer.PSUM))
@@ -360,6 +413,7 @@ def _accumulate(core, name: str, engine_name: str, partials: np.ndarray, reduce_
             _store(res, value.reshape(p, 1))
 
 
+@instruction
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                name=None) -> None:
     """``dst = op(data * scale + bias)`` on the Scalar Engine; ``bias``/``scale`` are numbers or ``(P, 1)`` tiles.
@@ -386,17 +440,20 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _account("scalar", label, data, dst)
 
 
+@instruction
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None) -> None:
     """``activation`` plus a free-dim reduction of its result into ``reduce_res`` ``(P, 1)``."""
     activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
                reduce_cmd=reduce_cmd.reset_reduce)
 
 
+@instruction
 def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
     """``dst = data1 <op> data2`` elementwise on the Vector Engine (or GpSimd)."""
     label = "tensor_tensor"
     on = _engine(engine, "vector", ("vector", "gpsimd"), label)
     dst, data1, data2 = (_tile(t, r, label) for t, r in ((dst, "dst"), (data1, "data1"), (data2, "data2")))
+    _reaches(on, label, dst, data1, data2)
     _same_shape(label, data1, "data1", data2, "data2")
     _same_shape(label, dst, "dst", data1, "data1")
     _check_alu(label, op)
@@ -406,7 +463,10 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
 
 
 def _alu(op, a, b):
-    """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers."""
+    """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers; a unary op
+    (``nl.abs``, ``nl.invert``, ``nl.bypass``, ...) acts on ``a`` alone."""
+    if op.name in nl.UNARY_ALU_OPS:
+        return op(_ints(a)) if op.name in nl.INTEGER_ALU_OPS else op(_f32(a))
     if op.name in nl.INTEGER_ALU_OPS:
         return op(_ints(a), _ints(b))
     return op(_f32(a), _f32(b))
@@ -418,6 +478,7 @@ def _ints(value):
     return np.int64(value)
 
 
+@instruction
 def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, operand1=None,
                   reverse1: bool = False, engine=None, name=None) -> None:
     """``dst = (data <op0> operand0) <op1> operand1`` with per-partition or constant operands (``reverse`` swaps
@@ -427,6 +488,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, op
     _same_shape(label, dst, "dst", data, "data")
     _check_alu(label, op0)
     on = _engine(engine, "vector", op=label)
+    _reaches(on, label, dst, data, operand0, operand1)
     operand0 = _operand(operand0, data, label, "operand0")
     if op1 is not None:
         _check_alu(label, op1)
@@ -437,12 +499,13 @@ def tensor_scalar(dst, data, op0, operand0, reverse0: bool = False, op1=None, op
 
 
 def _scalar_steps(data, op0, operand0, reverse0, op1=None, operand1=None, reverse1=False):
-    x = _alu(op0, operand0, data) if reverse0 else _alu(op0, data, operand0)
+    x = _alu(op0, operand0, data) if reverse0 and op0.name not in nl.UNARY_ALU_OPS else _alu(op0, data, operand0)
     if op1 is not None:
-        x = _alu(op1, operand1, x) if reverse1 else _alu(op1, x, operand1)
+        x = _alu(op1, operand1, x) if reverse1 and op1.name not in nl.UNARY_ALU_OPS else _alu(op1, x, operand1)
     return x
 
 
+@instruction
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0: bool = False, reverse1: bool = False,
                          name=None) -> None:
     """``dst = (data <op0> operand0) <op1> operand1``: a per-partition scalar step, then an elementwise one with the
@@ -460,6 +523,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0: bool
     _account("vector", label, data, operand1, dst)
 
 
+@instruction
 def tensor_reduce(dst, op, data, axis, negate: bool = False, keepdims: bool = False, name=None) -> None:
     """Reduce ``data`` over free axes (never the partition axis) with ``nl.add`` / ``nl.multiply`` /
     ``nl.maximum`` / ``nl.minimum``; ``negate`` negates the result."""
@@ -483,6 +547,7 @@ def tensor_reduce(dst, op, data, axis, negate: bool = False, keepdims: bool = Fa
     _account("vector", label, data, dst)
 
 
+@instruction
 def tensor_copy(dst, src, engine=None, name=None) -> None:
     """Copy on an engine, converting to ``dst``'s dtype (how PSUM is evacuated to SBUF); bit-exact when the dtypes
     match. GpSimd cannot reach PSUM."""
@@ -490,13 +555,16 @@ def tensor_copy(dst, src, engine=None, name=None) -> None:
     dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
     _same_shape(label, dst, "dst", src, "src")
     on = _engine(engine, "vector", op=label)
-    if on == "gpsimd" and Buffer.PSUM in (dst.buffer, src.buffer):
-        raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
+    _reaches(on, label, dst, src)
     if _computes(dst, src):
-        _store(dst, src.data if is_integer(src.dtype) or src.dtype == dst.dtype else _f32(src))
+        if is_integer(src.dtype) or src.dtype == dst.dtype:
+            _store(dst, src.data)
+        else:  # through fp32; an integer dst rounds to nearest (_store)
+            _store(dst, _f32(src) if is_integer(dst.dtype) else cast(src.data, dst.dtype))
     _account(on, label, src, dst)
 
 
+@instruction
 def dequantize(dst, data, scale, weight_format) -> None:
     """``dst (P, C)`` = the weight tile stored as ``data`` with block scales ``scale`` in ``weight_format`` (a
     :class:`~nxd_moe.quantization.formats.QuantizationFormat`), converted on chip before the matmul.
@@ -524,11 +592,13 @@ def dequantize(dst, data, scale, weight_format) -> None:
     _account("vector", name, dst, data)
 
 
+@instruction
 def memset(dst, value, engine=None, name=None) -> None:
     """Fill ``dst`` with a constant on the Vector Engine (or GpSimd)."""
     label = "memset"
     dst = _tile(dst, "dst", label)
     on = _engine(engine, "vector", ("vector", "gpsimd"), label)
+    _reaches(on, label, dst)
     if dst.alloc.has_data:
         if dst.dtype.names is not None:
             if value != 0:
@@ -548,14 +618,17 @@ def _check_alu(name: str, op) -> None:
 # registers
 
 
+@instruction(fence=True)
 def register_alloc(x: int | None = None) -> VirtualRegister:
     return VirtualRegister(current_core(), 0 if x is None else int(x))
 
 
+@instruction(fence=True)
 def register_move(dst: VirtualRegister, src) -> None:
     dst.value = src.value if isinstance(src, VirtualRegister) else int(src)
 
 
+@instruction(fence=True)
 def register_load(dst: VirtualRegister, src) -> None:
     """Load a one-element integer tensor (SBUF or HBM) into a register: how device values steer loops."""
     if not isinstance(dst, VirtualRegister):
@@ -564,13 +637,14 @@ def register_load(dst: VirtualRegister, src) -> None:
     dst.value = scalar_value(src)
 
 
+@instruction(fence=True)
 def register_store(dst, src) -> None:
     """Write a register's value into a one-element integer tensor."""
     if not isinstance(src, VirtualRegister):
         raise TypeError(f"register_store: src must be a VirtualRegister, got {type(src).__name__}")
     if not isinstance(dst, NkiTensor) or not is_integer(dst.dtype) or dst.size != 1:
         raise TypeError(f"register_store: dst must be a one-element integer tensor, got {dst!r}")
-    check_alive(dst)
+    check_alive(dst, write=True)
     dst.data[...] = src.value
 
 
@@ -578,6 +652,7 @@ def register_store(dst, src) -> None:
 # DMA
 
 
+@instruction
 def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=dge_mode.unknown, engine=None,
              name=None) -> None:
     """Copy ``src`` to ``dst`` through the DMA queues (HBM <-> SBUF, HBM -> HBM, SBUF -> SBUF).
@@ -644,6 +719,7 @@ def dma_copy(dst, src, priority=None, oob_mode: str = oob_mode.error, dge_mode=d
         skipped_transfers=int(moved == 0)))
 
 
+@instruction
 def dma_compute(dst, srcs, reduce_op=nl.add, scales=None, unique_indices: bool = True, oob_mode: str = oob_mode.error,
                 name=None) -> None:
     """``dst = reduce_op(srcs[0] * scales[0], srcs[1] * scales[1], ...)`` elementwise inside the DMA engines, in fp32
@@ -684,9 +760,10 @@ def _check_dma_side(side, role: str, op: str) -> None:
         raise HardwareLimitError(f"{op}: {role} {side.name!r} is in PSUM, which DMA cannot reach; evacuate it to SBUF "
                                  "with tensor_copy first")
     if isinstance(side, AccessPattern):
-        check_alive(side.tensor, side.vector_offset, side.scalar_offset)
+        check_alive(side.tensor, write=role == "dst")
+        check_alive(side.vector_offset, side.scalar_offset)
     else:
-        check_alive(side)
+        check_alive(side, write=role == "dst")
 
 
 def _convert(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -710,8 +787,8 @@ def _has_data(side) -> bool:
 def _dma_read(side, base, valid) -> np.ndarray:
     if isinstance(side, NkiTensor):
         return side.data if valid is None else side.data[valid]
-    flat = side.tensor.alloc.data.reshape(-1)
-    return flat[side.addresses(base if valid is None else base[valid])]
+    array, index = side.elements(base if valid is None else base[valid])
+    return array[index]
 
 
 def _dma_write(side, base, valid, values: np.ndarray) -> None:
@@ -723,15 +800,15 @@ def _dma_write(side, base, valid, values: np.ndarray) -> None:
         else:
             side.data[valid] = values.reshape((-1,) + side.shape[1:])
         return
-    flat = side.tensor.alloc.data.reshape(-1)
-    addresses = side.addresses(base if valid is None else base[valid])
-    flat[addresses] = values.reshape(addresses.shape)
+    array, index = side.elements(base if valid is None else base[valid])
+    array[index] = values.reshape((-1,) + side.shape[1:])
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # LNC2: the two cores of a logical NeuronCore
 
 
+@instruction(fence=True)
 def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     """Wait until both cores of the logical core reach this point (both must have finished writing ``data``, a
     shared HBM tensor). A no-op when the kernel runs on one core."""
@@ -749,6 +826,7 @@ def core_barrier(data, cores=(0, 1), engine=None, name=None) -> None:
     core.launch.barrier.wait(core.program_id)
 
 
+@instruction(fence=True)
 def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma_engine=None, name=None) -> None:
     """Send ``src`` (SBUF) to the peer core's ``dst`` while receiving the peer's ``src`` into this core's ``dst``."""
     name = "sendrecv"
@@ -780,12 +858,14 @@ def sendrecv(src, dst, send_to_rank: int, recv_from_rank: int, pipe_id: int, dma
 # more Vector / GpSimd instructions
 
 
+@instruction
 def tensor_copy_predicated(dst, src, predicate, reverse_pred: bool = False, name=None) -> None:
     """``dst = where(predicate, src, dst)`` on the Vector Engine: where the (unsigned integer) predicate is non-zero
     (zero with ``reverse_pred``) copy ``src`` (a tile of dst's dtype, or a number); elsewhere ``dst`` keeps its
     values."""
     label = "tensor_copy_predicated"
     dst, predicate = _tile(dst, "dst", label), _tile(predicate, "predicate", label)
+    check_alive(dst)  # where the predicate is off, dst keeps its values: a read of it
     _same_shape(label, dst, "dst", predicate, "predicate")
     if predicate.dtype not in (nl.uint8, nl.uint16, nl.uint32):
         raise TypeError(f"{label}: predicate must be uint8, uint16 or uint32, got {predicate.dtype}")
@@ -807,6 +887,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred: bool = False, name
     _account("vector", label, dst, predicate)
 
 
+@instruction
 def iota(dst, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) -> None:
     """``dst[p, w, z, y, x] = offset + p * channel_multiplier + w*step_w + z*step_z + y*step_y + x*step_x`` on
     GpSimd: ``pattern`` is up to 4 ``[step, count]`` pairs whose counts multiply to dst's elements per partition;
@@ -832,6 +913,7 @@ def iota(dst, pattern, offset: int = 0, channel_multiplier: int = 0, name=None) 
     _account("gpsimd", label, dst)
 
 
+@instruction
 def reciprocal(dst, data, name=None) -> None:
     """``dst = 1 / data`` elementwise on the Vector Engine, in fp32."""
     label = "reciprocal"
@@ -843,6 +925,7 @@ def reciprocal(dst, data, name=None) -> None:
     _account("vector", label, data, dst)
 
 
+@instruction
 def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0: bool = False,
                          reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate: bool = False,
                          name=None) -> None:
@@ -867,6 +950,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
 BN_STATS_FMAX = 512
 
 
+@instruction
 def bn_stats(dst, data, name=None) -> None:
     """Per partition: ``(count, mean, variance * count)`` of the even-indexed and of the odd-indexed elements of
     ``data`` (at most 512 per partition), in fp32 on the Vector Engine; dst has 6 elements per partition."""
@@ -889,6 +973,7 @@ def bn_stats(dst, data, name=None) -> None:
     _account("vector", label, data, dst)
 
 
+@instruction
 def bn_aggr(dst, data, name=None) -> None:
     """Combine ``(count, mean, variance * count)`` triples (``bn_stats`` outputs) into ``(mean, variance)`` per
     partition, in fp32 on the Vector Engine."""
@@ -910,6 +995,7 @@ def bn_aggr(dst, data, name=None) -> None:
     _account("vector", label, data, dst)
 
 
+@instruction
 def nc_stream_shuffle(dst, src, shuffle_mask, name=None) -> None:
     """Cross-partition moves inside each quadrant of 32 partitions on the Vector Engine: output partition ``i`` of a
     quadrant takes input partition ``shuffle_mask[i]`` of the same quadrant; 255 leaves it unmodified. The
@@ -958,6 +1044,7 @@ def _start_partition(t: NkiTensor) -> int:
     return (t.offset // row) if row else 0
 
 
+@instruction
 def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_indices=None, name=None) -> None:
     """Gather within each partition on GpSimd, per core of 16 partitions (NKI's NumPy semantics): the core flattens
     its 16-partition slice of ``index`` (uint16) partition-first and keeps the first ``num_valid_indices``; every
@@ -967,6 +1054,7 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_in
     label = "local_gather"
     dst, src_buffer, index = (_tile(t, r, label) for t, r in ((dst, "dst"), (src_buffer, "src_buffer"),
                                                                 (index, "index")))
+    _reaches("gpsimd", label, dst, src_buffer, index)
     if index.dtype != nl.uint16:
         raise TypeError(f"{label}: index must be uint16, got {index.dtype}")
     if src_buffer.partitions != index.partitions or src_buffer.partitions % 16:
@@ -999,12 +1087,14 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx: int = 1, num_valid_in
     _account("gpsimd", label, dst)
 
 
+@instruction
 def nonzero_with_count(dst, src, index_offset: int = 0, padding_val: int = -1, name=None) -> None:
     """On GpSimd, for partitions 0, 16, ..., 112 only: the indices (+ ``index_offset``) of ``src``'s non-zero
     elements, then ``padding_val`` up to ``src``'s length, then the count; dst has one more element per partition
     than src; other partitions are not modified."""
     label = "nonzero_with_count"
     dst, src = _tile(dst, "dst", label), _tile(src, "src", label)
+    _reaches("gpsimd", label, dst, src)
     if dst.partitions != src.partitions or dst.free_size != src.free_size + 1:
         raise HardwareLimitError(f"{label}: dst must be ({src.partitions}, {src.free_size + 1}), got {dst.shape}")
     if _computes(dst, src):
@@ -1020,6 +1110,7 @@ def nonzero_with_count(dst, src, index_offset: int = 0, padding_val: int = -1, n
     _account("gpsimd", label, src, dst)
 
 
+@instruction
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode: str = oob_mode.error,
                   name=None) -> None:
     """``dst = src`` permuted by the DMA engines: ``[1, 0]`` for 2-D, ``[2, 1, 0]`` for 3-D, ``[3, 1, 2, 0]`` for
@@ -1081,14 +1172,33 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         skipped_transfers=int(moved_rows == 0)))
 
 
-def quantize_mx(dst, src, dst_scale, name=None) -> None:
-    """MX quantization: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
-    raise HardwareLimitError("quantize_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
-                             "(nisa.get_nc_version() == nc_version.gen3)")
-
-
-def nc_matmul_mx(dst, stationary, moving, stationary_scale, moving_scale, tile_position=None, tile_size=None,
-                 accumulate=None, name=None) -> None:
-    """MX matmul: a NeuronCore-v4 (Trn3) instruction; the simulated target is Trn2."""
-    raise HardwareLimitError("nc_matmul_mx is only available on NeuronCore-v4 (Trn3); this simulator models Trn2 "
-                             "(nisa.get_nc_version() == nc_version.gen3)")
+# The other instruction families live in their own modules (nxd_moe.nki_kernels.instructions); re-exported so that
+# this module stays the one nki.isa namespace.
+from nxd_moe.nki_kernels.instructions.gather import nc_n_gather  # noqa: E402, F401 -- re-exports
+from nxd_moe.nki_kernels.instructions.prng import (  # noqa: E402, F401 -- re-exports
+    dropout,
+    rand_get_state,
+    rand_set_state,
+    rng,
+    set_rng_seed,
+)
+from nxd_moe.nki_kernels.instructions.scan import (  # noqa: E402, F401 -- re-exports
+    tensor_partition_reduce,
+    tensor_scalar_cumulative,
+    tensor_tensor_scan,
+)
+from nxd_moe.nki_kernels.instructions.select import (  # noqa: E402, F401 -- re-exports
+    affine_select,
+    range_select,
+    select_reduce,
+    sequence_bounds,
+)
+from nxd_moe.nki_kernels.instructions.top8 import max8, nc_find_index8, nc_match_replace8, topk  # noqa: E402, F401 -- re-exports
+from nxd_moe.nki_kernels.instructions.trn3 import (  # noqa: E402, F401 -- re-exports
+    Trn3OnlyError,
+    activate2,
+    exponential,
+    nc_matmul_mx,
+    quantize_mx,
+    rand2,
+)

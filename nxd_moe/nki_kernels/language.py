@@ -11,6 +11,7 @@ allocated before the loop -- NKI's rule too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Iterator
 
@@ -29,6 +30,7 @@ from nxd_moe.nki_kernels.machine import (
     DynSlice,
     NkiTensor,
     VirtualRegister,
+    check_alive,
     current_core,
 )
 
@@ -60,6 +62,8 @@ float8_e5m2_x4 = _packed("float8_e5m2_x4")
 float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4")
 globals()["bool"] = bool_  # NKI's name (nki-library's resolve_dtype_to_nki returns nl.bool); not shadowing here
 
+DType = np.dtype  # what the dtype names above are (NKI annotates dtype parameters with nl.DType)
+MemoryRegion = Buffer  # the buffers below (NKI's enum of memory regions)
 sbuf = Buffer.SBUF
 psum = Buffer.PSUM
 shared_hbm = Buffer.SHARED_HBM
@@ -87,19 +91,42 @@ class tile_size:  # noqa: N801 -- NKI's name
 class NKIObject:
     """Base class of NKI kernel dataclasses and configuration objects (plain Python objects here).
 
-    Annotated fields without a default default to ``None``: nki-library constructs ``@dataclass`` NKIObjects without
-    every field (``MLPTKGConstantsDimensionSizes`` misses ``remainderIFused``), which its own CPU simulator accepts.
+    Every subclass gets this keyword-friendly ``__init__`` (``@dataclass`` keeps an ``__init__`` the class already
+    has): positional arguments fill the dataclass fields in order; keywords may name any field or any other
+    attribute (the plain class attributes of an unannotated ``@dataclass``); a field given neither takes its default
+    (or ``default_factory()``), else ``None``. nki-library relies on all three: ``SectionParams(section_idx=...)`` is
+    a ``@dataclass`` whose attributes are unannotated, and ``MLPTKGConstantsDimensionSizes(...)`` omits
+    ``remainderIFused`` -- both of which its own CPU simulator accepts. A subclass defining ``__init__`` itself keeps
+    it; ``__post_init__`` runs as in a dataclass.
     """
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        for name in cls.__dict__.get("__annotations__", {}):
-            if name not in cls.__dict__:
-                setattr(cls, name, None)
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = NKIObject.__init__
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        cls = type(self)
+        fields = [f for f in getattr(cls, "__dataclass_fields__", {}).values()
+                  if f._field_type is dataclasses._FIELD]  # not ClassVar / InitVar pseudo-fields
+        if len(args) > len(fields):
+            raise TypeError(f"{cls.__name__}() takes {len(fields)} positional arguments but {len(args)} were given")
+        for f, value in zip(fields, args):
+            if f.name in kwargs:
+                raise TypeError(f"{cls.__name__}() got multiple values for argument '{f.name}'")
+            kwargs[f.name] = value
+        for f in fields:
+            if f.name not in kwargs:
+                if f.default is not dataclasses.MISSING:
+                    kwargs[f.name] = f.default
+                elif f.default_factory is not dataclasses.MISSING:
+                    kwargs[f.name] = f.default_factory()
+                else:
+                    kwargs[f.name] = None
         for key, value in kwargs.items():
-            setattr(self, key, value)
+            object.__setattr__(self, key, value)  # frozen dataclasses too
+        if hasattr(self, "__post_init__"):
+            self.__post_init__()
 
 
 tensor = NkiTensor
@@ -141,6 +168,19 @@ def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) ->
         raise ValueError(f"shared_identity_matrix: dst must be ({n}, {n}), got {t.shape}")
     if t.alloc.has_data:
         t.data[...] = np.eye(n, dtype=np.float32).astype(t.dtype)
+    return t
+
+
+def shared_constant(constant) -> NkiTensor:
+    """A shared-HBM tensor holding ``constant`` (a NumPy array, or the path of a ``.npy`` file): data the compiler
+    embeds and loads at model load time, so no DMA is counted; both cores of an LNC2 launch share it."""
+    values = np.load(constant) if isinstance(constant, (str, bytes)) or hasattr(constant, "__fspath__") \
+        else np.asarray(constant)
+    if values.dtype == np.float64:
+        raise TypeError("shared_constant: float64 is not an NKI dtype; convert the constant (e.g. to float32) first")
+    t = ndarray(values.shape if values.ndim else (1,), values.dtype, shared_hbm, "shared_constant")
+    if t.alloc.has_data:
+        t.data[...] = values.reshape(t.shape)
     return t
 
 
@@ -193,6 +233,7 @@ def program_ndim() -> int:
 
 def device_print(print_prefix: str, tensor: NkiTensor) -> None:
     """Print a tensor's values from inside the kernel (simulation only, as in NKI)."""
+    check_alive(tensor)  # a read: pending PSUM accumulation is stored first
     print(print_prefix, tensor.data)
 
 
@@ -232,6 +273,34 @@ sequential_range = affine_range
 static_range = affine_range
 
 
+def fori_loop(lower, upper, body_fun: Callable[[VirtualRegister], None], step: int = 1) -> None:
+    """``body_fun(i)`` for ``i`` in ``[lower, upper)`` by ``step``: a hardware loop whose bounds may be registers
+    (``dynamic_range``), ``i`` a register passed by value."""
+    for i in dynamic_range(lower, upper, step):
+        body_fun(i)
+
+
+def while_loop(init: VirtualRegister, body_fun: Callable[[VirtualRegister], VirtualRegister]) -> None:
+    """``r = init; while r != 0: r = body_fun(r)`` -- a hardware loop on a register condition, checked before each
+    iteration; the body gets the condition by value and returns the next condition register."""
+    if not isinstance(init, VirtualRegister):
+        raise TypeError(f"while_loop: init must be a VirtualRegister (nisa.register_alloc), got {type(init).__name__}")
+    core = current_core()
+    condition = init
+    while True:
+        core.accounting.branches += 1
+        if condition.value == 0:
+            return
+        core.accounting.dynamic_iterations += 1
+        if core.trace is not None:  # a hardware loop iteration: nothing is scheduled across its boundary
+            core.trace.begin(fence=True)
+        with core.scope():
+            condition = body_fun(VirtualRegister(core, condition.value))
+        if not isinstance(condition, VirtualRegister):
+            raise TypeError(f"while_loop: body_fun must return the next condition register, got "
+                            f"{type(condition).__name__}")
+
+
 def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     """A hardware loop: bounds are ints or registers, read once when the loop starts; ``step`` is a compile-time
     int. The induction variable is a register (usable as a ``scalar_offset``)."""
@@ -244,6 +313,8 @@ def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
     for i in range(first, last, step):
         core.accounting.dynamic_iterations += 1
         core.accounting.branches += 1
+        if core.trace is not None:  # a hardware loop iteration: nothing is scheduled across its boundary
+            core.trace.begin(fence=True)
         with core.scope():
             yield VirtualRegister(core, i)
     core.accounting.branches += 1
@@ -256,7 +327,13 @@ class Op:
         self.name = name
         self.fn = fn
 
-    def __call__(self, *args) -> np.ndarray:
+    def __call__(self, *args, dtype=None):
+        """On NumPy values: the fp32 semantics the instructions use. On tiles: NKI's ``nl.<op>(x[, y], dtype=None)``,
+        a new tile (see :mod:`nxd_moe.nki_kernels.tiles`)."""
+        if any(isinstance(a, NkiTensor) for a in args):
+            from nxd_moe.nki_kernels import tiles
+
+            return tiles.elementwise(self, args, dtype)
         return self.fn(*args)
 
     def __repr__(self) -> str:
@@ -308,6 +385,9 @@ left_shift = Op("left_shift", np.left_shift)
 right_shift = Op("right_shift", np.right_shift)
 mod = Op("mod", np.mod)
 fmod = Op("fmod", np.fmod)
+average = Op("average", lambda *xs: np.mean(np.stack(xs), axis=0))  # a reduction op (tensor_partition_reduce)
+invert = Op("invert", np.invert)  # bitwise not (a unary bitvec ALU op)
+bypass = Op("bypass", lambda x, *unused: x)  # passes its data through: skips an instruction's op0 / op1 stage
 
 copy = Op("copy", lambda x: x)
 silu = Op("silu", lambda x: x * _sigmoid(x))
@@ -334,12 +414,57 @@ mish = Op("mish", lambda x: (x * np.tanh(np.logaddexp(np.float32(0.0), x))).asty
 sin = Op("sin", np.sin)
 cos = Op("cos", np.cos)
 erf = Op("erf", _erf)
+arctan = Op("arctan", np.arctan)
+tan = Op("tan", np.tan)
+ceil = Op("ceil", np.ceil)
+floor = Op("floor", np.floor)
+trunc = Op("trunc", np.trunc)
+logical_not = Op("logical_not", lambda x: np.logical_not(x).astype(np.float32))
+# PReLU's negative slope is the instruction's relu_param (NeuronCore-v4's activate2); nisa.activation has none,
+# so there its slope is 0.
+prelu = Op("prelu", lambda x, alpha=0.0: np.where(x >= 0, x, np.float32(alpha) * x).astype(np.float32))
+
+
+def _phi(x):
+    return (np.exp(-0.5 * x * x) / np.float32(math.sqrt(2.0 * math.pi))).astype(np.float32)
+
+
+# Derivatives (the backward passes' activation functions)
+gelu_dx = Op("gelu_dx", lambda x: (0.5 * (1.0 + _erf(x / np.float32(math.sqrt(2.0)))) + x * _phi(x)).astype(
+    np.float32))
+silu_dx = Op("silu_dx", lambda x: (_sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x)))).astype(np.float32))
+gelu_apprx_sigmoid_dx = Op("gelu_apprx_sigmoid_dx", lambda x: (
+    _sigmoid(np.float32(1.702) * x) * (1.0 + np.float32(1.702) * x * (1.0 - _sigmoid(np.float32(1.702) * x)))
+).astype(np.float32))
+erf_dx = Op("erf_dx", lambda x: (np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x)).astype(np.float32))
 
 ACTIVATION_FUNCTIONS = {op.name: op for op in (
     copy, silu, gelu, relu, sigmoid, tanh, leaky_relu, gelu_apprx_sigmoid, gelu_apprx_tanh, exp, log, sqrt, rsqrt,
-    reciprocal, square, abs, negative, sign, softplus, mish, sin, cos, erf)}
+    reciprocal, square, abs, negative, sign, softplus, mish, sin, cos, erf, arctan, prelu, gelu_dx, silu_dx,
+    gelu_apprx_sigmoid_dx, erf_dx)}
 ALU_OPS = {op.name: op for op in (
     add, subtract, multiply, maximum, minimum, equal, not_equal, divide, power, less, less_equal, greater,
     greater_equal, abs_max, abs_min, logical_and, logical_or, logical_xor, bitwise_and, bitwise_or, bitwise_xor,
-    left_shift, right_shift, mod, fmod)}
-INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift")
+    left_shift, right_shift, mod, fmod, abs, square, relu, rsqrt, reciprocal, invert, bypass)}
+INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "invert")
+# Unary ALU ops (NKI's "Arithmetic Unary" and bitwise not, and bypass) act on the data alone: an instruction's
+# scalar operand is ignored.
+UNARY_ALU_OPS = ("abs", "square", "relu", "rsqrt", "reciprocal", "invert", "bypass")
+
+# NKI's tile-level functions (nl.sum, nl.softmax, nl.matmul, ...) are built on nisa (tiles.py), which imports this
+# module: they are looked up on first use, so that importing any of language / isa / tiles first works.
+TILE_FUNCTIONS = ("all", "broadcast_to", "dropout", "empty_like", "expand_dims", "gather_flattened", "load_transpose2d",
+                  "matmul", "max", "mean", "min", "no_reorder", "prod", "rand", "random_seed", "rms_norm", "softmax",
+                  "sum", "transpose", "var", "where", "zeros_like")
+
+
+def __getattr__(name: str):  # noqa: N807 -- a module's __getattr__
+    if name in TILE_FUNCTIONS:
+        from nxd_moe.nki_kernels import tiles
+
+        return getattr(tiles, name)
+    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:  # noqa: N807
+    return sorted(list(globals()) + list(TILE_FUNCTIONS))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import math
 import threading
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 import numpy as np
 
 from nxd_moe.nki_kernels.accounting import Accounting
+from nxd_moe.nki_kernels.liveness import Trace, psum_banks
 
 PMAX = 128  # nl.tile_size.pmax: partitions of SBUF/PSUM, and of any on-chip tile
 SBUF_PARTITION_BYTES = 224 * 1024
@@ -67,45 +69,170 @@ def is_integer(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.integer)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_table(src: np.dtype, dst: np.dtype) -> np.ndarray:
+    return np.arange(256, dtype=np.uint8).view(src).astype(np.float32).astype(dst)
+
+
+def cast(values: np.ndarray, dtype) -> np.ndarray:
+    """``values.astype(dtype)`` through fp32 (how engines convert). One-byte floats (fp8) go through a 256-entry table
+    -- the same values, ~4x faster than ``ml_dtypes``' element loop; float16 through torch -- the same values (a NaN
+    stays NaN; its payload bits may differ), ~15x faster than NumPy's unvectorised half-precision loop."""
+    dtype = np.dtype(dtype)
+    if values.dtype.itemsize == 1 and values.dtype.kind not in "biu" and values.dtype.names is None:
+        return np.take(_byte_table(values.dtype, dtype), values.view(np.uint8))
+    wide = _half_to_f32(values) if values.dtype == np.float16 else values.astype(np.float32)
+    if dtype == np.float32:
+        return wide
+    return _f32_to_half(wide) if dtype == np.float16 else wide.astype(dtype, copy=False)
+
+
+TORCH_CONVERT_MIN = 4096  # elements: below it a torch call's fixed cost exceeds NumPy's per-element loop
+
+
+def _torch_view(values: np.ndarray):
+    """``values`` as a torch tensor sharing memory, or None where NumPy is as fast (small) or torch cannot view it
+    (negative strides, read-only)."""
+    import torch
+
+    if values.size < TORCH_CONVERT_MIN or any(s < 0 for s in values.strides) or not values.flags.writeable:
+        return None
+    return torch.from_numpy(values)
+
+
+def _half_to_f32(values: np.ndarray) -> np.ndarray:
+    t = _torch_view(values)
+    return values.astype(np.float32) if t is None else t.float().numpy()
+
+
+def _f32_to_half(values: np.ndarray) -> np.ndarray:
+    t = _torch_view(values)
+    return values.astype(np.float16) if t is None else t.half().numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def _fresh_pattern(dtype: np.dtype) -> np.ndarray:
+    """One element of fresh memory (NaN, or 4 for integers) as its raw bits."""
+    fill = UNINITIALISED_INT if is_integer(dtype) else np.nan
+    return np.array(fill, dtype=dtype).view(np.dtype(f"u{dtype.itemsize}"))
+
+
+def fresh(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Fresh memory: ``np.full(shape, NaN or 4, dtype)``, filled through an unsigned view of the same width (a
+    fill loop over raw words; ``np.full`` converts the scalar element by element for ``ml_dtypes`` types -- 10-60x
+    slower, and kernels allocate a tile per loop iteration)."""
+    pattern = _fresh_pattern(dtype)
+    data = np.empty(shape, dtype=dtype)
+    data.view(pattern.dtype).fill(pattern)
+    return data
+
+
 def _dummy(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A zero-stride stand-in of ``shape``: slicing it gives the right shapes, and it costs one element."""
-    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape))
+    dtype = np.dtype(dtype)
+    return np.ndarray(shape, dtype, buffer=np.zeros(dtype.itemsize, np.uint8), strides=(0,) * len(shape))
+
+
+_SERIALS = itertools.count()
 
 
 class Allocation:
     """One ``nl.ndarray``: its memory, where it lives and whether it is still alive."""
 
     def __init__(self, name: str, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...], numerics: bool,
-                 owner: int | None):
+                 owner: int | None, data: np.ndarray | None = None):
         self.name = name
         self.buffer = buffer
         self.dtype = np.dtype(dtype)
         self.shape = shape
         self.owner = owner
+        self.serial = next(_SERIALS)
         self.alive = True
         self.release: Callable[[], None] = lambda: None
-        self.born: int | None = None  # liveness: the core clock at allocation and at the last use
-        self.last_use: int | None = None
         # Counting runs keep real storage for integers (they steer control flow) and for on-chip tensors (bounded by
         # SBUF / PSUM), so index arithmetic routed through float tiles (an int -> fp32 -> transpose -> int round
         # trip) stays exact; ``known`` is False once a tensor holds values derived from data-less (HBM float) inputs.
         self.has_data = numerics or is_integer(self.dtype) or buffer in (Buffer.SBUF, Buffer.PSUM)
         self.known = self.has_data
-        if self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
+        if self.has_data and data is not None:  # given contents (a kernel argument)
+            self.data = data
+        elif self.has_data and self.dtype.names is not None:  # packed x4 types: all-ones bytes (NaN for fp8)
             self.data = np.full(shape + (self.dtype.itemsize,), 0xFF, np.uint8).view(self.dtype).reshape(shape)
         elif self.has_data:
-            fill = UNINITIALISED_INT if is_integer(self.dtype) else np.nan
-            self.data = np.full(shape, fill, dtype=self.dtype)
+            self.data = fresh(shape, self.dtype)
         else:
             self.data = _dummy(shape, self.dtype)
-        # PSUM remembers what nc_matmul wrote, for its accumulate rules.
+        # PSUM remembers what nc_matmul wrote, for its accumulate rules, and holds the accumulation group being
+        # built (see PendingMatmul).
         self.matmul_written = np.zeros(shape, dtype=bool) if buffer is Buffer.PSUM else None
+        self.pending: PendingMatmul | None = None
+        self.read_by_pending: list[Allocation] = []  # PSUM tensors whose pending group reads this one
         free = math.prod(shape[1:]) if len(shape) > 1 else 1
         self.bytes_per_partition = free * self.dtype.itemsize
+        self.size = math.prod(shape)
 
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
+
+class PendingMatmul:
+    """An accumulation group not yet added up: consecutive ``nc_matmul`` into one PSUM region, each ``(K, M).T @
+    (K, N)``, are the single product of their operands stacked along K. It is computed as one BLAS call (fp32, as
+    PSUM accumulates) when anything touches the PSUM tensor or writes an operand (:func:`settle`): the slicing into
+    128-row matmuls is the hardware's, not the arithmetic's, and one large product is ~20x faster than many small
+    ones. The operands are kept as views, not copies, for the same reason.
+    """
+
+    def __init__(self, dst: "NkiTensor", adds_to: np.ndarray | None):
+        self.dst = dst
+        self.key = (dst.offset, dst.shape, dst.strides)
+        self.adds_to = adds_to  # (M, N) bool: elements the group adds to (None: it overwrites them all)
+        self.stationary: list[np.ndarray] = []
+        self.moving: list[np.ndarray] = []
+        self.operands: list[Allocation] = []  # whose read_by_pending names this group's PSUM tensor
+
+    def add(self, stationary: "NkiTensor", moving: "NkiTensor", rows: int = 1) -> None:
+        """``rows=2``: ``perf_mode=double_row`` operands ``(K, 2, M)`` / ``(K, 2, N)``, contracted over ``(K, 2)``."""
+        k = stationary.partitions * rows
+        self.stationary.append(stationary.data.reshape(k, stationary.free_size // rows))
+        self.moving.append(moving.data.reshape(k, moving.free_size // rows))
+        for operand in (stationary.alloc, moving.alloc):
+            if not operand.read_by_pending or operand.read_by_pending[-1] is not self.dst.alloc:
+                operand.read_by_pending.append(self.dst.alloc)
+                self.operands.append(operand)
+
+    def total(self) -> np.ndarray:
+        product = fp32_matmul(_stacked(self.stationary), _stacked(self.moving))
+        if self.adds_to is not None and self.adds_to.any():
+            held = self.dst.data.astype(np.float32).reshape(product.shape)
+            product = np.where(self.adds_to, held + product, product)
+        return product
+
+
+def _stacked(parts: list[np.ndarray]) -> np.ndarray:
+    """The parts stacked along K, converted to fp32 in the same pass (fp8 through :func:`cast`'s table)."""
+    if len(parts) == 1 or parts[0].dtype.itemsize == 1 or parts[0].dtype == np.float16:
+        whole = [cast(p, np.float32) for p in parts]
+        return whole[0] if len(whole) == 1 else np.concatenate(whole)
+    return np.concatenate(parts, dtype=np.float32, casting="unsafe")
+
+
+def fp32_matmul(stationary: np.ndarray, moving: np.ndarray) -> np.ndarray:
+    """``stationary (K, M).T @ moving (K, N)`` in fp32, on the calling thread (BLAS's own threads only fight the
+    cores of an LNC2 launch: see ``lnc.simulate``)."""
+    import torch
+
+    return (torch.from_numpy(stationary).T @ torch.from_numpy(moving)).numpy()
+
+
+def settle(alloc: "Allocation") -> None:
+    """Store a PSUM tensor's pending accumulation group (before anything reads or writes the tensor)."""
+    pending, alloc.pending = alloc.pending, None
+    if pending is not None:
+        np.copyto(pending.dst.data, pending.total().reshape(pending.dst.shape), casting="unsafe")
+        # The operands no longer wait on this tensor: without this, a weight tile read by thousands of matmuls would
+        # keep every PSUM tile they wrote alive (1.4 GB on nki-library's moe_tkg at T=1024, H=I=3072).
+        for operand in pending.operands:
+            waiting = operand.read_by_pending
+            if alloc in waiting:
+                waiting.remove(alloc)
 
 
 class DynSlice:
@@ -133,39 +260,59 @@ class NkiTensor:
     the view methods refuse to move or merge it.
     """
 
-    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "data", "written")
+    __slots__ = ("alloc", "shape", "strides", "offset", "dtype", "_data", "_written", "outside")
 
     def __init__(self, alloc: Allocation, shape, strides, offset: int = 0, dtype=None):
+        # Every index and view makes one of these (hundreds of thousands per nki-library kernel): one pass, no
+        # generators.
         self.alloc = alloc
-        self.shape = tuple(int(n) for n in shape)
-        self.strides = tuple(int(s) for s in strides)
-        self.offset = int(offset)
-        self.dtype = alloc.dtype if dtype is None else np.dtype(dtype)
-        if any(n < 1 for n in self.shape):
-            raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {self.shape} selects an empty region")
-        lo, hi = self._extent()
-        limit = alloc.size * alloc.dtype.itemsize // self.dtype.itemsize
+        self.shape = shape = tuple(map(int, shape))
+        self.strides = strides = tuple(map(int, strides))
+        self.offset = offset = int(offset)
+        self.dtype = dtype = alloc.dtype if dtype is None else np.dtype(dtype)
+        lo = hi = offset
+        for n, s in zip(shape, strides):
+            if n < 1:
+                raise HardwareLimitError(f"tensor {alloc.name!r}: view of shape {shape} selects an empty region")
+            if s > 0:
+                hi += s * (n - 1)
+            else:
+                lo += s * (n - 1)
+        limit = alloc.size if dtype == alloc.dtype else alloc.size * alloc.dtype.itemsize // dtype.itemsize
+        # A view reaching outside its tensor is legal until an instruction accesses it, as on hardware: kernels build
+        # such patterns only for their shape (nki-library: ``nl.ndarray(t.ap(...).shape, ...)``).
+        self.outside = None
         if lo < 0 or hi >= limit:
-            raise HardwareLimitError(f"access pattern {self.get_pattern()} + offset {self.offset} reaches outside "
-                                     "tensor "
-                                     f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
-        self.data = self._strided(alloc.data, alloc.has_data)
-        self.written = None if alloc.matmul_written is None else self._strided(alloc.matmul_written, True)
+            self.outside = (f"access pattern {self.get_pattern()} + offset {offset} reaches outside tensor "
+                            f"{alloc.name!r} ({alloc.size} elements, shape {alloc.shape})")
+        self._data = self._written = None  # NumPy views, made on first use: most views are only passed along
 
-    def _extent(self) -> tuple[int, int]:
-        lo = self.offset + sum(min(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
-        hi = self.offset + sum(max(0, s * (n - 1)) for s, n in zip(self.strides, self.shape))
-        return lo, hi
+    @property
+    def data(self) -> np.ndarray:
+        """The elements, a NumPy view of the allocation's storage (a zero-stride stand-in without data)."""
+        if self._data is None:
+            if self.outside is not None:
+                raise HardwareLimitError(self.outside)
+            self._data = self._strided(self.alloc.data, self.alloc.has_data)
+        return self._data
+
+    @property
+    def written(self) -> np.ndarray | None:
+        """PSUM only: which elements an ``nc_matmul`` has written."""
+        if self._written is None and self.alloc.matmul_written is not None and self.outside is None:
+            self._written = self._strided(self.alloc.matmul_written, True)
+        return self._written
 
     def _strided(self, storage: np.ndarray, real: bool) -> np.ndarray:
+        """This view over ``storage`` (the allocation's data, in this view's dtype, or a same-shaped mask). Built
+        as an ``ndarray`` over the storage's bytes: ~4x cheaper than ``as_strided``, which also cannot represent
+        ``ml_dtypes``' float8_e5m2 (its array interface type string ``<f1`` does not parse)."""
         if not real:
             return _dummy(self.shape, self.dtype)
-        flat = storage.reshape(-1)
-        if storage is self.alloc.data and self.dtype != self.alloc.dtype:
-            flat = flat.view(np.uint8).view(self.dtype)
-        item = flat.itemsize
-        return np.lib.stride_tricks.as_strided(flat[self.offset:], shape=self.shape,
-                                               strides=tuple(s * item for s in self.strides))
+        dtype = self.dtype if storage is self.alloc.data else storage.dtype
+        item = dtype.itemsize
+        return np.ndarray(self.shape, dtype, buffer=storage.reshape(-1).view(np.uint8), offset=self.offset * item,
+                          strides=tuple(s * item for s in self.strides))
 
     @property
     def buffer(self) -> Buffer:
@@ -204,15 +351,17 @@ class NkiTensor:
 
     def __getitem__(self, key) -> "NkiTensor":
         key = list(key) if isinstance(key, tuple) else [key]
-        if sum(k is Ellipsis for k in key) > 1:
+        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+        if len(ellipses) > 1:
             raise IndexError(f"tensor {self.name!r}: at most one Ellipsis in an index")
-        if Ellipsis in key:
-            i = key.index(Ellipsis)
+        if ellipses:
+            i = ellipses[0]
             key[i:i + 1] = [slice(None)] * (self.ndim - len(key) + 1)
         if len(key) > self.ndim:
             raise IndexError(f"tensor {self.name!r} of shape {self.shape}: {len(key)} indices for {self.ndim} dims")
         key += [slice(None)] * (self.ndim - len(key))
         shape, strides, offset = [], [], self.offset
+        on_chip = self.alloc.buffer.on_chip
         for dim, (k, n, s) in enumerate(zip(key, self.shape, self.strides)):
             if isinstance(k, DynSlice):
                 k = slice(k.start, k.start + k.size * k.step, k.step)
@@ -234,7 +383,7 @@ class NkiTensor:
                 if not 0 <= k < n:
                     raise IndexError(f"tensor {self.name!r}: index {k} is out of bounds for dim {dim} of size {n}")
                 offset += s * k
-                if dim == 0 and self.buffer.on_chip:  # the partition dimension stays, as size 1
+                if dim == 0 and on_chip:  # the partition dimension stays, as size 1
                     shape.append(1)
                     strides.append(s)
             else:
@@ -243,9 +392,9 @@ class NkiTensor:
                                 "vector_offset=...) or .select(dim, index_tensor)")
         if not shape:
             shape, strides = [1], [1]
-        if self.buffer.on_chip and len(shape) == 1:  # on-chip views stay at least 2-D
+        if on_chip and len(shape) == 1:  # on-chip views stay at least 2-D
             shape, strides = shape + [1], strides + [1]
-        return self._view(shape, strides, offset)
+        return NkiTensor(self.alloc, shape, strides, offset, self.dtype)
 
     def __setitem__(self, key, value):
         raise TypeError(f"tensor {self.name!r}: NKI tensors are written by instructions (nisa.*), not by assignment")
@@ -420,6 +569,38 @@ class NkiTensor:
 
     reinterpret_cast = view
 
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes: dict[str, int] | None = None) -> "NkiTensor":
+        """einops-style view: ``t.rearrange(('b', ('h', 'w')), ('b', 'w', 'h'), {'h': 4})`` splits dim 1 into
+        ``(h, w)`` and swaps them; groups in ``dst_pattern`` merge (their dims must be contiguous). The same
+        ``reshape_dim`` / ``permute`` / ``flatten_dims`` rules apply (the partition dim stays first on chip)."""
+        src = [d if isinstance(d, (tuple, list)) else (d,) for d in src_pattern]
+        dst = [d if isinstance(d, (tuple, list)) else (d,) for d in dst_pattern]
+        if len(src) != self.ndim:
+            raise ValueError(f"rearrange: source pattern {src_pattern} names {len(src)} dims; the tensor has "
+                             f"{self.ndim}")
+        names = [n for group in src for n in group]
+        if sorted(names) != sorted(n for group in dst for n in group) or len(set(names)) != len(names):
+            raise ValueError(f"rearrange: {src_pattern} and {dst_pattern} must name the same dims, once each")
+        sizes = dict(fixed_sizes or {})
+        view = self
+        for dim in reversed(range(len(src))):
+            if len(src[dim]) > 1:
+                view = view.reshape_dim(dim, [sizes.get(n, -1) for n in src[dim]])
+        view = view.permute([names.index(n) for group in dst for n in group])
+        start = len([n for group in dst for n in group])
+        for group in reversed(dst):
+            start -= len(group)
+            if len(group) > 1:
+                view = view.flatten_dims(start, start + len(group) - 1)
+        return view
+
+    def indirect(self, index: "NkiTensor", num_elem: int | None = None) -> "NkiTensor":
+        """Tensor indirection (a gather / scatter view at per-partition offsets): NeuronCore-v4 (Trn3) only."""
+        from nxd_moe.nki_kernels.instructions.trn3 import Trn3OnlyError
+
+        raise Trn3OnlyError("NkiTensor.indirect (tensor indirection) is only available on NeuronCore-v4 (Trn3); this "
+                            "simulator models Trn2")
+
     def __repr__(self) -> str:
         return f"NkiTensor({self.name!r}, {self.buffer.value}, {self.dtype}, {self.shape})"
 
@@ -465,7 +646,8 @@ class AccessPattern:
                 raise HardwareLimitError(f"vector_offset indirection reads or writes HBM; {tensor.name!r} is in "
                                          f"{tensor.buffer.value}")
             if (not isinstance(vector_offset, NkiTensor) or vector_offset.buffer is not Buffer.SBUF
-                    or not is_integer(vector_offset.dtype) or vector_offset.shape != (pattern[0][1], 1)):
+                    or not is_integer(vector_offset.dtype) or vector_offset.shape[0] != pattern[0][1]
+                    or math.prod(vector_offset.shape[1:]) != 1):  # (P, 1) or (P, 1, 1): one offset per partition
                 raise TypeError(f"vector_offset must be an integer SBUF tensor of shape ({pattern[0][1]}, 1), got "
                                 f"{vector_offset!r}")
         self.tensor = tensor
@@ -528,6 +710,28 @@ class AccessPattern:
                                      f"{self.name!r} ({size} elements, shape {self.tensor.shape})")
         return base, index_ok & in_range, index
 
+    def elements(self, row_base: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``(array, index)``: the accessed elements for the given in-bounds row starts are ``array[index]``, shape
+        ``(rows, *shape[1:])`` -- read it, or assign to it to write them. Evenly spaced rows (no vector offset) are
+        one strided view; gathered rows index the first axis of a window over the storage (``window[j]`` is the
+        inner pattern starting at element ``j``), so whole rows move instead of element-by-element addresses."""
+        flat = self.tensor.alloc.data.reshape(-1)
+        item = flat.dtype.itemsize
+        raw = flat.view(np.uint8)
+        inner_shape = tuple(count for _, count in self.pattern[1:])
+        inner_strides = tuple(stride * item for stride, _ in self.pattern[1:])
+        steps = np.diff(row_base)
+        if not steps.size or (steps == steps[0]).all():
+            step = int(steps[0]) if steps.size else 0
+            view = np.ndarray((len(row_base),) + inner_shape, flat.dtype, buffer=raw, offset=int(row_base[0]) * item,
+                              strides=(step * item,) + inner_strides)
+            return view, Ellipsis
+        inner_lo = sum(min(0, s * (c - 1)) for s, c in self.pattern[1:])
+        inner_hi = sum(max(0, s * (c - 1)) for s, c in self.pattern[1:])
+        window = np.ndarray((flat.size - inner_hi + inner_lo,) + inner_shape, flat.dtype, buffer=raw,
+                            offset=-inner_lo * item, strides=(item,) + inner_strides)
+        return window, row_base + inner_lo
+
     def addresses(self, row_base: np.ndarray) -> np.ndarray:
         """Element addresses ``(rows, *shape[1:])`` for the given row starts."""
         addr = row_base.reshape((-1,) + (1,) * (len(self.pattern) - 1))
@@ -559,6 +763,8 @@ class VirtualRegister:
 
     def __bool__(self) -> bool:
         self.core.accounting.branches += 1
+        if self.core.trace is not None:  # a branch on the device: nothing is scheduled across it
+            self.core.trace.begin(fence=True)
         return self.value != 0
 
     def __repr__(self) -> str:
@@ -627,12 +833,11 @@ class Core:
         self.accounting = Accounting()
         self._scopes: list[list[Allocation]] = [[]]
         self._private_count = 0
-        # Real NKI loops are plain Python ranges and the compiler frees a tensor after its last use. With liveness
-        # (the compat front door) on-chip tensors occupy memory from allocation to their last use by an instruction,
-        # and capacity is checked over those lifetimes when the kernel ends (check_liveness).
+        # Real NKI loops are plain Python ranges and the compiler allocates on-chip memory over the instructions'
+        # dependencies. With liveness (the compat front door) the instruction stream is traced and capacity is
+        # checked when the kernel ends (check_liveness; see nxd_moe.nki_kernels.liveness).
         self.liveness = bool(getattr(launch, "liveness", False))
-        self.clock = 0
-        self._on_chip: list[Allocation] = []
+        self.trace = Trace() if self.liveness else None
         self.replays: dict[Hashable, Accounting] = {}
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
 
@@ -666,8 +871,6 @@ class Core:
         else:
             memory, amount = self.psum, -(-alloc.bytes_per_partition // PSUM_BANK_BYTES)
         if self.liveness:
-            alloc.born = alloc.last_use = self.tick()
-            self._on_chip.append(alloc)
             return whole(alloc)
         memory.reserve(amount, f"tensor {label!r} {shape} {alloc.dtype}")
         alloc.release = _Release(memory, amount)
@@ -691,34 +894,18 @@ class Core:
         alloc.alive = False
         alloc.release()
 
-    def tick(self) -> int:
-        self.clock += 1
-        return self.clock
-
     def check_liveness(self) -> None:
-        """With liveness: the SBUF / PSUM high-water marks over the tensors' lifetimes (allocation to last use),
-        raising :class:`HardwareLimitError` when one exceeds its capacity."""
-        for memory, buffer in ((self.sbuf, Buffer.SBUF), (self.psum, Buffer.PSUM)):
-            allocs = [a for a in self._on_chip if a.buffer is buffer]
-            size = (lambda a: a.bytes_per_partition) if buffer is Buffer.SBUF else (
-                lambda a: -(-a.bytes_per_partition // PSUM_BANK_BYTES))
-            events = sorted([(a.born, 1, a) for a in allocs] + [(a.last_use, 2, a) for a in allocs],
-                            key=lambda e: (e[0], e[1]))
-            used, peak, live, at_peak = 0, 0, set(), []
-            for _, kind, a in events:
-                if kind == 1:
-                    used += size(a)
-                    live.add(a)
-                    if used > peak:
-                        peak, at_peak = used, list(live)
-                else:
-                    used -= size(a)
-                    live.discard(a)
-            memory.high_water = peak
-            if peak > memory.capacity:
-                names = ", ".join(sorted({a.name for a in at_peak})[:8])
-                raise HardwareLimitError(f"{memory.name} over capacity: {peak} {memory.unit} live at once (tensors "
-                                         f"{names}{', ...' if len(at_peak) > 8 else ''}) exceeds {memory.capacity}")
+        """With liveness: the SBUF / PSUM high-water marks of the traced kernel, raising :class:`HardwareLimitError`
+        when what must be live at once under any schedule exceeds a capacity."""
+        for memory, buffer, size in ((self.sbuf, Buffer.SBUF, lambda a: a.bytes_per_partition),
+                                     (self.psum, Buffer.PSUM, lambda a: psum_banks(a, PSUM_BANK_BYTES))):
+            footprint = self.trace.footprint(buffer, size, memory.capacity)
+            memory.high_water = footprint.peak
+            if footprint.peak > memory.capacity:
+                names = footprint.tensors
+                raise HardwareLimitError(f"{memory.name} over capacity: {footprint.peak} {memory.unit} live at once "
+                                         f"under any instruction schedule (tensors {', '.join(names[:8])}"
+                                         f"{', ...' if len(names) > 8 else ''}) exceeds {memory.capacity}")
         self.accounting.sbuf_high_water = self.sbuf.high_water
         self.accounting.psum_high_water_banks = self.psum.high_water
 
@@ -761,19 +948,50 @@ def whole(alloc: Allocation) -> NkiTensor:
     return NkiTensor(alloc, alloc.shape, _row_major(alloc.shape))
 
 
-def hbm_tensor(array: np.ndarray, name: str, numerics: bool) -> NkiTensor:
-    """A kernel argument: ``array`` copied into shared HBM."""
-    alloc = Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None)
-    if alloc.has_data:
-        alloc.data[...] = array
-    return whole(alloc)
+def hbm_tensor(array: np.ndarray, name: str, numerics: bool, alias: bool = False) -> NkiTensor:
+    """A kernel argument in shared HBM: a copy of ``array``, or with ``alias`` (a writeable C-contiguous array) the
+    array itself -- what the kernel writes lands in it, and a large weight costs no second copy."""
+    own = alias and array.flags.c_contiguous and array.flags.writeable
+    data = array if own else np.array(array, order="C")
+    return whole(Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None, data))
 
 
-def check_alive(*tensors) -> None:
-    """Every instruction passes its tensors here: a freed tensor raises; with liveness, the use is recorded."""
+def check_alive(*tensors, write: bool = False, settled: bool = True) -> None:
+    """Every instruction passes the tensors it reads (or, ``write=True``, writes) here: a freed tensor, or a view
+    reaching outside its tensor, raises; with liveness, the access is traced; a pending matmul accumulation is
+    stored first (unless ``settled=False``: ``nc_matmul`` extending it)."""
     for t in tensors:
-        if isinstance(t, NkiTensor) and t.alloc.born is not None:
-            t.alloc.last_use = current_core().tick()
-        if isinstance(t, NkiTensor) and not t.alloc.alive:
+        if not isinstance(t, NkiTensor):
+            continue
+        if settled and t.alloc.pending is not None:
+            settle(t.alloc)
+        if write and t.alloc.read_by_pending:  # a pending product reads the old values: compute it first
+            for psum in list(t.alloc.read_by_pending):
+                settle(psum)
+            t.alloc.read_by_pending.clear()
+        if t.outside is not None:
+            raise HardwareLimitError(t.outside)
+        trace = current_core().trace
+        if trace is not None:
+            trace.access(t.alloc, write, write and t.size * t.dtype.itemsize >= t.alloc.size * t.alloc.dtype.itemsize)
+        if not t.alloc.alive:
             raise RuntimeError(f"tensor {t.name!r} is used after the loop iteration that allocated it ended; "
                                "allocate tensors that outlive an iteration before the loop")
+
+
+def instruction(fn: Callable | None = None, *, fence: bool = False):
+    """Mark an ``nisa`` function as one instruction for the liveness trace (``fence``: nothing is reordered across
+    it -- barriers, cross-core exchanges, registers)."""
+
+    def decorate(f):
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            core = getattr(_CURRENT, "core", None)
+            if core is None or core.trace is None:
+                return f(*args, **kwargs)
+            with core.trace.instruction(fence):
+                return f(*args, **kwargs)
+
+        return run
+
+    return decorate if fn is None else decorate(fn)

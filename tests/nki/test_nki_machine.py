@@ -11,7 +11,7 @@ import pytest
 from nxd_moe.nki_kernels import CoreDivergenceError, HardwareLimitError, OutOfBoundsError, simulate
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
-from nxd_moe.nki_kernels.machine import counted_once_per_signature
+from nxd_moe.nki_kernels.machine import cast, counted_once_per_signature
 
 
 def run(kernel, *args, lnc: int = 1, **kwargs):
@@ -163,6 +163,35 @@ def test_fresh_memory_is_nan_and_integers_are_four():
     assert (out_i == 4).all()
 
 
+@pytest.mark.parametrize("dtype", [nl.float32, nl.bfloat16, nl.float16, nl.float8_e4m3, nl.float8_e4m3fn,
+                                   nl.float8_e5m2, nl.int8, nl.uint8, nl.int16, nl.int32, nl.uint32])
+def test_fresh_memory_of_every_dtype_holds_the_simulators_fill_bits(dtype):
+    """Fresh tiles are filled through raw words (fast for ml_dtypes types); the bits are NumPy's NaN (4 for ints)."""
+    def kernel():
+        tile = nl.ndarray((3, 5), dtype)
+        out = nl.ndarray((3, 5), dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, tile)
+        return out
+
+    expected = np.full((3, 5), 4 if np.issubdtype(dtype, np.integer) else np.nan, dtype=dtype)
+    out = run(kernel).outputs
+    assert out.dtype == dtype
+    assert out.view(np.uint8).tobytes() == expected.view(np.uint8).tobytes()
+
+
+def test_half_precision_conversions_equal_numpys_bit_for_bit():
+    """float16 converts through torch (fast); every half value widens, and random fp32 bits narrow, exactly as
+    NumPy does -- NaN stays NaN (its payload is not specified)."""
+    halves = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    singles = np.random.default_rng(3).integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    singles = np.concatenate([singles.view(np.float32), np.float32([65504, 65520, 65519.99, 6e-8, 3e-8, -0.0])])
+    for values, dtype in ((halves, np.float32), (singles, np.float16)):
+        ours, numpys = cast(values, dtype), values.astype(dtype)
+        nan = np.isnan(numpys)
+        assert np.isnan(ours[nan]).all()
+        assert ours[~nan].tobytes() == numpys[~nan].tobytes()
+
+
 @pytest.mark.parametrize("dtype", [nl.bfloat16, nl.float8_e4m3])
 def test_stores_round_to_the_storage_dtype(dtype):
     values = np.array([[1.0 + 2.0 ** -10, 3.14159265, -100.3, 1e-3]], dtype=np.float32)
@@ -272,6 +301,40 @@ def test_vector_offset_gather_and_skip_mode():
     assert (traffic.rows, traffic.skipped_rows, traffic.bytes) == (2, 2, 2 * 8 * 4)
     with pytest.raises(OutOfBoundsError, match="dynamic index -1"):
         simulate(_gather(nisa.oob_mode.error))(index, values)
+
+
+def test_vector_offset_rows_move_whole_with_a_strided_reversed_inner_pattern():
+    """Gather and scatter by ``vector_offset`` with inner pattern ``[-2, 3]`` from offset 6: row ``r`` is elements
+    ``(r, 6), (r, 4), (r, 2)`` -- the NumPy statement below; a scatter's repeated row keeps the last write, a skipped
+    row (-1) is not written."""
+    table = np.arange(48, dtype=np.float32).reshape(6, 8)
+    gather_ids = np.array([[5], [0], [3], [3]], dtype=np.int32)
+    scatter_ids = np.array([[1], [4], [1], [-1]], dtype=np.int32)
+    updates = -np.arange(1, 13, dtype=np.float32).reshape(4, 3)
+
+    def kernel(table, gather_ids, scatter_ids, updates):
+        ids = nl.ndarray((4, 1), nl.int32)
+        nisa.dma_copy(ids, gather_ids)
+        rows = nl.ndarray((4, 3), nl.float32)
+        nisa.dma_copy(rows, table.ap([[8, 4], [-2, 3]], offset=6, vector_offset=ids))
+        gathered = nl.ndarray((4, 3), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(gathered, rows)
+        targets = nl.ndarray((4, 1), nl.int32)
+        nisa.dma_copy(targets, scatter_ids)
+        tile = nl.ndarray((4, 3), nl.float32)
+        nisa.dma_copy(tile, updates)
+        nisa.dma_copy(table.ap([[8, 4], [-2, 3]], offset=6, vector_offset=targets), tile,
+                      oob_mode=nisa.oob_mode.skip)
+        return gathered
+
+    run = simulate(kernel)(table, gather_ids, scatter_ids, updates)
+    columns = [6, 4, 2]
+    np.testing.assert_array_equal(run.outputs, table[gather_ids[:, 0]][:, columns])
+    expected = table.copy()
+    for row, update in zip(scatter_ids[:, 0], updates):
+        if row >= 0:
+            expected[row, columns] = update
+    np.testing.assert_array_equal(run.arguments["table"], expected)
 
 
 def test_scalar_offset_selects_a_row_and_skips_out_of_bounds_whole():

@@ -25,41 +25,24 @@ import types
 from contextlib import contextmanager
 from typing import Iterator
 
-from nxd_moe.nki_kernels import isa, language
 from nxd_moe.nki_kernels.compat import frontend
 from nxd_moe.nki_kernels.compat.frontend import Kernel, jit, last_run, run, simulate
+from nxd_moe.nki_kernels.compat.namespaces import FAMILIES
 
-__all__ = ["install", "uninstall", "installed", "is_installed", "RealNkiError", "Kernel", "jit", "simulate", "run",
-           "last_run", "MODULE_NAMES"]
+__all__ = ["install", "uninstall", "installed", "is_installed", "installed_families", "RealNkiError", "Kernel", "jit",
+           "simulate", "run", "last_run", "MODULE_NAMES", "ALL_FAMILIES", "FAMILIES"]
 
 
 class RealNkiError(RuntimeError):
-    """A real ``nki`` package is importable; installing the simulator over it needs ``force=True``."""
+    """A real ``nki`` (or other aliased) package is importable; installing the simulator over it needs
+    ``force=True``."""
 
 
-def _module(name: str, doc: str, **attributes) -> types.ModuleType:
-    module = types.ModuleType(name, doc)
-    module.__dict__.update(attributes)
-    return module
-
-
-_constants = _module("nki.isa.constants", "NKI's instruction constants (nki.isa.constants).",
-                     oob_mode=isa.oob_mode, dge_mode=isa.dge_mode, engine=isa.engine, nc_version=isa.nc_version,
-                     reduce_cmd=isa.reduce_cmd, matmul_perf_mode=isa.matmul_perf_mode, dma_engine=isa.dma_engine)
-isa.constants = _constants  # `from nki.isa import constants` as well as `import nki.isa.constants`
-_typing = _module("nki.typing", "NKI's type names (nki.typing).", tensor=language.NkiTensor,
-                  NkiTensor=language.NkiTensor)
-
-_ALIASES: dict[str, types.ModuleType] = {
-    "nki": frontend,
-    "nki.language": language,
-    "nki.isa": isa,
-    "nki.isa.constants": _constants,
-    "nki.typing": _typing,
-}
-MODULE_NAMES = tuple(_ALIASES)
+ALL_FAMILIES = tuple(FAMILIES)
+MODULE_NAMES = tuple(FAMILIES["nki"])
 
 _saved: dict[str, types.ModuleType | None] | None = None
+_families: tuple[str, ...] = ()
 
 
 def _placeholder(origin: str | None) -> bool:
@@ -73,15 +56,20 @@ def _placeholder(origin: str | None) -> bool:
         return False
 
 
-def real_nki() -> str | None:
-    """Where a real ``nki`` package would be imported from, or ``None`` (also for PyPI's placeholder)."""
-    loaded = sys.modules.get("nki")
+def _ours(module: types.ModuleType) -> bool:
+    return any(module is m for family in FAMILIES.values() for m in family.values())
+
+
+def real_package(name: str = "nki") -> str | None:
+    """Where a real package ``name`` (``nki``, ``nki_cpu_simulator``, ``neuronxcc``, ``neuron_dtypes``) would be
+    imported from, or ``None`` (also for PyPI's ``nki`` placeholder and for namespace packages)."""
+    loaded = sys.modules.get(name)
     if loaded is not None:
-        if loaded is frontend or getattr(loaded, "__file__", None) is None:  # ours, or a namespace package
+        if _ours(loaded) or getattr(loaded, "__file__", None) is None:  # ours, or a namespace package
             return None
         return loaded.__file__
     try:
-        spec = importlib.util.find_spec("nki")
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
     # A namespace package (a directory named nki without __init__.py, e.g. a tests/nki folder on sys.path) is not it.
@@ -90,48 +78,74 @@ def real_nki() -> str | None:
     return spec.origin
 
 
+def real_nki() -> str | None:
+    """Where a real ``nki`` package would be imported from, or ``None`` (also for PyPI's placeholder)."""
+    return real_package("nki")
+
+
 def is_installed() -> bool:
     return _saved is not None
 
 
-def install(force: bool = False) -> types.ModuleType:
+def installed_families() -> tuple[str, ...]:
+    """The families :func:`install` aliased (empty when not installed)."""
+    return _families
+
+
+def _owned(name: str, families) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in families)
+
+
+def install(force: bool = False, families=("nki",)) -> types.ModuleType:
     """Make ``nki`` and its submodules this simulator; returns the ``nki`` module. Idempotent.
 
-    Raises :class:`RealNkiError` when a real ``nki`` is importable, unless ``force=True``.
+    ``families`` picks the names to alias (see :mod:`~nxd_moe.nki_kernels.compat.namespaces`): ``"nki"``
+    (default), ``"nki_cpu_simulator"`` (AWS's simulator package, as nki-library's harness imports it),
+    ``"neuronxcc"`` (the legacy ``neuronxcc.nki.*``), ``"neuron_dtypes"`` (the ``ml_dtypes`` stand-in);
+    :data:`ALL_FAMILIES` is all of them. Raises :class:`RealNkiError` when a real package of one of them is
+    importable, unless ``force=True``; ``ValueError`` for an unknown family or a second install with other ones.
     """
-    global _saved
+    global _saved, _families
+    families = tuple(dict.fromkeys(families))
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown or not families:
+        raise ValueError(f"install(families={families!r}): each must be one of {list(FAMILIES)}")
     if _saved is not None:
+        if set(families) - set(_families):
+            raise ValueError(f"compat is installed with families {list(_families)}; uninstall() before installing "
+                             f"{list(families)}")
         return frontend
-    found = real_nki()
-    if found is not None and not force:
-        raise RealNkiError(f"a real nki package is importable ({found}); nxd_moe.nki_kernels.compat.install() would "
-                           "shadow it with the CPU simulator. Use the real one, or pass force=True (CLI: --force) to "
-                           "simulate anyway.")
-    _saved = {name: sys.modules.get(name) for name in _ALIASES}
-    _saved.update({name: module for name, module in sys.modules.items()
-                   if (name == "nki" or name.startswith("nki.")) and name not in _saved})
-    for name in [n for n in sys.modules if n.startswith("nki.") and n not in _ALIASES]:
+    found = {f: where for f in families if (where := real_package(f)) is not None}
+    if found and not force:
+        what = "; ".join(f"a real {f} package is importable ({where})" for f, where in found.items())
+        raise RealNkiError(f"{what}; nxd_moe.nki_kernels.compat.install() would shadow "
+                           "it with the CPU simulator. Use the real one, leave its family out (CLI: --alias), or pass "
+                           "force=True (CLI: --force) to simulate anyway.")
+    aliases = {name: module for f in families for name, module in FAMILIES[f].items()}
+    _saved = {name: module for name, module in sys.modules.items() if _owned(name, families)}
+    for name in list(_saved):
         del sys.modules[name]
-    sys.modules.update(_ALIASES)
+    sys.modules.update(aliases)
+    _families = families
     return frontend
 
 
 def uninstall() -> None:
-    """Undo :func:`install`: every ``nki*`` entry of ``sys.modules`` is restored to what it was."""
-    global _saved
+    """Undo :func:`install`: every entry of ``sys.modules`` under an aliased family is restored to what it was."""
+    global _saved, _families
     if _saved is None:
         return
-    for name in [n for n in sys.modules if n == "nki" or n.startswith("nki.")]:
+    for name in [n for n in sys.modules if _owned(n, _families)]:
         del sys.modules[name]
-    sys.modules.update({name: module for name, module in _saved.items() if module is not None})
-    _saved = None
+    sys.modules.update(_saved)
+    _saved, _families = None, ()
 
 
 @contextmanager
-def installed(force: bool = False) -> Iterator[types.ModuleType]:
+def installed(force: bool = False, families=("nki",)) -> Iterator[types.ModuleType]:
     """``with installed() as nki: ...`` -- the API installed inside the block only (unless it already was)."""
     already = is_installed()
-    module = install(force)
+    module = install(force, families)
     try:
         yield module
     finally:

@@ -27,6 +27,9 @@ from nxd_moe.nki_kernels.machine import _CURRENT
 
 dtype = np.dtype
 _LAST = threading.local()
+# Called as hook(kernel, run) after every host launch (``simulate`` / ``cpu_simulate`` / ``run``): how a test harness
+# collects each kernel's counts and cost estimate without holding the runs (and their arrays).
+launch_hooks: list[Callable[["Kernel", KernelRun], None]] = []
 
 
 class Kernel:
@@ -95,14 +98,23 @@ def _to_torch(value):
 def run(kernel, *args, numerics: bool = True, lnc: int | None = None, **kwargs) -> KernelRun:
     """Run a kernel (``@nki.jit`` or plain function, optionally ``kernel[2]``) on the simulator and return the whole
     :class:`~nxd_moe.nki_kernels.lnc.KernelRun`: outputs, per-core accounting (for the cost model). ``numerics=False``
-    makes a counting run."""
+    makes a counting run. (A kernel with its own ``lnc`` / ``numerics`` parameter: use ``simulate``.)"""
+    return _run(kernel, args, kwargs, numerics, lnc)
+
+
+def _run(kernel, args: tuple, kwargs: dict, numerics: bool = True, lnc: int | None = None) -> KernelRun:
+    """:func:`run` with the kernel's arguments as containers, so that a kernel parameter named ``lnc`` or
+    ``numerics`` (nki-library's attention kernels take ``lnc``) reaches the kernel."""
     kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     grid_ndim = 0 if kernel.grid is None and lnc is None else 1
     cores = lnc if lnc is not None else kernel.lnc
     args = [to_numpy(a) for a in args]
     kwargs = {k: to_numpy(v) for k, v in kwargs.items()}
-    result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, liveness=True)(*args, **kwargs)
+    result = _launch(kernel.fn, lnc=cores, numerics=numerics, grid_ndim=grid_ndim, liveness=True,
+                     alias_inputs=True)(*args, **kwargs)
     _LAST.run = result
+    for hook in list(launch_hooks):
+        hook(kernel, result)
     return result
 
 
@@ -114,17 +126,30 @@ def simulate(kernel) -> Callable[..., Any]:
     def call(*args, **kwargs):
         torch_in = any(type(a).__module__.startswith("torch") for a in (*args, *kwargs.values()))
         bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
-        result = run(kernel, *args, **kwargs)
+        result = _run(kernel, args, kwargs)
         for name, value in bound.arguments.items():  # kernels may write their inputs
             written = result.arguments.get(name)
-            if isinstance(value, np.ndarray) and written is not None and value.flags.writeable:
+            if isinstance(value, np.ndarray) and written is not None and value.flags.writeable \
+                    and not np.may_share_memory(value, written):
                 value[...] = written
         return _to_torch(result.outputs) if torch_in else result.outputs
 
     return call
 
 
-cpu_simulate = simulate
+class cpu_simulate:  # noqa: N801 -- NKI's name
+    """``nki.cpu_simulate(kernel)[lnc](**inputs)``, as nki-library's harness calls AWS's CPU simulator (its
+    ``test/utils/simulation_setup.py``): ``[lnc]`` picks the launch grid; called without it, the kernel's own grid
+    (``kernel[2]``) or one core. Same results as :func:`simulate`."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+
+    def __getitem__(self, lnc) -> Callable[..., Any]:
+        return simulate(self.kernel[lnc])
+
+    def __call__(self, *args, **kwargs):
+        return simulate(self.kernel)(*args, **kwargs)
 
 
 def simulate_kernel(kernel, *args, **kwargs):
@@ -150,5 +175,5 @@ baremetal = _no_device("baremetal")
 benchmark = _no_device("benchmark")
 profile = _no_device("profile")
 
-__all__ = ["jit", "Kernel", "simulate", "cpu_simulate", "simulate_kernel", "run", "last_run", "language", "isa",
-           "dtype", "baremetal", "benchmark", "profile"]
+__all__ = ["jit", "Kernel", "simulate", "cpu_simulate", "simulate_kernel", "run", "last_run", "launch_hooks",
+           "language", "isa", "dtype", "baremetal", "benchmark", "profile"]
