@@ -7,34 +7,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
+from test_compat_ops import _load, k  # noqa: F401 -- the same fixture and helper (this folder is on sys.path)
+from test_compat_ops import _store as _out
 from nxd_moe.nki_kernels.machine import HardwareLimitError, OutOfBoundsError
 
 rng = np.random.default_rng(7)
 
 
-@pytest.fixture
-def k(nki_compat):  # noqa: F811
-    import nki.isa as nisa
-    import nki.language as nl
 
-    def run(body, *arrays):
-        return compat.run(body, *arrays).outputs
-
-    return nl, nisa, run
-
-
-def _load(nl, nisa, a, dtype=None):
-    t = nl.ndarray(a.shape, dtype or a.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=a)
-    return t
-
-
-def _out(nl, nisa, t):
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ top-8

@@ -8,33 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
+from test_compat_ops import _load, k  # noqa: F401 -- the same fixture and helper (this folder is on sys.path)
+from test_compat_ops import _store as _out
 
 rng = np.random.default_rng(3)
 
 
-@pytest.fixture
-def k(nki_compat):  # noqa: F811
-    import nki.isa as nisa
-    import nki.language as nl
 
-    def run(body, *arrays, lnc=None):
-        return compat.run(body, *arrays, lnc=lnc).outputs
-
-    return nl, nisa, run
-
-
-def _load(nl, nisa, a):
-    t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=a)
-    return t
-
-
-def _out(nl, nisa, t):
-    out = nl.ndarray(t.shape, t.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
 
 
 @pytest.mark.parametrize("name, fn", [
