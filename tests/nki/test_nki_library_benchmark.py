@@ -5,6 +5,8 @@ memory while the simulator's are failures, and a deadline leaves the rest unfini
 
 from __future__ import annotations
 
+import collections
+import json
 import sys
 import textwrap
 import time
@@ -35,6 +37,10 @@ import pytest
 GIB = 2**30
 
 
+def test_worker_dies():  # first: its process has claimed the next test already, and never starts it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 @pytest.mark.parametrize("i", range({PASSING}))
 def test_passes(i):
     time.sleep(0.5)  # long enough that the second worker, starting a moment later, gets some
@@ -62,9 +68,6 @@ def test_simulator_memory():  # inside a launch: the simulator's allocation, a f
 
     nki.simulate(kernel)(np.zeros((128, 1), np.float32))
 
-
-def test_worker_dies():
-    os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -102,11 +105,14 @@ def test_two_workers_run_every_test_once_and_both_take_some(shared):
     assert all(tests[f"test_passes[{i}]"]["outcome"] == "passed" for i in range(PASSING))
     assert tests["test_fails"]["outcome"] == "failed" and "a plain failure" in tests["test_fails"]["cause"]
     logs = Path(shared["log"]).parent
-    ended = [sum('"event": "end"' in line for line in report.read_text().splitlines())
-             for report in logs.glob("core_fake_test_fake.w[01].jsonl")]
-    assert len(ended) == 2 and all(ended), ended  # both first-pass workers ran tests
-    every = sum(line.count('"event": "end"') for report in logs.glob("*.jsonl") for line in report.open())
-    assert every == PASSING + 4  # every test ended once, in one process, but the one whose process it killed
+    ended = [sum('"event": "end"' in line for report in logs.glob(f"core_fake_test_fake.w{slot}*.jsonl")
+                 for line in report.open()) for slot in (0, 1)]
+    assert all(ended), ended  # both first-pass worker slots (a replaced worker's successor included) ran tests
+    ends = collections.Counter(json.loads(line)["nodeid"].split("::")[-1] for report in logs.glob("*.jsonl")
+                               for line in report.open() if '"event": "end"' in line)
+    for name, record in tests.items():  # each test ran in one process; a retried one once more
+        expected = 0 if name == "test_worker_dies" else 1 + (record.get("first_pass", "unstarted") != "unstarted")
+        assert ends[name] == expected, (name, ends[name], record)
 
 
 def test_a_dead_worker_is_replaced_and_its_test_is_a_failure(shared):
@@ -114,6 +120,7 @@ def test_a_dead_worker_is_replaced_and_its_test_is_a_failure(shared):
     assert tests["test_worker_dies"]["outcome"] == "failed"
     assert tests["test_worker_dies"]["cause"] == "process died (exit status -9) in this test"
     assert shared["summary"]["unfinished"] == 0  # the test it had claimed next ran, in a later process
+    assert [t["first_pass"] for t in tests.values() if t.get("first_pass") == "unstarted"] == ["unstarted"]
 
 
 def test_harness_allocations_are_over_memory_and_pass_under_the_larger_cap(shared):
