@@ -3,13 +3,17 @@
 # benchmarks/nki_library_carry.sh makes (.carry/nkilib: the harness's missing dependencies as Python 3.12 wheels, an
 # nki-library checkout without .git, its commit, this script as run.sh). Run from the nxd_moe repository root:
 #
-#   bash .carry/nkilib/run.sh [moe|tkg|cte] [more benchmark arguments, e.g. --sample 50 --workers 2]
+#   bash .carry/nkilib/run.sh [SUBSET] [more benchmark arguments, e.g. --sample 50]
 #
-# moe (default): core/moe/moe_tkg and core/moe/moe_cte side by side, N workers each; tkg or cte: one of them, so that two calls can split the
-# run where one call's time limit is too short. Writes $OUT/nki_library_tests_<subset>_<N>core.json and .log (OUT
-# defaults to /tmp/nkilib-out). The whole run ends within NKILIB_BUDGET_S seconds (default 530) of this script's
-# start: no test starts after NKILIB_BUDGET_S - 60 s, tests still running are stopped and counted unfinished, and
-# the JSON holds what finished. NKILIB_SITE=DIR uses dependencies already installed there instead of the wheels.
+# SUBSET, so that calls with a time limit can split the run:
+#   tkg    core/moe/moe_tkg, one worker per core (its 2 tests over 8 GB get a second pass under 20 GB)
+#   cte    core/moe/moe_cte but its 12 E=64 H=3072 cases, one worker per core
+#   cte64  those 12 (nki-library's float64 inputs: 10-14 GB each), 6 at a time under 20 GB
+#   moe    (default) both suites side by side, everything; may stop at the deadline with partial results
+# Writes $OUT/nki_library_tests_<subset>_<N>core.json and .log (OUT defaults to /tmp/nkilib-out). The run ends within
+# NKILIB_BUDGET_S seconds (default 530) of this script's start: no test starts after NKILIB_BUDGET_S - 60 s, tests
+# still running are stopped and counted unfinished, and the JSON holds what finished. NKILIB_WORKERS overrides the
+# worker count; NKILIB_SITE=DIR uses dependencies already installed there instead of the wheels.
 set -uo pipefail
 
 bundle=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -20,11 +24,19 @@ out=${OUT:-/tmp/nkilib-out}
 mkdir -p "$out"
 subset=${1:-moe}
 [ $# -gt 0 ] && shift
+workers=${NKILIB_WORKERS:-$(nproc)}
+e64='3072-1024-64-'  # H-T-E- in the test ids of moe_cte's E=64 H=3072 cases
+# --mem-gb 8: the cap every test got in the committed results (x 16 workers within 128 GB: few tests come near it);
+# --big-mem-gb 20: the second pass, 6 at a time, for tests whose inputs need more.
+caps=(--mem-gb 8 --big-mem-gb 20 --big-workers 6)
+timeout=300  # per test
 case $subset in
-  moe) suites=(--suite core/moe/moe_tkg --suite core/moe/moe_cte --jobs 2) ;;  # both at once: one's tail, the other's work
   tkg) suites=(--suite core/moe/moe_tkg) ;;
-  cte) suites=(--suite core/moe/moe_cte) ;;
-  *) echo "usage: $0 [moe|tkg|cte] [benchmark arguments]" >&2; exit 2 ;;
+  cte) suites=(--suite core/moe/moe_cte -k "not $e64") ;;
+  cte64) suites=(--suite core/moe/moe_cte -k "$e64"); workers=${NKILIB_WORKERS:-6}; caps=(--mem-gb 20)
+         timeout=440 ;;  # ~5x the work of the E=8 cases that took 40-55 s on one core, unmeasured
+  moe) suites=(--suite core/moe/moe_tkg --suite core/moe/moe_cte --jobs 2) ;;  # one suite's tail, the other's work
+  *) echo "usage: $0 [tkg|cte|cte64|moe] [benchmark arguments]" >&2; exit 2 ;;
 esac
 
 site=${NKILIB_SITE:-}
@@ -34,16 +46,13 @@ if [ -z "$site" ]; then
     "$bundle"/wheels/*.whl || { echo "installing the harness's wheels into $site failed" >&2; exit 1; }
 fi
 
-workers=${NKILIB_WORKERS:-$(nproc)}
 budget=${NKILIB_BUDGET_S:-530}
 # The benchmark stops tests 60 s after its --deadline; the wheel install above has used $SECONDS already.
 deadline=$((budget - 60 - SECONDS))
 name=nki_library_tests_${subset}_${workers}core
 echo "nki-library $(cat "$bundle/COMMIT") $subset: $workers workers, deadline ${deadline} s, $(nproc) cores," \
   "$(awk '/MemTotal/ {printf "%.0f GB", $2 / 1048576}' /proc/meminfo)" | tee "$out/$name.log"
-# --mem-gb 8: the cap every test got in the committed results (x 16 workers within 128 GB: few tests come near it);
-# --big-mem-gb 20: a second pass, 6 at a time, for the tests nki-library's float64 inputs put over 8 GB.
 PYTHONUNBUFFERED=1 python3 benchmarks/nki_library_tests.py "$bundle/nki-library" --commit "$(cat "$bundle/COMMIT")" \
-  "${suites[@]}" --workers "$workers" --mem-gb 8 --big-mem-gb 20 --big-workers 6 --timeout 300 \
+  "${suites[@]}" --workers "$workers" "${caps[@]}" --timeout "$timeout" \
   --deadline "$deadline" --site "$site" --scratch /tmp/nkilib-scratch --out "$out/$name.json" "$@" \
   2>&1 | tee -a "$out/$name.log"
