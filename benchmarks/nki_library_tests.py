@@ -2,7 +2,8 @@
 
     python benchmarks/nki_library_tests.py PATH [--suite core/max ...] [--jobs N] [--timeout S] [--mem-gb G]
         [--sample N] [--site DIR] [--out FILE] [--docs docs/nki.md [--docs-section NAME]] [pytest args...]
-    python benchmarks/nki_library_tests.py --from-json FILE [--docs docs/nki.md [--docs-section NAME]]   # re-render
+    python benchmarks/nki_library_tests.py --from-json FILE [--from-json FILE ...] [--out FILE]
+        [--docs docs/nki.md [--docs-section NAME]]   # re-render (several runs: merged)
 
 ``PATH`` is a checkout of github.com/aws-neuron/nki-library (not vendored). The benchmark
 
@@ -402,16 +403,51 @@ def update_docs(path: Path, table: str, section: str = "nki_library_tests") -> N
     path.write_text(f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}")
 
 
-def rerender(path: Path, docs: Path | None, section: str = "nki_library_tests") -> int:
-    """The table of an earlier run's JSON, with the summaries recomputed from its per-test records."""
-    document = json.loads(path.read_text())
+def merge(documents: list[dict]) -> dict:
+    """Several runs' JSON as one (runs that split the suites between calls, e.g. moe_cte's E=64 cases apart): a
+    suite that appears in several has their tests (a later run's record of a test wins), their collected counts (a
+    test in both once) and wall seconds added; the commands are listed one after another."""
+    first = documents[0]
+    if any(d["nki_library_commit"] != first["nki_library_commit"] for d in documents):
+        raise SystemExit("the runs are of different nki-library commits: "
+                         + ", ".join(d["nki_library_commit"] for d in documents))
+    suites: dict[str, dict] = {}
+    for document in documents:
+        for result in document["suites"]:
+            merged = suites.setdefault(result["suite"], result | {"tests": [], "seconds": 0.0, "collected": 0})
+            before = {t["nodeid"]: t for t in merged["tests"]}
+            again = {t["nodeid"]: t for t in result["tests"]}
+            merged.update(tests=list((before | again).values()),
+                          seconds=round(merged["seconds"] + result["seconds"], 1),
+                          # a test both runs recorded was collected by both
+                          collected=merged["collected"] + result.get("collected", 0) - len(before.keys() & again))
+    shown: list[str] = []
+    for document in documents:
+        shown += ([";", "python", "benchmarks/nki_library_tests.py"] if shown else []) + _shown(document)
+    return first | {"argv": shown, "shown_argv": shown, "seconds": round(sum(d["seconds"] for d in documents), 1),
+                    "merged_from": len(documents), "suites": list(suites.values())}
+
+
+def _shown(document: dict) -> list[str]:
+    return document.get("shown_argv") or ["NKI_LIBRARY" if (Path(a) / SUITE_ROOT).is_dir() else a
+                                          for a in document["argv"]]
+
+
+def rerender(paths: list[Path], docs: Path | None, section: str = "nki_library_tests", out: Path | None = None) -> int:
+    """The table of earlier runs' JSON (several: :func:`merge`), with the summaries recomputed from the per-test
+    records; ``out``: also write the (merged) JSON there."""
+    document = merge([json.loads(path.read_text()) for path in paths])
     for result in document["suites"]:
         result["summary"] = summarise(result)
-    shown = document.get("shown_argv") or ["NKI_LIBRARY" if (Path(a) / SUITE_ROOT).is_dir() else a
-                                           for a in document["argv"]]
-    table = markdown(document["suites"], document["nki_library_commit"], shown, document["seconds"],
+    document["totals"] = {key: sum(r["summary"][key] for r in document["suites"])
+                          for key in ("passed", "failed", "skipped", "xfailed", "memory", "unfinished",
+                                      "test_cpu_seconds")}
+    table = markdown(document["suites"], document["nki_library_commit"], _shown(document), document["seconds"],
                      document["jobs"], document.get("workers", 1))
     print(table)
+    if out:
+        out.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {out}")
     if docs:
         update_docs(docs, table, section)
         print(f"updated {docs}")
@@ -447,11 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", type=Path, help="also write the table into this markdown file's marked section")
     parser.add_argument("--docs-section", default="nki_library_tests",
                         help="the section's marker name: <!-- NAME:begin --> ... <!-- NAME:end -->")
-    parser.add_argument("--from-json", type=Path, help="run nothing: re-summarise this results file (its tests) and "
-                                                       "write its table (to --docs)")
+    parser.add_argument("--from-json", type=Path, action="append", default=[],
+                        help="run nothing: re-summarise this results file (its tests) and write its table (to --docs); "
+                             "repeated: the runs merged (a suite split between runs is one suite), to --out too")
     ns, pytest_args = parser.parse_known_args(argv)
     if ns.from_json:
-        return rerender(ns.from_json, ns.docs, ns.docs_section)
+        return rerender(ns.from_json, ns.docs, ns.docs_section, ns.out)
     if ns.path is None:
         parser.error("the nki-library checkout PATH is required")
     if ns.workers < 1 or ns.jobs < 1:

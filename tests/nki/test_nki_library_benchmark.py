@@ -148,3 +148,25 @@ def test_a_deadline_leaves_the_rest_unfinished(checkout, tmp_path):
     result = _run(checkout, tmp_path / "logs", mem_gb=2, workers=1, deadline=time.time())
     assert result["collected"] == PASSING + 5 and result["tests"] == []
     assert result["summary"]["unfinished"] == PASSING + 5 and result["summary"]["passed"] == 0
+
+
+def test_runs_that_split_a_suite_merge_into_one():
+    def run(suite, tests, collected, seconds, argv):
+        return {"nki_library_commit": "abc", "argv": argv, "shown_argv": argv, "jobs": 1, "seconds": seconds,
+                "suites": [{"suite": suite, "seconds": seconds, "collected": collected, "tests": tests}]}
+
+    def test(nodeid, outcome):
+        return {"nodeid": nodeid, "outcome": outcome, "cause": "", "seconds": 1.0}
+
+    cte = run("core/moe/moe_cte", [test("a", "passed"), test("big", "memory")], 2, 10.0, ["-k", "not 64"])
+    cte64 = run("core/moe/moe_cte", [test("big", "passed"), test("c", "passed")], 2, 30.0, ["-k", "64"])
+    tkg = run("core/moe/moe_tkg", [test("t", "failed")], 1, 5.0, ["--suite", "tkg"])
+    merged = bench.merge([cte, cte64, tkg])
+    assert [r["suite"] for r in merged["suites"]] == ["core/moe/moe_cte", "core/moe/moe_tkg"]
+    suite = merged["suites"][0]
+    assert {t["nodeid"]: t["outcome"] for t in suite["tests"]} == {"a": "passed", "big": "passed", "c": "passed"}
+    assert suite["collected"] == 3 and suite["seconds"] == 40.0 and merged["seconds"] == 45.0  # "big": once
+    assert bench.summarise(suite)["passed"] == 3 and bench.summarise(suite)["unfinished"] == 0
+    assert merged["shown_argv"].count(";") == 2
+    with pytest.raises(SystemExit, match="different nki-library commits"):
+        bench.merge([cte, tkg | {"nki_library_commit": "def"}])
