@@ -13,8 +13,10 @@ checkout=${1:?usage: $0 NKI_LIBRARY_CHECKOUT [BUNDLE]}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bundle=${2:-$repo/.carry/nkilib}
 mkdir -p "$bundle/wheels"
-git -C "$bundle" check-ignore -q "$bundle" \
-  || { echo "$bundle is not ignored by git: add /.carry/ to .git/info/exclude (the bundle is never committed)" >&2; exit 1; }
+git -C "$bundle" check-ignore -q "$bundle" || {
+  echo "$bundle is not ignored by git: add /.carry/ to .git/info/exclude (the bundle is never committed)" >&2
+  exit 1
+}
 # Present there already (so not carried): aiohttp, jinja2, wrapt, python-dateutil, urllib3, pandas, scipy, filelock,
 # execnet, pytest-xdist.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

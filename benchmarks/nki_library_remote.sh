@@ -8,7 +8,7 @@
 # SUBSET, so that calls with a time limit can split the run:
 #   tkg    core/moe/moe_tkg, one worker per core (its 2 tests over 8 GB get a second pass under 20 GB)
 #   cte    core/moe/moe_cte but its 12 E=64 H=3072 cases, one worker per core
-#   cte64  those 12 (nki-library's float64 inputs: 10-14 GB each), 6 at a time under 20 GB
+#   cte64  those 12 (nki-library's float64 inputs: an estimated 10-16 GB each), 6 at a time under 20 GB
 #   moe    (default) both suites side by side, everything; may stop at the deadline with partial results
 # Writes $OUT/nki_library_tests_<subset>_<N>core.json and .log (OUT defaults to /tmp/nkilib-out). The run ends within
 # NKILIB_BUDGET_S seconds (default 530) of this script's start: no test starts after NKILIB_BUDGET_S - 60 s, tests
@@ -33,9 +33,14 @@ timeout=300  # per test
 case $subset in
   tkg) suites=(--suite core/moe/moe_tkg) ;;
   cte) suites=(--suite core/moe/moe_cte -k "not $e64") ;;
+  # nki-library's float64 uniform weights, (64, 3072, 2, I) = 6.4-9.7 GB, then bf16 and fp32 copies for the golden:
+  # an estimated 10-16 GB each, so 6 at once; ~5x the arithmetic of the E=8 cases (40-55 s on one core): unmeasured.
   cte64) suites=(--suite core/moe/moe_cte -k "$e64"); workers=${NKILIB_WORKERS:-6}; caps=(--mem-gb 20)
-         timeout=440 ;;  # ~5x the work of the E=8 cases that took 40-55 s on one core, unmeasured
-  moe) suites=(--suite core/moe/moe_tkg --suite core/moe/moe_cte --jobs 2) ;;  # one suite's tail, the other's work
+         timeout=440 ;;
+  # Both suites side by side (one's tail, the other's work); a first-pass cap of 6 GB, as 32 processes share 128 GB
+  # and moe_cte's 12 E=64 cases, adjacent in its order, start at once and grow to the cap before failing.
+  moe) suites=(--suite core/moe/moe_tkg --suite core/moe/moe_cte --jobs 2)
+       caps=(--mem-gb 6 --big-mem-gb 20 --big-workers 6) ;;
   *) echo "usage: $0 [tkg|cte|cte64|moe] [benchmark arguments]" >&2; exit 2 ;;
 esac
 
