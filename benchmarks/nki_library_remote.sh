@@ -51,6 +51,10 @@ if [ -z "$site" ]; then
     "$bundle"/wheels/*.whl || { echo "installing the harness's wheels into $site failed" >&2; exit 1; }
 fi
 
+# The simulator's own needs (numpy, ml_dtypes with the float8 / float4 types, torch) come with that machine.
+python3 -c "import nxd_moe.nki_kernels.compat, nxd_moe.nki_kernels.cost_model" \
+  || { echo "the nxd_moe simulator does not import with this python3 (numpy / ml_dtypes / torch?)" >&2; exit 1; }
+
 budget=${NKILIB_BUDGET_S:-530}
 # The benchmark stops tests 60 s after its --deadline; the wheel install above has used $SECONDS already.
 deadline=$((budget - 60 - SECONDS))
