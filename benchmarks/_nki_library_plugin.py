@@ -12,12 +12,23 @@ After each test the folders under ``$NKI_LIBRARY_TESTS_OUTPUTS`` (the harness's 
 ``$NKI_LIBRARY_TESTS_SAMPLE`` (N > 1) keeps every N-th collected test (after the harness's own skips are marked;
 the others are deselected): a fixed, deterministic sample of a large suite.
 
+``$NKI_LIBRARY_TESTS_ONLY`` (a file of node ids, one a line) keeps only those tests: the benchmark's second pass
+re-runs a suite's over-memory and unstarted tests under a larger cap.
+
+``$NKI_LIBRARY_TESTS_CLAIMS`` (a directory) lets several processes share one suite: every process collects the same
+tests, and runs a test only after creating its claim file there first (``O_EXCL``), so each test runs once and a
+process that finishes early takes the next unclaimed one -- a queue with no coordinator. A process claims its next
+test just before starting the current one (pytest tears fixtures down by the next item it will run), so the report
+gets a ``claim`` line for it: a process that dies leaves at most that one test claimed and unstarted, and the
+benchmark re-runs it. ``$NKI_LIBRARY_TESTS_DEADLINE`` (a ``time.time()``) stops claiming at that time.
+
 ``$NKI_LIBRARY_TESTS_TIMEOUT`` (seconds) bounds each test: the first alarm raises :class:`TestTimeout` in the test;
 a test still running a minute later is ended with the process (``os._exit``) after its ``end`` line is written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -37,6 +48,9 @@ _REPORT = os.environ.get("NKI_LIBRARY_TESTS_REPORT")
 _OUTPUTS = os.environ.get("NKI_LIBRARY_TESTS_OUTPUTS")
 _TIMEOUT = float(os.environ.get("NKI_LIBRARY_TESTS_TIMEOUT", "0") or 0)
 _SAMPLE = int(os.environ.get("NKI_LIBRARY_TESTS_SAMPLE", "0") or 0)
+_ONLY = os.environ.get("NKI_LIBRARY_TESTS_ONLY")
+_CLAIMS = os.environ.get("NKI_LIBRARY_TESTS_CLAIMS")
+_DEADLINE = float(os.environ.get("NKI_LIBRARY_TESTS_DEADLINE", "0") or 0)
 _HARD_GRACE_S = 60.0
 
 
@@ -201,6 +215,55 @@ def pytest_collection_modifyitems(config, items) -> None:
     if _SAMPLE > 1:
         config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % _SAMPLE])
         items[:] = items[::_SAMPLE]
+    if _ONLY:
+        wanted = set(Path(_ONLY).read_text().splitlines())
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in wanted])
+        items[:] = [item for item in items if item.nodeid in wanted]
+    _write({"event": "collected", "count": len(items)})
+
+
+def _claim(nodeid: str) -> bool:
+    """Whether this process may run ``nodeid``: it created the test's claim file (no other process had)."""
+    name = hashlib.sha1(nodeid.encode()).hexdigest()  # node ids hold "/", "[", spaces
+    try:
+        os.close(os.open(os.path.join(_CLAIMS, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    _write({"event": "claim", "nodeid": nodeid})
+    return True
+
+
+def _claimed(items):
+    """The items this process claims, each claimed only when the loop asks for it (so a process that runs slow
+    tests claims fewer); none once the deadline has passed."""
+    for item in items:
+        if _DEADLINE and time.time() >= _DEADLINE:
+            return
+        if _claim(item.nodeid):
+            yield item
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """pytest's own loop over the tests this process claims (``$NKI_LIBRARY_TESTS_CLAIMS``), with each item's
+    ``nextitem`` the next one it will run, as the fixture teardown needs; pytest's loop when not sharing."""
+    if not _CLAIMS:
+        return None
+    if session.testsfailed and not session.config.option.continue_on_collection_errors:
+        raise session.Interrupted(f"{session.testsfailed} error(s) during collection")
+    if session.config.option.collectonly:
+        return True
+    claimed = _claimed(session.items)
+    item = next(claimed, None)
+    while item is not None:
+        nextitem = next(claimed, None)
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        if session.shouldfail:
+            raise session.Failed(session.shouldfail)
+        if session.shouldstop:
+            raise session.Interrupted(session.shouldstop)
+        item = nextitem
+    return True
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -210,7 +273,7 @@ def pytest_runtest_protocol(item, nextitem):
     _current.update(nodeid=item.nodeid, t0=time.perf_counter(), cpu0=time.process_time(), alarmed=False,
                     peak_reset=_reset_peak_rss(), simulator_seconds=0.0, simulator_cpu_seconds=0.0,
                     simulator_extra_mb=0.0, peak_before_mb=0.0)
-    _write({"event": "start", "nodeid": item.nodeid})
+    _write({"event": "start", "nodeid": item.nodeid, "time": time.time()})
     if _TIMEOUT > 0:
         signal.signal(signal.SIGALRM, _alarm)
         signal.setitimer(signal.ITIMER_REAL, _TIMEOUT)
@@ -244,19 +307,26 @@ def pytest_runtest_makereport(item, call):
 
 
 def _harness_allocation(excinfo) -> str:
-    """For an allocation failure raised outside the simulator (nki-library's own input generator or torch
-    reference, under the benchmark's address-space cap) -- a ``MemoryError`` or torch's "can't allocate memory",
-    possibly wrapped by the harness (``ValidationException`` from it) -- where, as ``file:line``; else ``""``."""
+    """For an allocation failure raised outside the simulator's launches (nki-library's own input generator or
+    torch reference, under the benchmark's address-space cap) -- a ``MemoryError`` or torch's "can't allocate
+    memory", possibly wrapped by the harness (``ValidationException`` from it, or a negative test's
+    ``AssertionError`` that the kernel's validation message is missing) -- where, as ``file:line`` (the innermost
+    frame of nki-library's code); else ``""``. The front door's stand-ins that the harness calls outside a launch
+    (``neuron_dtypes.static_cast`` on its inputs) are the harness's allocations; one raised inside a launch (an
+    ``_timed_run`` frame on its traceback) is the simulator's, a failure."""
     error = excinfo.value
     while error is not None and not _allocation_failure(error):
         error = error.__cause__ or error.__context__
     if error is None:
         return ""
-    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__) if frame.f_code.co_filename.endswith(".py")
-              and "numpy" not in frame.f_code.co_filename and "/torch/" not in frame.f_code.co_filename]
-    if not frames or any("/nxd_moe/" in frame.f_code.co_filename for frame in frames):
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    if any(frame.f_code is _timed_run.__code__ for frame in frames):
         return ""
-    innermost = frames[-1]
+    theirs = [frame for frame in frames if frame.f_code.co_filename.endswith(".py")
+              and not any(part in frame.f_code.co_filename for part in ("numpy", "/torch/", "/nxd_moe/"))]
+    if not theirs:
+        return ""
+    innermost = theirs[-1]
     return f"{Path(innermost.f_code.co_filename).name}:{innermost.f_lineno}"
 
 

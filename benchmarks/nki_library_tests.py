@@ -2,7 +2,8 @@
 
     python benchmarks/nki_library_tests.py PATH [--suite core/max ...] [--jobs N] [--timeout S] [--mem-gb G]
         [--sample N] [--site DIR] [--out FILE] [--docs docs/nki.md [--docs-section NAME]] [pytest args...]
-    python benchmarks/nki_library_tests.py --from-json FILE [--docs docs/nki.md [--docs-section NAME]]   # re-render
+    python benchmarks/nki_library_tests.py --from-json FILE [--from-json FILE ...] [--out FILE]
+        [--docs docs/nki.md [--docs-section NAME]]   # re-render (several runs: merged)
 
 ``PATH`` is a checkout of github.com/aws-neuron/nki-library (not vendored). The benchmark
 
@@ -39,9 +40,11 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,37 +173,130 @@ def _limit_memory(gb: float):
     return apply
 
 
-def run_suite(checkout: Path, suite: str, pytest_args: list[str], site: list[str], timeout: float, mem_gb: float,
-              logs: Path, sample: int = 0) -> dict:
-    """One suite in one process; returns its per-test records."""
-    name = suite.replace("/", "_").removesuffix(".py")
-    report, log = logs / f"{name}.jsonl", logs / f"{name}.log"
-    outputs = logs / f"{name}.outputs"  # the harness's per-test dumps, deleted after each test by the plugin
-    report.unlink(missing_ok=True)
-    env = environment(checkout, site, report, timeout, outputs, sample)
-    command = [sys.executable, "-m", "nxd_moe.nki_kernels.compat", "-m", "pytest", str(SUITE_ROOT / suite),
-               "--test-mode", "simulation", "--output-directory", str(outputs), "-p", "_nki_library_plugin",
-               "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors", "-o", "addopts=", *pytest_args]
-    t0 = time.perf_counter()
+_HARD_TIMEOUT_EXIT = 3  # the plugin's exit status for a test still running past its timeout's grace
+_MAX_RESTARTS = 3  # per worker slot: a worker that died (hard timeout, killed) is replaced this many times
+_DEADLINE_GRACE_S = 60.0  # after --deadline no test starts; those still running are stopped this much later
+_ALLOCATION_FAILURE = re.compile(r"MemoryError|Unable to allocate|can't allocate memory")
+
+
+def _worker(command: list[str], checkout: Path, env: dict, log: Path, mem_gb: float, stop_at: float | None) -> tuple:
+    """One pytest process until it exits, or until ``stop_at`` (a ``time.time()``) when it and its process group
+    are killed; returns (exit status, whether it was stopped)."""
     with open(log, "w") as out:
-        proc = subprocess.run(command, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              preexec_fn=_limit_memory(mem_gb) if mem_gb > 0 else None)
-    seconds = time.perf_counter() - t0
+        proc = subprocess.Popen(command, cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True,  # its own process group, so a stop reaches all of it
+                                preexec_fn=_limit_memory(mem_gb) if mem_gb > 0 else None)
+        try:
+            return proc.wait(timeout=None if stop_at is None else max(0.0, stop_at - time.time())), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait(), True
+
+
+def run_pass(checkout: Path, suite: str, pytest_args: list[str], site: list[str], timeout: float, mem_gb: float,
+             logs: Path, name: str, workers: int = 1, sample: int = 0, only: list[str] | None = None,
+             deadline: float | None = None) -> dict:
+    """``workers`` pytest processes sharing one suite's tests (the plugin's claims directory: each test runs once,
+    in whichever process is free first), each under ``mem_gb`` of address space with its own report, log and
+    artifact folder; ``only``: just these node ids. A worker that dies (the plugin's hard timeout, a kill) is
+    replaced and the replacement claims what is left. Returns the records by node id (``event`` ``end``; ``start``
+    made a failure or, when stopped at ``deadline``, ``unfinished``; ``claim`` for a test claimed and never
+    started), the logs, the tests collected and the first process's exit status."""
+    claims = logs / f"{name}.claims"
+    shutil.rmtree(claims, ignore_errors=True)
+    claims.mkdir(parents=True)
+    extra = {"NKI_LIBRARY_TESTS_CLAIMS": str(claims)}
+    if only is not None:
+        only_file = logs / f"{name}.only"
+        only_file.write_text("\n".join(only) + "\n")
+        extra["NKI_LIBRARY_TESTS_ONLY"] = str(only_file)
+    if deadline is not None:
+        extra["NKI_LIBRARY_TESTS_DEADLINE"] = str(deadline)
+    stop_at = None if deadline is None else deadline + _DEADLINE_GRACE_S
+
+    def slot(k: int) -> list[tuple]:
+        runs = []
+        for attempt in range(_MAX_RESTARTS + 1):
+            tag = f"{name}.w{k}" + (f".r{attempt}" if attempt else "")
+            report, log, outputs = logs / f"{tag}.jsonl", logs / f"{tag}.log", logs / f"{tag}.outputs"
+            report.unlink(missing_ok=True)
+            env = environment(checkout, site, report, timeout, outputs, sample) | extra
+            # each worker its own --output-directory: the plugin empties it after every test
+            command = [sys.executable, "-m", "nxd_moe.nki_kernels.compat", "-m", "pytest", str(SUITE_ROOT / suite),
+                       "--test-mode", "simulation", "--output-directory", str(outputs), "-p", "_nki_library_plugin",
+                       "-p", "no:cacheprovider", "-q", "--continue-on-collection-errors", "-o", "addopts=",
+                       *pytest_args]
+            returncode, stopped = _worker(command, checkout, env, log, mem_gb, stop_at)
+            runs.append((report, log, returncode, stopped, time.time()))
+            if stopped or not (returncode == _HARD_TIMEOUT_EXIT or returncode < 0):
+                break
+        return runs
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        runs = [run for slot_runs in pool.map(slot, range(max(1, workers))) for run in slot_runs]
     tests: dict[str, dict] = {}
-    if report.exists():
+    collected = 0
+    for report, _, returncode, stopped, ended in runs:
+        if not report.exists():
+            continue
         for line in report.read_text().splitlines():
             record = json.loads(line)
-            tests[record["nodeid"]] = record
+            if record["event"] == "collected":
+                collected = max(collected, record["count"])
+            elif record["event"] == "claim":
+                tests.setdefault(record["nodeid"], record)
+            else:
+                tests[record["nodeid"]] = record
+        for record in tests.values():
+            if record["event"] == "start" and "process" not in record:  # this process ended inside this test
+                record["process"] = (returncode, stopped, ended)
     for record in tests.values():
-        if record["event"] == "start":  # the process died inside this test
-            record.update(outcome="failed", cause=f"process died (exit status {proc.returncode}) in this test",
-                          launches=[])
-    text = log.read_text(errors="replace")
+        if record["event"] == "start":
+            returncode, stopped, ended = record.pop("process")
+            record.update(event="end", launches=[], seconds=round(ended - record.pop("time"), 3), **(
+                {"outcome": "unfinished", "cause": "stopped at the run's deadline"} if stopped else
+                {"outcome": "failed", "cause": f"process died (exit status {returncode}) in this test"}))
+    return {"tests": tests, "logs": [run[1] for run in runs], "collected": collected,
+            "returncode": runs[0][2]}
+
+
+def _out_of_memory(record: dict) -> bool:
+    """A test that ended in an allocation failure: over the cap in the harness, or in the simulator."""
+    return record["outcome"] == "memory" or (record["outcome"] in ("failed", "error")
+                                             and bool(_ALLOCATION_FAILURE.search(record.get("cause", ""))))
+
+
+def run_suite(checkout: Path, suite: str, pytest_args: list[str], site: list[str], timeout: float, mem_gb: float,
+              logs: Path, sample: int = 0, workers: int = 1, big_mem_gb: float = 0.0, big_workers: int = 1,
+              deadline: float | None = None) -> dict:
+    """One suite in ``workers`` processes (:func:`run_pass`); then a second pass, ``big_workers`` processes under
+    ``big_mem_gb``, over the tests that ran out of memory under ``mem_gb`` (only when ``big_mem_gb`` is larger)
+    and those a dead worker claimed and never started. Returns the suite's per-test records."""
+    name = suite.replace("/", "_").removesuffix(".py")
+    t0 = time.perf_counter()
+    first = run_pass(checkout, suite, pytest_args, site, timeout, mem_gb, logs, name, workers, sample,
+                     deadline=deadline)
+    tests = first["tests"]
+    again = [nodeid for nodeid, record in tests.items()
+             if record["event"] == "claim" or (big_mem_gb > mem_gb and _out_of_memory(record))]
+    if again and (deadline is None or time.time() < deadline):
+        cap = max(mem_gb, big_mem_gb)
+        second = run_pass(checkout, suite, pytest_args, site, timeout, cap, logs, f"{name}.again", big_workers,
+                          sample, only=again, deadline=deadline)
+        for nodeid, record in second["tests"].items():
+            if record["event"] == "end":
+                tests[nodeid] = record | {"mem_gb": cap, "first_pass": tests[nodeid].get("outcome", "unstarted")}
+    for record in tests.values():
+        if record["event"] == "claim":
+            record.update(outcome="unfinished", cause="claimed, never started: its process ended", launches=[])
+    seconds = time.perf_counter() - t0
+    text = first["logs"][0].read_text(errors="replace")
     tail = text.splitlines()[-5:]
     # files that do not import (the suite's other files still run: --continue-on-collection-errors)
     not_importing = sorted(set(re.findall(r"^ERROR (\S+\.py)(?: - .*)?$", text, re.M)))
-    collection_error = proc.returncode not in (0, 1, 5) and not tests
-    return {"suite": suite, "seconds": round(seconds, 1), "returncode": proc.returncode, "log": str(log),
+    collection_error = first["returncode"] not in (0, 1, 5) and not tests
+    return {"suite": suite, "seconds": round(seconds, 1), "returncode": first["returncode"],
+            "log": str(first["logs"][0]), "collected": first["collected"],
             "collection_error": " | ".join(tail) if collection_error else "",
             "files_not_importing": not_importing,
             "tests": [{k: v for k, v in r.items() if k != "event"} for r in tests.values()]}
@@ -234,6 +330,8 @@ def summarise(result: dict) -> dict:
     return {
         "passed": counts["passed"], "failed": counts["failed"] + counts["error"], "skipped": counts["skipped"],
         "xfailed": counts["xfailed"], "xpassed": counts["xpassed"], "memory": counts["memory"],
+        # stopped at the deadline, claimed by a process that died, or never reached (collected, no record)
+        "unfinished": counts["unfinished"] + max(0, result.get("collected", 0) - len(result["tests"])),
         "pass_rate_of_run": round(counts["passed"] / ran, 4) if ran else None,
         "max_test_seconds": max((t["seconds"] for t in timed), default=0),
         "max_test_cpu_seconds": max((t.get("cpu_seconds", 0) for t in timed), default=0),
@@ -248,9 +346,11 @@ def summarise(result: dict) -> dict:
     }
 
 
-def markdown(results: list[dict], commit: str, argv: list[str], seconds: float, jobs: int) -> str:
+def markdown(results: list[dict], commit: str, argv: list[str], seconds: float, jobs: int, workers: int = 1) -> str:
+    at_once = (f"{jobs} suite process(es) at once" if workers == 1
+               else f"{jobs} suite(s) at once, {workers} processes each")
     lines = [f"nki-library `{commit}`, `python benchmarks/nki_library_tests.py {' '.join(argv)}`: {seconds:.0f} s "
-             f"wall with {jobs} suite process(es) at once. Pass rate = passed / tests that ran; *skipped* are the "
+             f"wall with {at_once}. Pass rate = passed / tests that ran; *skipped* are the "
              "harness's own (large shapes in simulation, Trn3-only); *over memory* are tests whose nki-library input "
              "generator or reference asks for more than the per-process cap (`--mem-gb`), counted apart and not as "
              "passes. Per test: CPU seconds of all threads (*sim*: inside the simulator's launches) and peak resident "
@@ -269,6 +369,10 @@ def markdown(results: list[dict], commit: str, argv: list[str], seconds: float, 
                      f"({s['simulator_cpu_seconds']:.0f}) | {s['max_test_cpu_seconds']:.1f} "
                      f"({s['max_test_simulator_cpu_seconds']:.1f}) | {s['max_rss_mb']:.0f} "
                      f"(+{s['max_simulator_extra_mb']:.0f}) | {causes.replace('|', '/') or '--'} |")
+    unfinished = {r["suite"]: r["summary"].get("unfinished", 0) for r in results if r["summary"].get("unfinished")}
+    if unfinished:
+        lines += ["", "Unfinished (the run's `--deadline`, or a worker that died): " + ", ".join(
+            f"`{suite}` {n}" for suite, n in unfinished.items()) + " tests, counted in no column above."]
     memory = [(c, n) for r in results for c, n in r["summary"]["memory_causes"].items()]
     if memory:
         lines += ["", "Over memory: " + "; ".join(f"{n}x {c}" for c, n in memory)]
@@ -299,16 +403,51 @@ def update_docs(path: Path, table: str, section: str = "nki_library_tests") -> N
     path.write_text(f"{head}{begin}\n{table}\n{end}{rest.split(end, 1)[1]}")
 
 
-def rerender(path: Path, docs: Path | None, section: str = "nki_library_tests") -> int:
-    """The table of an earlier run's JSON, with the summaries recomputed from its per-test records."""
-    document = json.loads(path.read_text())
+def merge(documents: list[dict]) -> dict:
+    """Several runs' JSON as one (runs that split the suites between calls, e.g. moe_cte's E=64 cases apart): a
+    suite that appears in several has their tests (a later run's record of a test wins), their collected counts (a
+    test in both once) and wall seconds added; the commands are listed one after another."""
+    first = documents[0]
+    if any(d["nki_library_commit"] != first["nki_library_commit"] for d in documents):
+        raise SystemExit("the runs are of different nki-library commits: "
+                         + ", ".join(d["nki_library_commit"] for d in documents))
+    suites: dict[str, dict] = {}
+    for document in documents:
+        for result in document["suites"]:
+            merged = suites.setdefault(result["suite"], result | {"tests": [], "seconds": 0.0, "collected": 0})
+            before = {t["nodeid"]: t for t in merged["tests"]}
+            again = {t["nodeid"]: t for t in result["tests"]}
+            merged.update(tests=list((before | again).values()),
+                          seconds=round(merged["seconds"] + result["seconds"], 1),
+                          # a test both runs recorded was collected by both
+                          collected=merged["collected"] + result.get("collected", 0) - len(before.keys() & again))
+    shown: list[str] = []
+    for document in documents:
+        shown += ([";", "python", "benchmarks/nki_library_tests.py"] if shown else []) + _shown(document)
+    return first | {"argv": shown, "shown_argv": shown, "seconds": round(sum(d["seconds"] for d in documents), 1),
+                    "merged_from": len(documents), "suites": list(suites.values())}
+
+
+def _shown(document: dict) -> list[str]:
+    return document.get("shown_argv") or ["NKI_LIBRARY" if (Path(a) / SUITE_ROOT).is_dir() else a
+                                          for a in document["argv"]]
+
+
+def rerender(paths: list[Path], docs: Path | None, section: str = "nki_library_tests", out: Path | None = None) -> int:
+    """The table of earlier runs' JSON (several: :func:`merge`), with the summaries recomputed from the per-test
+    records; ``out``: also write the (merged) JSON there."""
+    document = merge([json.loads(path.read_text()) for path in paths])
     for result in document["suites"]:
         result["summary"] = summarise(result)
-    shown = document.get("shown_argv") or ["NKI_LIBRARY" if (Path(a) / SUITE_ROOT).is_dir() else a
-                                           for a in document["argv"]]
-    table = markdown(document["suites"], document["nki_library_commit"], shown, document["seconds"],
-                     document["jobs"])
+    document["totals"] = {key: sum(r["summary"][key] for r in document["suites"])
+                          for key in ("passed", "failed", "skipped", "xfailed", "memory", "unfinished",
+                                      "test_cpu_seconds")}
+    table = markdown(document["suites"], document["nki_library_commit"], _shown(document), document["seconds"],
+                     document["jobs"], document.get("workers", 1))
     print(table)
+    if out:
+        out.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {out}")
     if docs:
         update_docs(docs, table, section)
         print(f"updated {docs}")
@@ -323,24 +462,40 @@ def main(argv: list[str] | None = None) -> int:
                         help="a directory or file under test/integration/nkilib (repeatable; default every core/ "
                              "family)")
     parser.add_argument("--jobs", type=int, default=1, help="suites run at once (default 1)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes per suite, sharing its tests (default 1); each under --mem-gb")
+    parser.add_argument("--big-mem-gb", type=float, default=0.0,
+                        help="re-run the tests that ran out of memory under --mem-gb with this cap (default: no "
+                             "second pass for memory)")
+    parser.add_argument("--big-workers", type=int, default=0,
+                        help="processes for that second pass (default: as many as keep workers x mem-gb, at least 1)")
+    parser.add_argument("--deadline", type=float, default=0.0,
+                        help=f"seconds for the whole run: no test starts after it, running ones are stopped "
+                             f"{_DEADLINE_GRACE_S:.0f} s later and counted unfinished (default: none)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per test (default 300)")
     parser.add_argument("--mem-gb", type=float, default=8.0, help="address space per process in GiB (default 8)")
     parser.add_argument("--sample", type=int, default=0, help="run every N-th collected test of each suite")
     parser.add_argument("--site", action="append", default=[], help="a directory with the harness's dependencies")
     parser.add_argument("--scratch", type=Path, help="where to make the scratch copy (default: a temporary directory)")
+    parser.add_argument("--commit", help="the checkout's commit, where PATH is a copy without .git")
     parser.add_argument("--out", type=Path, help="JSON results (default benchmarks/results/nki_library_tests_<commit>"
                                                  ".json)")
     parser.add_argument("--docs", type=Path, help="also write the table into this markdown file's marked section")
     parser.add_argument("--docs-section", default="nki_library_tests",
                         help="the section's marker name: <!-- NAME:begin --> ... <!-- NAME:end -->")
-    parser.add_argument("--from-json", type=Path, help="run nothing: re-summarise this results file (its tests) and "
-                                                       "write its table (to --docs)")
+    parser.add_argument("--from-json", type=Path, action="append", default=[],
+                        help="run nothing: re-summarise this results file (its tests) and write its table (to --docs); "
+                             "repeated: the runs merged (a suite split between runs is one suite), to --out too")
     ns, pytest_args = parser.parse_known_args(argv)
     if ns.from_json:
-        return rerender(ns.from_json, ns.docs, ns.docs_section)
+        return rerender(ns.from_json, ns.docs, ns.docs_section, ns.out)
     if ns.path is None:
         parser.error("the nki-library checkout PATH is required")
-    commit = commit_of(ns.path)
+    if ns.workers < 1 or ns.jobs < 1:
+        parser.error("--workers and --jobs must be at least 1")
+    commit = ns.commit or commit_of(ns.path)
+    deadline = time.time() + ns.deadline if ns.deadline > 0 else None
+    big_workers = ns.big_workers or max(1, int(ns.workers * ns.mem_gb // max(ns.big_mem_gb, ns.mem_gb)))
     scratch = ns.scratch or Path(tempfile.mkdtemp(prefix="nki_library_tests_"))
     checkout = prepare(ns.path.resolve(), scratch.resolve())
     site = [str(Path(s).resolve()) for s in ns.site]
@@ -351,29 +506,45 @@ def main(argv: list[str] | None = None) -> int:
     suites = ns.suite or default_suites(checkout)
     logs = scratch / "logs"
     logs.mkdir(exist_ok=True)
-    print(f"nki-library {commit}: {len(suites)} suites, {ns.jobs} at a time; scratch copy {checkout}", flush=True)
+    print(f"nki-library {commit}: {len(suites)} suites, {ns.jobs} at a time, {ns.workers} process(es) each; scratch "
+          f"copy {checkout}", flush=True)
     t0 = time.perf_counter()
+    out = ns.out or BENCHMARKS / "results" / f"nki_library_tests_{commit}.json"
+    shown = ["NKI_LIBRARY" if a == str(ns.path) else a for a in map(str, argv)]  # the command, without local paths
+    finished: list[dict] = []
+    lock = threading.Lock()
+
+    def document() -> dict:
+        results = sorted(finished, key=lambda r: suites.index(r["suite"]))
+        return {"nki_library_commit": commit, "argv": argv, "shown_argv": shown, "pytest_args": pytest_args,
+                "per_test_timeout_s": ns.timeout, "mem_gb": ns.mem_gb, "big_mem_gb": ns.big_mem_gb,
+                "jobs": ns.jobs, "workers": ns.workers, "big_workers": big_workers, "deadline_s": ns.deadline,
+                "sample": ns.sample, "cpus": os.cpu_count(), "seconds": round(time.perf_counter() - t0, 1),
+                "suites_unfinished": [suite for suite in suites if suite not in {r["suite"] for r in results}],
+                "totals": {key: sum(r["summary"][key] for r in results)
+                           for key in ("passed", "failed", "skipped", "xfailed", "memory", "unfinished",
+                                       "test_cpu_seconds")},
+                "suites": results}
 
     def one(suite: str) -> dict:
-        result = run_suite(checkout, suite, pytest_args, site, ns.timeout, ns.mem_gb, logs, ns.sample)
+        if deadline is not None and time.time() >= deadline:
+            return {}
+        result = run_suite(checkout, suite, pytest_args, site, ns.timeout, ns.mem_gb, logs, ns.sample, ns.workers,
+                           ns.big_mem_gb, big_workers, deadline)
         result["summary"] = summarise(result)
         s = result["summary"]
         print(f"  {suite:40s} {s['passed']:4d} passed {s['failed']:4d} failed {s['skipped']:4d} skipped "
-              f"{s['memory']:4d} over memory {result['seconds']:7.1f} s", flush=True)
+              f"{s['memory']:4d} over memory {s['unfinished']:4d} unfinished {result['seconds']:7.1f} s", flush=True)
+        with lock:  # written after every suite, so a run cut short still leaves the suites it finished
+            finished.append(result)
+            out.write_text(json.dumps(document(), indent=1) + "\n")
         return result
 
-    with ThreadPoolExecutor(max(1, ns.jobs)) as pool:
-        results = list(pool.map(one, suites))
-    shown = ["NKI_LIBRARY" if a == str(ns.path) else a for a in map(str, argv)]  # the command, without local paths
-    document = {"nki_library_commit": commit, "argv": argv, "shown_argv": shown, "pytest_args": pytest_args,
-                "per_test_timeout_s": ns.timeout, "mem_gb": ns.mem_gb, "jobs": ns.jobs, "sample": ns.sample,
-                "seconds": round(time.perf_counter() - t0, 1),
-                "totals": {key: sum(r["summary"][key] for r in results)
-                           for key in ("passed", "failed", "skipped", "xfailed", "memory", "test_cpu_seconds")},
-                "suites": results}
-    out = ns.out or BENCHMARKS / "results" / f"nki_library_tests_{commit}.json"
-    out.write_text(json.dumps(document, indent=1) + "\n")
-    table = markdown(results, commit, document["shown_argv"], document["seconds"], ns.jobs)
+    with ThreadPoolExecutor(ns.jobs) as pool:
+        list(pool.map(one, suites))
+    final = document()
+    out.write_text(json.dumps(final, indent=1) + "\n")
+    table = markdown(final["suites"], commit, shown, final["seconds"], ns.jobs, ns.workers)
     print(table)
     print(f"wrote {out}")
     if ns.docs:
