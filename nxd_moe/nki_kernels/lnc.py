@@ -12,14 +12,15 @@ wrote: a wrong result in a few percent of runs) and make any LNC2 result depend 
 on its own Python thread (the kernel is ordinary Python with its own stack) but only one thread runs at a time: the
 cores take turns at instruction boundaries, round-robin (:class:`Lockstep`). Each outermost ``@instruction`` -- every
 ``nisa`` operation, DMA, barrier and exchange -- is one step, so whenever neither core is blocked every core's k-th
-instruction runs before any core's (k+1)-th: the rule "the cores progress together" made exact and deterministic.
-Python between two instructions (address arithmetic, loop control) belongs to the step that follows it; it touches
-nothing the peer can see. A core blocked at a barrier (or a ``sendrecv``, which is one) gives up its turns until its
-peer arrives; the round-robin then continues among the cores that can run, which realigns them as a hardware barrier
-does. A core that waits for something that can never come -- its peer finished, or every core is blocked -- fails at
-once with :class:`CoreDivergenceError` naming what it waits for, instead of hanging; a core whose peer raised stops at
-its next instruction, and the launch raises the peer's error. One core (``lnc=1``) runs on the calling thread with no
-scheduler at all.
+instruction runs before any core's (k+1)-th, core 0's first: the rule "the cores progress together" made exact and
+deterministic. (A stricter rule -- time from the cost model -- would need a timing model of every engine that we do
+not have; a looser one is the race itself.) Python between two instructions (address arithmetic, loop control)
+belongs to the step that follows it; it touches nothing the peer can see. A core blocked at a barrier (or a
+``sendrecv``, which meets at one) gives up its turns until its peer arrives; the cores leave the barrier together, as
+on hardware, and the round-robin starts again from core 0. A core that waits for something that can never come -- its
+peer finished, or every core is blocked -- fails at once with :class:`CoreDivergenceError` naming what it waits for,
+never by a timeout; a core whose peer raised stops at its next instruction, and the launch raises the peer's error.
+One core (``lnc=1``) runs on the calling thread with no scheduler at all.
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ class _Wait:
 
 
 class Lockstep:
-    """Runs the cores of one launch one at a time, passing the turn round-robin at instruction boundaries.
+    """Runs the cores of one launch one at a time, switching at instruction boundaries.
 
     Every core thread calls :meth:`begin` first, :meth:`step` before each instruction, :meth:`block` to wait for its
-    peers and :meth:`finish` last. Only the core holding the turn runs, so the state the cores share (shared HBM,
-    the barrier, the sendrecv pipes) needs no lock of its own.
+    peers and :meth:`finish` last. The turn goes to the core that can run and has begun the fewest instructions, the
+    lowest program id on a tie: with no core blocked that is round-robin, core 0's k-th instruction, core 1's k-th,
+    core 0's (k+1)-th, ... A barrier levels the counts (:meth:`level`: its cores leave it together, as on hardware),
+    so after it the round-robin starts again from core 0. Only the core holding the turn runs, so the state the cores
+    share (shared HBM, the barrier, the sendrecv pipes) needs no lock of its own.
     """
 
     def __init__(self, cores: int):
@@ -64,7 +68,8 @@ class Lockstep:
         self._waits: list[_Wait | None] = [None] * cores
         # Raised in a core when it next gets the turn: its peer failed, or it waits for something that cannot come.
         self._errors: list[CoreDivergenceError | None] = [None] * cores
-        self._steps = [0] * cores  # instructions begun per core, for the errors
+        self._steps = [0] * cores  # instructions begun per core, levelled at barriers: who goes next
+        self._issued = [0] * cores  # instructions begun per core, for the errors
 
     def begin(self, program_id: int) -> None:
         with self._cond:
@@ -74,7 +79,8 @@ class Lockstep:
         """An instruction boundary: let the next core that can run take its turn, and wait for ours."""
         with self._cond:
             self._steps[program_id] += 1
-            self._pass(program_id)
+            self._issued[program_id] += 1
+            self._pass()
             self._await(program_id)
 
     def block(self, program_id: int, ready: Callable[[], bool], what: str) -> None:
@@ -82,10 +88,15 @@ class Lockstep:
         with self._cond:
             self._waits[program_id] = _Wait(ready, what)
             try:
-                self._pass(program_id)
+                self._pass()
                 self._await(program_id)
             finally:
                 self._waits[program_id] = None
+
+    def level(self) -> None:
+        """The cores leave a barrier together: from here on they count as having begun the same instructions."""
+        top = max(self._steps)
+        self._steps = [top] * len(self._steps)
 
     def finish(self, program_id: int, failed: bool) -> None:
         with self._cond:
@@ -95,38 +106,36 @@ class Lockstep:
                     if not done and self._errors[other] is None:
                         self._errors[other] = CoreDivergenceError(f"core {other} stopped: core {program_id} failed")
                         self._waits[other] = None
-            self._pass(program_id)
+            self._pass()
 
     def _runnable(self, core: int) -> bool:
         wait = self._waits[core]
         return not self._done[core] and (wait is None or wait.ready())
 
-    def _pass(self, program_id: int) -> None:
-        """Give the turn to the first core after ``program_id`` (round-robin, itself last) that can run; if none can
-        but some wait, those waits can never end: fail each waiting core with the reason."""
-        n = len(self._done)
-        order = [(program_id + d) % n for d in range(1, n + 1)]
-        if not any(self._runnable(core) for core in order):
-            waiting = [core for core in order if not self._done[core]]
+    def _pass(self) -> None:
+        """Give the turn to the core that can run and has begun the fewest instructions (the lowest id on a tie);
+        if none can run but some wait, those waits can never end: fail each waiting core with the reason."""
+        cores = range(len(self._done))
+        if not any(self._runnable(core) for core in cores):
+            waiting = [core for core in cores if not self._done[core]]
             for core in waiting:
                 self._errors[core] = CoreDivergenceError(self._deadlock(core))
             for core in waiting:
                 self._waits[core] = None
-        for core in order:
-            if self._runnable(core):
-                self._turn = core
-                self._cond.notify_all()
-                return
+        runnable = [core for core in cores if self._runnable(core)]
+        if runnable:
+            self._turn = min(runnable, key=lambda core: (self._steps[core], core))
+            self._cond.notify_all()
 
     def _deadlock(self, core: int) -> str:
         others = [other for other in range(len(self._done)) if other != core]
         peers = "; ".join(f"core {other} finished" if self._done[other] else
-                          f"core {other} waits at {self._waits[other].what} (its instruction {self._steps[other]})"
+                          f"core {other}, at its instruction {self._issued[other]}, waits at {self._waits[other].what}"
                           for other in others)
         reason = ("the cores took different control paths" if all(self._done[o] for o in others)
                   else "every core is blocked (deadlock)")
-        return (f"core {core} waits at {self._waits[core].what} (its instruction {self._steps[core]}) that no other "
-                f"core can reach: {peers}; {reason}")
+        return (f"core {core}, at its instruction {self._issued[core]}, waits at {self._waits[core].what}, which no "
+                f"other core can reach: {peers}; {reason}")
 
     def _await(self, program_id: int) -> None:
         while self._turn != program_id:
@@ -152,9 +161,10 @@ class CoreBarrier:
         if self.arrived == self.parties:
             self.arrived = 0
             self.generation += 1
+            self.lockstep.level()
             return
         self.lockstep.block(program_id, lambda: self.generation != generation,
-                            f"core barrier #{generation + 1} (a core_barrier or sendrecv)")
+                            f"core barrier #{generation + 1} (core_barrier or sendrecv)")
 
 
 class Launch:

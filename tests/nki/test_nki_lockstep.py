@@ -132,6 +132,32 @@ def test_barrier_waits_for_a_core_that_is_many_instructions_behind():
     assert [core.barriers for core in run.cores] == [1, 1]
 
 
+def test_the_cores_leave_a_barrier_together():
+    """Core 1 reaches the barrier 10 instructions after core 0; they leave it together, so core 1's first instruction
+    after it (writing 7 into a shared cell) runs before core 0's second (reading the cell) -- not 10 instructions
+    later, as it would if core 0 were still counted 10 behind."""
+
+    def kernel(cell):
+        core = nl.program_id(0)
+        t = nl.ndarray((1, 1), nl.float32)
+        nisa.memset(t, 7.0)
+        for _ in range(10 if core == 1 else 0):
+            nisa.memset(t, 7.0)
+        nisa.core_barrier(cell, (0, 1))
+        if core == 1:
+            nisa.dma_copy(dst=cell, src=t)
+        else:
+            nisa.memset(t, 0.0)
+        seen = nl.ndarray((1, 1), nl.float32)
+        nisa.dma_copy(dst=seen, src=cell)
+        out = nl.ndarray((2, 1), nl.float32, buffer=nl.shared_hbm, name="out")
+        nisa.dma_copy(dst=out[core:core + 1, :], src=seen)
+        return out
+
+    out = simulate(kernel, lnc=2)(np.full((1, 1), -1.0, np.float32)).outputs
+    np.testing.assert_array_equal(out, [[7.0], [7.0]])
+
+
 def test_a_barrier_the_peer_never_reaches_is_a_named_error_at_once():
     def kernel(x):
         out = nl.ndarray((1, 1), nl.float32, buffer=nl.shared_hbm)
@@ -141,8 +167,8 @@ def test_a_barrier_the_peer_never_reaches_is_a_named_error_at_once():
         return out
 
     start = time.perf_counter()
-    with pytest.raises(CoreDivergenceError, match=r"core 0 waits at core barrier #2 .*core 1 finished; "
-                                                  r"the cores took different control paths"):
+    with pytest.raises(CoreDivergenceError, match=r"core 0, at its instruction 2, waits at core barrier #2 .*"
+                                                  r"core 1 finished; the cores took different control paths"):
         simulate(kernel, lnc=2)(np.zeros(1, np.float32))
     assert time.perf_counter() - start < 2.0
 
@@ -168,7 +194,8 @@ def test_every_core_blocked_is_a_named_deadlock():
     for t in threads:
         t.join(timeout=5)
     assert not any(t.is_alive() for t in threads)
-    assert "core 0 waits at semaphore 0" in str(errors[0]) and "core 1 waits at semaphore 1" in str(errors[0])
+    assert "core 0, at its instruction 1, waits at semaphore 0" in str(errors[0])
+    assert "core 1, at its instruction 1, waits at semaphore 1" in str(errors[0])
     assert "every core is blocked (deadlock)" in str(errors[0]) and "deadlock" in str(errors[1])
 
 
