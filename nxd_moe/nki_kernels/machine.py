@@ -994,20 +994,20 @@ def instruction(fn: Callable | None = None, *, fence: bool = False):
             core = getattr(_CURRENT, "core", None)
             if core is None:
                 return f(*args, **kwargs)
-            if core.lockstep is None or core.in_instruction:
-                return traced(core, args, kwargs)
-            core.lockstep.step(core.program_id)
-            core.in_instruction = True
-            try:
-                return traced(core, args, kwargs)
-            finally:
-                core.in_instruction = False
-
-        def traced(core, args, kwargs):
+            if core.lockstep is not None and not core.in_instruction:
+                return stepped(core, args, kwargs)
             if core.trace is None:
                 return f(*args, **kwargs)
             with core.trace.instruction(fence):
                 return f(*args, **kwargs)
+
+        def stepped(core, args, kwargs):
+            core.lockstep.step(core.program_id)  # wait for this core's turn
+            core.in_instruction = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                core.in_instruction = False
 
         return run
 
