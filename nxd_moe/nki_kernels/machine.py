@@ -842,7 +842,7 @@ class Core:
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
         # LNC2: the scheduler that runs the cores in lockstep, one instruction each in turn (None on one core);
         # in_instruction marks an instruction running, so that instructions built from others are one step.
-        self.lockstep = getattr(launch, "lockstep", None)
+        self.lockstep = launch.lockstep
         self.in_instruction = False
 
     @contextmanager
