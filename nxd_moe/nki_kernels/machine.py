@@ -840,6 +840,10 @@ class Core:
         self.trace = Trace() if self.liveness else None
         self.replays: dict[Hashable, Accounting] = {}
         self.accumulators: dict[str, dict] = {}  # the engines' reduce registers (nisa reduce_cmd)
+        # LNC2: the scheduler that runs the cores in lockstep, one instruction each in turn (None on one core);
+        # in_instruction marks an instruction running, so that instructions built from others are one step.
+        self.lockstep = launch.lockstep
+        self.in_instruction = False
 
     @contextmanager
     def activate(self):
@@ -980,17 +984,30 @@ def check_alive(*tensors, write: bool = False, settled: bool = True) -> None:
 
 
 def instruction(fn: Callable | None = None, *, fence: bool = False):
-    """Mark an ``nisa`` function as one instruction for the liveness trace (``fence``: nothing is reordered across
-    it -- barriers, cross-core exchanges, registers)."""
+    """Mark an ``nisa`` function as one instruction: one entry of the liveness trace (``fence``: nothing is reordered
+    across it -- barriers, cross-core exchanges, registers) and, on LNC2, one lockstep step (the cores take turns
+    before each outermost instruction; see :mod:`nxd_moe.nki_kernels.lnc`)."""
 
     def decorate(f):
         @functools.wraps(f)
         def run(*args, **kwargs):
             core = getattr(_CURRENT, "core", None)
-            if core is None or core.trace is None:
+            if core is None:
+                return f(*args, **kwargs)
+            if core.lockstep is not None and not core.in_instruction:
+                return stepped(core, args, kwargs)
+            if core.trace is None:
                 return f(*args, **kwargs)
             with core.trace.instruction(fence):
                 return f(*args, **kwargs)
+
+        def stepped(core, args, kwargs):
+            core.lockstep.step(core.program_id)  # wait for this core's turn
+            core.in_instruction = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                core.in_instruction = False
 
         return run
 
