@@ -64,25 +64,41 @@ def _padded(k: int) -> int:
     return -(-k // CHUNK) * CHUNK
 
 
+def _by_experts(fn, *tensors, values_per_step: int = 1 << 24):
+    """``fn`` over slices of a few experts at a time, results concatenated along the expert dim: the repack's
+    integer temporaries stay a few hundred MB whatever the layer's size (DeepSeek-V3's experts are 22 GB in bf16)."""
+    e = tensors[0].shape[0]
+    per_expert = tensors[0][0].numel()
+    step = max(1, values_per_step // max(per_expert, 1))
+    parts = [fn(*(t[i:i + step] for t in tensors)) for i in range(0, e, step)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(column) for column in zip(*parts))
+    return torch.cat(parts)
+
+
 def repack_mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight (E, K/2, N)`` uint8 (any strides), ``scale (E, K/32, N)`` uint8 -> ``(values (E, N/2, K') uint8,
     scales (E, N/2, K'/64) int32)``, ``K'`` = K rounded up to 64 (zero codes, scale bytes 127)."""
+    if weight.shape[2] % 16:
+        raise ValueError(f"repack_mxfp4: N must be a multiple of 16 (rows pair up as n, n + 8), got {weight.shape[2]}")
+    return _by_experts(_repack_mxfp4, weight, scale)
+
+
+def _repack_mxfp4(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e, half_k, n = weight.shape
     k = 2 * half_k
-    if n % 16:
-        raise ValueError(f"repack_mxfp4: N must be a multiple of 16 (rows pair up as n, n + 8), got {n}")
     kp = _padded(k)
-    codes = torch.stack([weight & 0x0F, weight >> 4], dim=2).reshape(e, k, n).to(torch.int64)
+    codes = torch.stack([weight & 0x0F, weight >> 4], dim=2).reshape(e, k, n)
     codes = torch.nn.functional.pad(codes, (0, 0, 0, kp - k))
     # k = 64c + 16j + 8 kh + 2t + b ; n = 16a + 8r + g
     codes = codes.reshape(e, kp // CHUNK, 4, 2, 4, 2, n // 16, 2, 8)  # e c j kh t b a r g
-    codes = codes.permute(0, 6, 8, 1, 4, 2, 7, 3, 5)  # e a g c t j r kh b
+    codes = codes.permute(0, 6, 8, 1, 4, 2, 7, 3, 5).contiguous()  # e a g c t j r kh b
     word = torch.zeros(codes.shape[:6], dtype=torch.int64, device=weight.device)
     for r in range(2):
         for kh in range(2):
             places = MX_CODE_BITS[2 * r + kh]
             for b in range(2):
-                code = codes[..., r, kh, b]
+                code = codes[..., r, kh, b].to(torch.int64)
                 for bit, place in zip((3, 2, 1, 0), places):
                     word |= ((code >> bit) & 1) << (place + 16 * b)
     values = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8)
@@ -116,6 +132,10 @@ def unpack_mxfp4(values: torch.Tensor, scales: torch.Tensor, k: int) -> tuple[to
 def repack_fp8(weight: torch.Tensor) -> torch.Tensor:
     """``weight (E, K, N)`` float8 -> ``(E, N, K')`` bytes (uint8), each 64-deep chunk of a row in operand order
     (K padded with zeros to a multiple of 64)."""
+    return _by_experts(_repack_fp8, weight)
+
+
+def _repack_fp8(weight: torch.Tensor) -> torch.Tensor:
     e, k, n = weight.shape
     kp = _padded(k)
     b = torch.nn.functional.pad(weight.view(torch.uint8).transpose(1, 2), (0, kp - k))  # (E, N, K')
