@@ -601,6 +601,7 @@ def _plan(x, weights: ExpertWeights, config: dict, num_experts: int, top_k: int,
     gu, dn = weights.gate_up_proj, weights.down_proj
     stored = [getattr(w, "weight", w) for w in (gu, dn)]
     key = (x.shape, x.dtype, x.device, num_experts, top_k, prescale, id(config), weights.format,
+           tuple(type(w) for w in (gu, dn)),
            weights.activation, weights.gate_up_bias is not None, weights.down_bias is not None,
            tuple(s.stride() for s in stored), _aligned(*stored, *per_call),
            None if router is None else (router.weight.shape, router.bias is not None, router.sigmoid,
