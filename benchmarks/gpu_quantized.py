@@ -107,6 +107,7 @@ def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affiniti
                 forward, info = _quantized_peers.oai_mxfp4(layer, peers_src)
             with torch.no_grad():
                 out = forward(x, affinities, index)
+                torch.cuda.synchronize()  # the graph warm-up runs on a side stream: never beside this call
                 us = do_bench_cudagraph(lambda forward=forward: forward(x, affinities, index), rep=100) * 1e3
         except Exception as error:  # a peer that cannot run here is reported, not fatal
             peers[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
@@ -127,6 +128,7 @@ def time_candidates(layer: ExpertMLPsV2, candidates: list, x, affinities, index,
         try:
             with torch.no_grad():
                 out = layer(x, affinities, index, seq_len=seq_len).float()
+                torch.cuda.synchronize()  # the graph warm-up runs on a side stream: never beside this call
                 us = do_bench_cudagraph(lambda: layer(x, affinities, index, seq_len=seq_len), rep=100) * 1e3
         except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
             report.append({"config": config or "default", "error": f"{type(error).__name__}: {error}"[:500]})
@@ -202,6 +204,7 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             backend, layer.backend = layer.backend, TritonBackend(one_launch=False)
             with torch.no_grad():
                 multi = layer(x, affinities, index, seq_len=seq_len).float()
+                torch.cuda.synchronize()
                 multi_us = do_bench_cudagraph(lambda layer=layer: layer(x, affinities, index, seq_len=seq_len),
                                               rep=100) * 1e3
             result["formats"][fmt]["multi_launch"] = {"us": round(multi_us, 1),
