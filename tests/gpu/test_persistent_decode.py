@@ -204,7 +204,7 @@ def test_launches_on_two_streams_may_overlap():
     """Two streams decode the same shape at once -- e.g. a CUDA-graph warm-up on a side stream while the default
     stream's eager call is still queued behind other work: each stream has its own counters and scratch, so both
     results are exact (one shared set lets one launch reset or overwrite the other's tiles mid-flight)."""
-    config = make_config(64, 1024, 512, 8, "silu", normalize_top_k_affinities=True)
+    config = make_config(64, 1024, 512, 8, "glu_silu", normalize_top_k_affinities=True)
     experts = _experts(config, dtype=torch.bfloat16)
     xs = [randn(16, 1024, seed=20 + i).to(DEVICE, torch.bfloat16) for i in range(2)]
     routings = [tuple(t.to(DEVICE) for t in random_routing(16, 64, 8, seed=30 + i)) for i in range(2)]
