@@ -200,15 +200,17 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             "rel_err_vs_bf16": relative_error(out, reference)}
         if len(candidates) > 1:
             result["formats"][fmt].update(config=timed["config"], candidates=timed["candidates"])
-        if seq_len == 1 and not fmt.startswith(W8A8):  # the shipped path is the one-launch decode: time the other
-            backend, layer.backend = layer.backend, TritonBackend(one_launch=False)
-            with torch.no_grad():
-                multi = layer(x, affinities, index, seq_len=seq_len).float()
-                torch.cuda.synchronize()
-                multi_us = do_bench_cudagraph(lambda layer=layer: layer(x, affinities, index, seq_len=seq_len),
-                                              rep=100) * 1e3
-            result["formats"][fmt]["multi_launch"] = {"us": round(multi_us, 1),
-                                                      "rel_err_vs_bf16": relative_error(multi, reference)}
+        if seq_len == 1 and not fmt.startswith(W8A8):  # both decode paths, whichever the shipped rule picks
+            backend = layer.backend
+            for path, one_launch in (("one_launch", True), ("multi_launch", False)):
+                layer.backend = TritonBackend(one_launch=one_launch)
+                with torch.no_grad():
+                    out_path = layer(x, affinities, index, seq_len=seq_len).float()
+                    torch.cuda.synchronize()
+                    path_us = do_bench_cudagraph(lambda layer=layer: layer(x, affinities, index, seq_len=seq_len),
+                                                 rep=100) * 1e3
+                result["formats"][fmt][path] = {"us": round(path_us, 1),
+                                                "rel_err_vs_bf16": relative_error(out_path, reference)}
             layer.backend = backend
         if profile_kernels:
             try:
@@ -265,7 +267,7 @@ def main() -> int:
 def table(report: dict) -> str:
     """One line per shape and format: us, x bf16, fraction of copy bandwidth, best peer time and ratio."""
     lines = [f"{'shape':30s} {'format':16s} {'us':>9s} {'x bf16':>7s} {'copy BW':>8s} {'best peer us':>13s} "
-             f"{'peer/ours':>9s} {'rel err':>8s} {'multi us':>9s}"]
+             f"{'peer/ours':>9s} {'rel err':>8s} {'one-launch':>10s} {'multi us':>9s}"]
     for name, case in report["cases"].items():
         for fmt, e in case["formats"].items():
             if "us" not in e:
@@ -275,6 +277,7 @@ def table(report: dict) -> str:
             lines.append(f"{name:30s} {fmt:16s} {e['us']:9.1f} {e.get('speedup_vs_bf16', 0):7.2f} "
                          f"{e['fraction_of_copy_bandwidth']:8.2f} {min(timed) if timed else float('nan'):13.1f} "
                          f"{e.get('vs_best_peer', float('nan')):9.2f} {e['rel_err_vs_bf16']:8.4f} "
+                         f"{e.get('one_launch', {}).get('us', float('nan')):9.1f} "
                          f"{e.get('multi_launch', {}).get('us', float('nan')):9.1f}")
     return "\n".join(lines)
 

@@ -81,6 +81,11 @@ class TritonBackend(ExpertsBackend):
     ``repack``: decode-sized GEMMs read quantized weights (``mxfp4``, ``fp8``, ``fp8_block``; W8A16) from a copy
     rearranged into their tensor-core operand order (:mod:`~nxd_moe.triton_kernels.repack`), made on first use and
     cached; False reads the stored layout everywhere and saves that copy's memory (the stored weights' size again).
+    ``one_launch``: decode sizes as one persistent launch (:mod:`~nxd_moe.triton_kernels.persistent_decode`). None
+    (default): where it was measured faster, i.e. 16-bit weights; quantized weights decode through the separate
+    kernels, which read the repacked copy 10-45 % faster than the persistent kernel on every measured shape (H100,
+    ``benchmarks/results/gpu_quantized_decode_h100.json``: its one program per multiprocessor leaves the
+    dequantization's latency exposed). True: wherever it applies; False: never.
     """
 
     name = "triton"
@@ -90,7 +95,7 @@ class TritonBackend(ExpertsBackend):
     # W8A8 (FP8 activations with fp8 / fp8_block weights): FP8 x FP8 tensor-core GEMMs, w8a8.py.
     supports_activation_quantization = True
 
-    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool = True,
+    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool | None = None,
                  persistent_prefill: bool = True, repack: bool = True):
         self.configs = configs
         self.decode_configs = decode_configs
@@ -128,10 +133,13 @@ class TritonBackend(ExpertsBackend):
             projections.append(w)
         return weights._replace(gate_up_proj=projections[0], down_proj=projections[1])
 
-    def _one_launch(self, num_tokens: int, top_k: int, weights: ExpertWeights | None = None) -> bool:
-        """The one-launch decode applies (W8A8 runs its own FP8 kernels, which it does not have)."""
-        return (self.one_launch and persistent_decode.applies(num_tokens, top_k)
-                and (weights is None or weights.activation_quantization is None))
+    def _one_launch(self, num_tokens: int, top_k: int, weights: ExpertWeights) -> bool:
+        """Whether this decode runs in one launch (see ``one_launch``; W8A8 runs its own FP8 kernels, which the
+        persistent kernel does not have)."""
+        if (self.one_launch is False or not persistent_decode.applies(num_tokens, top_k)
+                or weights.activation_quantization is not None):
+            return False
+        return self.one_launch or weights.format == "bf16"
 
     def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                     selective_loading_threshold):
@@ -246,7 +254,8 @@ class TritonBackend(ExpertsBackend):
         num_tokens = hidden_states.shape[0]
         cfg = experts.routed_experts_mlp_config
         linear = router.linear_router
-        if not (self._one_launch(num_tokens, cfg.top_k) and type(router) is RouterTopK
+        weights = experts.expert_weights()
+        if not (self._one_launch(num_tokens, cfg.top_k, weights) and type(router) is RouterTopK
                 and linear.weight.dtype == torch.float32 and not (router.training and router.jitter_eps > 0)
                 and not experts.is_sharded and cfg.hidden_size_actual is None
                 and hidden_states.dtype == experts.dtype and hidden_states.shape[1] == cfg.hidden_size):
@@ -257,7 +266,6 @@ class TritonBackend(ExpertsBackend):
             if shared is None:
                 return None
         _check_device(hidden_states)
-        weights = experts.expert_weights()
         parts = persistent_decode.RouterParts(linear.weight, linear.bias, cfg.top_k, router.act_fn == "sigmoid",
                                               router.apply_act_fn_over_topk, cfg.normalize_top_k_affinities,
                                               padding_mask)
@@ -268,7 +276,7 @@ class TritonBackend(ExpertsBackend):
     def __repr__(self) -> str:
         options = {"configs": self.configs, "decode_configs": self.decode_configs}
         shown = [f"{name}={value!r}" for name, value in options.items() if value is not None]
-        shown += [] if self.one_launch else ["one_launch=False"]
+        shown += [] if self.one_launch is None else [f"one_launch={self.one_launch}"]
         shown += [] if self.persistent_prefill else ["persistent_prefill=False"]
         shown += [] if self.repack else ["repack=False"]
         return f"TritonBackend({', '.join(shown)})"
