@@ -107,6 +107,7 @@ def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affiniti
                 forward, info = _quantized_peers.oai_mxfp4(layer, peers_src)
             with torch.no_grad():
                 out = forward(x, affinities, index)
+                torch.cuda.synchronize()  # the graph warm-up runs on a side stream: never beside this call
                 us = do_bench_cudagraph(lambda forward=forward: forward(x, affinities, index), rep=100) * 1e3
         except Exception as error:  # a peer that cannot run here is reported, not fatal
             peers[peer] = {"error": f"{type(error).__name__}: {error}"[:2000]}
@@ -127,6 +128,7 @@ def time_candidates(layer: ExpertMLPsV2, candidates: list, x, affinities, index,
         try:
             with torch.no_grad():
                 out = layer(x, affinities, index, seq_len=seq_len).float()
+                torch.cuda.synchronize()  # the graph warm-up runs on a side stream: never beside this call
                 us = do_bench_cudagraph(lambda: layer(x, affinities, index, seq_len=seq_len), rep=100) * 1e3
         except Exception as error:  # a candidate that does not compile or fit is reported, not fatal
             report.append({"config": config or "default", "error": f"{type(error).__name__}: {error}"[:500]})
@@ -198,6 +200,18 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             "rel_err_vs_bf16": relative_error(out, reference)}
         if len(candidates) > 1:
             result["formats"][fmt].update(config=timed["config"], candidates=timed["candidates"])
+        if seq_len == 1 and not fmt.startswith(W8A8):  # both decode paths, whichever the shipped rule picks
+            backend = layer.backend
+            for path, one_launch in (("one_launch", True), ("multi_launch", False)):
+                layer.backend = TritonBackend(one_launch=one_launch)
+                with torch.no_grad():
+                    out_path = layer(x, affinities, index, seq_len=seq_len).float()
+                    torch.cuda.synchronize()
+                    path_us = do_bench_cudagraph(lambda layer=layer: layer(x, affinities, index, seq_len=seq_len),
+                                                 rep=100) * 1e3
+                result["formats"][fmt][path] = {"us": round(path_us, 1),
+                                                "rel_err_vs_bf16": relative_error(out_path, reference)}
+            layer.backend = backend
         if profile_kernels:
             try:
                 result["formats"][fmt]["kernels_us"] = kernel_times(layer, x, affinities, index, seq_len)
@@ -253,7 +267,7 @@ def main() -> int:
 def table(report: dict) -> str:
     """One line per shape and format: us, x bf16, fraction of copy bandwidth, best peer time and ratio."""
     lines = [f"{'shape':30s} {'format':16s} {'us':>9s} {'x bf16':>7s} {'copy BW':>8s} {'best peer us':>13s} "
-             f"{'peer/ours':>9s} {'rel err':>8s}"]
+             f"{'peer/ours':>9s} {'rel err':>8s} {'one-launch':>10s} {'multi us':>9s}"]
     for name, case in report["cases"].items():
         for fmt, e in case["formats"].items():
             if "us" not in e:
@@ -262,7 +276,9 @@ def table(report: dict) -> str:
             timed = [p["us"] for p in e.get("peers", {}).values() if "us" in p]
             lines.append(f"{name:30s} {fmt:16s} {e['us']:9.1f} {e.get('speedup_vs_bf16', 0):7.2f} "
                          f"{e['fraction_of_copy_bandwidth']:8.2f} {min(timed) if timed else float('nan'):13.1f} "
-                         f"{e.get('vs_best_peer', float('nan')):9.2f} {e['rel_err_vs_bf16']:8.4f}")
+                         f"{e.get('vs_best_peer', float('nan')):9.2f} {e['rel_err_vs_bf16']:8.4f} "
+                         f"{e.get('one_launch', {}).get('us', float('nan')):9.1f} "
+                         f"{e.get('multi_launch', {}).get('us', float('nan')):9.1f}")
     return "\n".join(lines)
 
 

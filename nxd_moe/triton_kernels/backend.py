@@ -27,11 +27,13 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.triton_kernels import persistent_decode, prefill_gemm
 from nxd_moe.triton_kernels.combine import combine_rows
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, FORMAT_CODES, down_projection, gate_up_projection
 from nxd_moe.triton_kernels.launch_configs import decode_config, launch_config
 from nxd_moe.triton_kernels.local_routing import fused_local_routing
+from nxd_moe.triton_kernels.repack import REPACKED_CODES, repacked
 from nxd_moe.triton_kernels.routing import fused_routing
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
 from nxd_moe.triton_kernels.w8a8 import w8a8_expert_rows, w8a8_launch_config
@@ -76,6 +78,14 @@ class TritonBackend(ExpertsBackend):
 
     ``configs``: a launch configuration (see :mod:`~nxd_moe.triton_kernels.launch_configs`) to use for every
     shape instead of the tuned table -- what the tuner passes; None for the shipped table and default rule.
+    ``repack``: decode-sized GEMMs read quantized weights (``mxfp4``, ``fp8``, ``fp8_block``; W8A16) from a copy
+    rearranged into their tensor-core operand order (:mod:`~nxd_moe.triton_kernels.repack`), made on first use and
+    cached; False reads the stored layout everywhere and saves that copy's memory (the stored weights' size again).
+    ``one_launch``: decode sizes as one persistent launch (:mod:`~nxd_moe.triton_kernels.persistent_decode`). None
+    (default): where it was measured faster, i.e. 16-bit weights; quantized weights decode through the separate
+    kernels, which read the repacked copy 10-45 % faster than the persistent kernel on every measured shape (H100,
+    ``benchmarks/results/gpu_quantized_decode_h100.json``: its one program per multiprocessor leaves the
+    dequantization's latency exposed). True: wherever it applies; False: never.
     """
 
     name = "triton"
@@ -85,12 +95,13 @@ class TritonBackend(ExpertsBackend):
     # W8A8 (FP8 activations with fp8 / fp8_block weights): FP8 x FP8 tensor-core GEMMs, w8a8.py.
     supports_activation_quantization = True
 
-    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool = True,
-                 persistent_prefill: bool = True):
+    def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool | None = None,
+                 persistent_prefill: bool = True, repack: bool = True):
         self.configs = configs
         self.decode_configs = decode_configs
         self.one_launch = one_launch
         self.persistent_prefill = persistent_prefill
+        self.repack = repack
         # Launch configurations by static shape: looked up once, not on every forward.
         self._configs: dict[tuple, dict] = {}
 
@@ -109,10 +120,26 @@ class TritonBackend(ExpertsBackend):
             config = self._configs[key] = lookup(*key[2:])
         return config
 
-    def _one_launch(self, num_tokens: int, top_k: int, weights: ExpertWeights | None = None) -> bool:
-        """The one-launch decode applies (W8A8 runs its own FP8 kernels, which it does not have)."""
-        return (self.one_launch and persistent_decode.applies(num_tokens, top_k)
-                and (weights is None or weights.activation_quantization is None))
+    def _decode_weights(self, weights: ExpertWeights) -> ExpertWeights:
+        """``weights`` with each quantized projection replaced by its repacked copy (decode-sized tiles: the weight is
+        the MMA's register operand, see :mod:`~nxd_moe.triton_kernels.repack`) where there is one; W8A8 runs its own
+        kernels on the stored K-major FP8."""
+        if not self.repack or weights.activation_quantization is not None:
+            return weights
+        projections = []
+        for w in (weights.gate_up_proj, weights.down_proj):
+            if isinstance(w, QuantizedWeight) and w.format.name in REPACKED_CODES:
+                w = repacked(w) or w
+            projections.append(w)
+        return weights._replace(gate_up_proj=projections[0], down_proj=projections[1])
+
+    def _one_launch(self, num_tokens: int, top_k: int, weights: ExpertWeights) -> bool:
+        """Whether this decode runs in one launch (see ``one_launch``; W8A8 runs its own FP8 kernels, which the
+        persistent kernel does not have)."""
+        if (self.one_launch is False or not persistent_decode.applies(num_tokens, top_k)
+                or weights.activation_quantization is not None):
+            return False
+        return self.one_launch or weights.format == "bf16"
 
     def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                     selective_loading_threshold):
@@ -163,6 +190,8 @@ class TritonBackend(ExpertsBackend):
             rows = prefill_gemm.expert_rows(x, layout, weights, affinities if routing.prescale else None, prefill,
                                             config)
         else:
+            if config["block_m"] < 64:  # decode-sized tiles (prefill tiles read the stored layout)
+                weights = self._decode_weights(weights)
             activated = gate_up_projection(x, layout, weights.gate_up_proj, weights.gate_up_bias, weights.activation,
                                            affinities if routing.prescale else None, config["gate_up"])
             rows = down_projection(activated, layout, weights.down_proj, weights.down_bias, config["down"])
@@ -184,7 +213,7 @@ class TritonBackend(ExpertsBackend):
         _check_device(hidden_states)
         num_tokens, top_k = routing.expert_index.shape
         if self._one_launch(num_tokens, top_k, weights):
-            return persistent_decode.selective_loading(hidden_states, routing, weights,
+            return persistent_decode.selective_loading(hidden_states, routing, self._decode_weights(weights),
                                                        self._config(hidden_states, weights, top_k, decode=True),
                                                        addend)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
@@ -225,7 +254,8 @@ class TritonBackend(ExpertsBackend):
         num_tokens = hidden_states.shape[0]
         cfg = experts.routed_experts_mlp_config
         linear = router.linear_router
-        if not (self._one_launch(num_tokens, cfg.top_k) and type(router) is RouterTopK
+        weights = experts.expert_weights()
+        if not (self._one_launch(num_tokens, cfg.top_k, weights) and type(router) is RouterTopK
                 and linear.weight.dtype == torch.float32 and not (router.training and router.jitter_eps > 0)
                 and not experts.is_sharded and cfg.hidden_size_actual is None
                 and hidden_states.dtype == experts.dtype and hidden_states.shape[1] == cfg.hidden_size):
@@ -236,19 +266,19 @@ class TritonBackend(ExpertsBackend):
             if shared is None:
                 return None
         _check_device(hidden_states)
-        weights = experts.expert_weights()
         parts = persistent_decode.RouterParts(linear.weight, linear.bias, cfg.top_k, router.act_fn == "sigmoid",
                                               router.apply_act_fn_over_topk, cfg.normalize_top_k_affinities,
                                               padding_mask)
-        return persistent_decode.moe_decode(hidden_states, parts, weights,
+        return persistent_decode.moe_decode(hidden_states, parts, self._decode_weights(weights),
                                             self._config(hidden_states, weights, cfg.top_k, decode=True),
                                             cfg.early_expert_affinity_modulation, shared)
 
     def __repr__(self) -> str:
         options = {"configs": self.configs, "decode_configs": self.decode_configs}
         shown = [f"{name}={value!r}" for name, value in options.items() if value is not None]
-        shown += [] if self.one_launch else ["one_launch=False"]
+        shown += [] if self.one_launch is None else [f"one_launch={self.one_launch}"]
         shown += [] if self.persistent_prefill else ["persistent_prefill=False"]
+        shown += [] if self.repack else ["repack=False"]
         return f"TritonBackend({', '.join(shown)})"
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.config import GLUType
+from nxd_moe.triton_kernels.repack import RepackedWeight
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "tanh": 4, "leaky_relu": 5}
@@ -189,6 +190,125 @@ def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, col
     return _dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, PRECISION, INTERPRET)
 
 
+def _mx_word_ptx(j: int) -> str:
+    """PTX: word ``j`` (``$16 + j``) of a thread's 16 repacked MxFP4 bytes -> its four bf16 operand registers (rows
+    ``n`` / ``n + 8`` x K pairs ``t`` / ``t + 4`` of K step ``j``). Each pair's codes sit where one shift and mask
+    put them into bf16's sign, two lowest exponent and top mantissa bits (``repack.MX_CODE_BITS``): the E2M1 value
+    times ``2**-126`` (E2M1's subnormal 0.5 lands on bf16's subnormals), then two exact bf16x2 multiplies: by
+    ``2**126`` and by the group's E8M0 scale (``z = -0`` keeps an fma a plain multiply)."""
+    x, rows = f"${16 + j}", ("sa", "sb") if j < 2 else ("sc", "sd")
+    pairs = [f"and.b32 t, {x}, 0x81C081C0;\n",
+             f"shl.b32 t, {x}, 3;\nand.b32 t, t, 0x81C081C0;\n",
+             f"shl.b32 t, {x}, 6;\nand.b32 t, t, 0x81C081C0;\n",
+             f"shr.b32 t, {x}, 6;\nand.b32 t, t, 0x01800180;\nshr.b32 u, {x}, 4;\nand.b32 u, u, 0x00400040;\n"
+             f"or.b32 t, t, u;\nshl.b32 u, {x}, 4;\nand.b32 u, u, 0x80008000;\nor.b32 t, t, u;\n"]
+    outs = (2 * j, 2 * j + 1, 8 + 2 * j, 9 + 2 * j)
+    return "".join(f"{pairs[i]}fma.rn.bf16x2 t, t, c, z;\nfma.rn.bf16x2 ${outs[i]}, t, {rows[i // 2]}, z;\n"
+                   for i in range(4))
+
+
+def _scale_splat_ptx(name: str, byte: int) -> str:
+    """PTX: byte ``byte`` of the chunk's scale word ``$20`` as a bf16x2 splat of ``2**(s - 127)`` (bits ``s << 7``;
+    ``s = 0`` is the subnormal ``0x0040``)."""
+    return f"prmt.b32 {name}, $20, 0, 0x4{byte}4{byte};\nshl.b32 {name}, {name}, 7;\nmax.u16x2 {name}, {name}, m;\n"
+
+
+# $0-$7 / $8-$15: rows n / n + 8, 16 bf16 each (operand register order); $16-$19: the 16 bytes; $20: scale word.
+_MX_OPERAND_PTX = tl.constexpr(
+    "{\n.reg .b32 t, u, c, z, m, sa, sb, sc, sd;\nmov.b32 c, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+    "mov.b32 m, 0x00400040;\n" + "".join(_scale_splat_ptx(n, b) for n, b in zip(("sa", "sb", "sc", "sd"), range(4)))
+    + "".join(_mx_word_ptx(j) for j in range(4)) + "}")
+_MX_OPERAND_CONSTRAINTS = tl.constexpr("=r," * 16 + "r," * 4 + ",".join(["r"] * 16))
+
+
+@triton.jit
+def _operand_order(raw, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``raw (ROWS * C, 64)``: each row's 64-deep K chunks as repacked (position ``16t + 4j + 2h + b``) ->
+    ``(ROWS, BLOCK_K)`` with ``k = 64c + 16j + 8h + 2t + b``: a relabelling, which the compiler resolves to the
+    registers that the MMA operand's thread ``t`` holds (no data moves)."""
+    chunks: tl.constexpr = BLOCK_K // 64
+    return tl.reshape(tl.permute(tl.reshape(raw, (ROWS, chunks, 4, 4, 2, 2)), (0, 1, 3, 4, 2, 5)), (ROWS, BLOCK_K))
+
+
+@triton.jit
+def _mx_tile_interpreted(w_base, scale_base, n0, n_end, k0, k_end, stride_sk, stride_sn, stride_wn, dtype: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What the PTX of :func:`_swapped_dot` computes, for Triton's interpreter (no PTX there): each value's code
+    bits gathered from its word of the repacked layout (``repack.MX_CODE_BITS``), decoded in fp32."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    k = k0 + tl.arange(0, BLOCK_K)
+    pair = (n // 16) * 8 + n % 8
+    r = (n // 8) % 2
+    c, j, kh, t, b = k // 64, (k // 16) % 4, (k // 8) % 2, (k // 2) % 4, k % 2
+    ok = (n < n_end)[:, None] & (c * 64 < k_end)[None, :]
+    at = w_base + pair[:, None] * stride_wn + (64 * c + 16 * t + 4 * j)[None, :]
+    word = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int64)
+    for i in tl.static_range(4):
+        word = word | (tl.load(at + i, mask=ok, other=0).to(tl.int64) << (8 * i))
+    which = 2 * r[:, None] + kh[None, :]
+    half = 16 * b[None, :]
+    sign = tl.where(which == 3, 11, 15 - 3 * which) + half
+    e_hi = tl.where(which == 3, 14, 8 - 3 * which) + half
+    mantissa = tl.where(which == 3, 10, 6 - 3 * which) + half
+    exponent = 2 * ((word >> e_hi) & 1) + ((word >> (e_hi - 1)) & 1)
+    m = ((word >> mantissa) & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0, 0.5 * m, tl.exp2((exponent - 1).to(tl.float32)) * (1.0 + 0.5 * m))
+    value = tl.where(((word >> sign) & 1) == 1, -magnitude, magnitude)
+    scale_word = tl.load(scale_base + c[None, :] * stride_sk + pair[:, None] * stride_sn, mask=ok, other=0)
+    scale = _e8m0((scale_word.to(tl.int64) >> (8 * (2 * (j[None, :] // 2) + r[:, None]))) & 255)
+    return (value * scale).to(dtype)
+
+
+@triton.jit
+def _swapped_dot(acc_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k0, k_end, n0, n_end, stride_we, stride_wn,
+                 stride_se, stride_sk, stride_sn, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc_t (BLOCK_N, M) + W[expert][k0 : k0 + BLOCK_K, n0 : n0 + BLOCK_N].T @ A[:, k0 : k0 + BLOCK_K].T`` with
+    ``W`` repacked (:mod:`~nxd_moe.triton_kernels.repack`; ``FORMAT`` 4 MxFP4, 5 FP8 per channel, 6 FP8 128x128
+    blocks): the weight's columns are the MMA's rows and the dequantized weight its register operand, each thread
+    loading 16 contiguous bytes per row and K chunk. Columns from ``n_end`` and K from ``k_end`` count as zero.
+    Dequantization as :func:`_quantized_dot` (MxFP4: exact bf16 products; FP8: fp32 product, one rounding)."""
+    chunks: tl.constexpr = BLOCK_K // 64
+    chunk = k0 // 64 + tl.arange(0, chunks)
+    chunk_ok = chunk * 64 < k_end
+    w_base = w_ptr + expert * stride_we
+    scale_base = scale_ptr + expert * stride_se
+    ks = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows[None, :] + ks[:, None], mask=row_ok[None, :] & (ks < k_end)[:, None], other=0.0)
+    if FORMAT == 4:
+        if INTERPRET:
+            w = _mx_tile_interpreted(w_base, scale_base, n0, n_end, k0, k_end, stride_sk, stride_sn, stride_wn,
+                                     a.dtype, BLOCK_N, BLOCK_K)
+        else:
+            HALF: tl.constexpr = BLOCK_N // 2
+            pair = n0 // 2 + tl.arange(0, HALF)
+            ok = (pair < n_end // 2)[:, None] & chunk_ok[None, :]
+            at = tl.multiple_of(tl.reshape(pair[:, None] * stride_wn + chunk[None, :] * 64, (HALF * chunks,)), 16)
+            raw = tl.load(w_base + at[:, None] + tl.arange(0, 64)[None, :],
+                          mask=tl.reshape(ok, (HALF * chunks,))[:, None], other=0)
+            words = tl.load(scale_base + chunk[None, :] * stride_sk + pair[:, None] * stride_sn, mask=ok, other=0)
+            words = tl.reshape(tl.broadcast_to(words[:, :, None], (HALF, chunks, 64)), (HALF, BLOCK_K))
+            rows_n, rows_n8 = tl.inline_asm_elementwise(
+                asm=_MX_OPERAND_PTX, constraints=_MX_OPERAND_CONSTRAINTS, args=[_operand_order(raw, HALF, BLOCK_K),
+                                                                                words],
+                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=16)
+            w = tl.permute(tl.reshape(tl.join(rows_n, rows_n8), (BLOCK_N // 16, 8, BLOCK_K, 2)), (0, 3, 1, 2))
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(a.dtype)
+    else:
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_end
+        at = tl.multiple_of(tl.reshape(cols[:, None] * stride_wn + chunk[None, :] * 64, (BLOCK_N * chunks,)), 16)
+        ok = tl.reshape(col_ok[:, None] & chunk_ok[None, :], (BLOCK_N * chunks,))
+        raw = tl.load(w_base + at[:, None] + tl.arange(0, 64)[None, :], mask=ok[:, None], other=0)
+        q = _operand_order(raw, BLOCK_N, BLOCK_K).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if FORMAT == 5:
+            scale = tl.load(scale_base + cols * stride_sn, mask=col_ok, other=0.0)
+        else:  # the K tile lies inside one 128-row block (BLOCK_K divides 128)
+            scale = tl.load(scale_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok, other=0.0)
+        w = (q * scale[:, None]).to(a.dtype)
+    return _dot(w, a, acc_t, PRECISION, INTERPRET)
+
+
 @triton.jit
 def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
     # where-based so that NaN stays NaN (a hardware min/max would return the other operand).
@@ -239,34 +359,49 @@ def _gate_up_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
-    for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-        if FORMAT != 0:
-            a_rows = x_ptr + token * stride_xt
-            acc = _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, cols, col_ok,
-                                 stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_K,
-                                 PRECISION, INTERPRET)
+    if FORMAT >= 4:  # repacked weights: the swapped product, (columns, rows), transposed once at the end
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        a_rows = x_ptr + token * stride_xt
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            acc_t = _swapped_dot(acc_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, first_col,
+                                 inter, stride_we, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_N,
+                                 BLOCK_K, PRECISION, INTERPRET)
             if GLU:
-                acc_up = _quantized_dot(a_rows, row_ok, acc_up, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
-                                        cols + inter, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
-                                        stride_sn, FORMAT, BLOCK_K, PRECISION, INTERPRET)
-        else:
-            k_ok = ks < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
-            if TMA:
-                w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
+                acc_up_t = _swapped_dot(acc_up_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
+                                        inter + first_col, 2 * inter, stride_we, stride_wn, stride_se, stride_sk,
+                                        stride_sn, FORMAT, BLOCK_N, BLOCK_K, PRECISION, INTERPRET)
+        acc = tl.trans(acc_t)
+        acc_up = tl.trans(acc_up_t)
+    else:
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            if FORMAT != 0:
+                a_rows = x_ptr + token * stride_xt
+                acc = _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, cols, col_ok,
+                                     stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_K,
+                                     PRECISION, INTERPRET)
                 if GLU:
-                    w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K,
-                                                                                                       BLOCK_N)
+                    acc_up = _quantized_dot(a_rows, row_ok, acc_up, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
+                                            cols + inter, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
+                                            stride_sn, FORMAT, BLOCK_K, PRECISION, INTERPRET)
             else:
-                w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                k_ok = ks < hidden - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
+                if TMA:
+                    w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
+                    if GLU:
+                        w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K,
+                                                                                                           BLOCK_N)
+                else:
+                    w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                    if GLU:
+                        w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc = _dot(a, w, acc, PRECISION, INTERPRET)
                 if GLU:
-                    w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = _dot(a, w, acc, PRECISION, INTERPRET)
-            if GLU:
-                acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
-        a_ptrs += BLOCK_K
-        w_offsets += BLOCK_K * stride_wk
+                    acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
+            a_ptrs += BLOCK_K
+            w_offsets += BLOCK_K * stride_wk
     out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
                             inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
                             up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
@@ -350,22 +485,30 @@ def _down_tile(
     a_ptrs = h_ptr + rows[:, None] * stride_hr + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
-        if FORMAT != 0:
-            acc = _quantized_dot(h_ptr + rows * stride_hr, row_ok, acc, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K,
-                                 k_end, cols, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
-                                 FORMAT, BLOCK_K, PRECISION, INTERPRET)
-        else:
-            k_ok = ks < k_end - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if TMA:  # unsplit only: past I the copy engine zero-fills
-                w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K,
-                                                                                                         BLOCK_N)
+    if FORMAT >= 4:  # repacked weights: the swapped product (see _gate_up_tile)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
+            acc_t = _swapped_dot(acc_t, h_ptr + rows * stride_hr, row_ok, w_ptr, scale_ptr, expert,
+                                 k_begin + k * BLOCK_K, k_end, column * BLOCK_N, hidden, stride_we, stride_wn,
+                                 stride_se, stride_sk, stride_sn, FORMAT, BLOCK_N, BLOCK_K, PRECISION, INTERPRET)
+        acc = tl.trans(acc_t)
+    else:
+        for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
+            if FORMAT != 0:
+                acc = _quantized_dot(h_ptr + rows * stride_hr, row_ok, acc, w_ptr, scale_ptr, expert,
+                                     k_begin + k * BLOCK_K, k_end, cols, col_ok, stride_we, stride_wk, stride_wn,
+                                     stride_se, stride_sk, stride_sn, FORMAT, BLOCK_K, PRECISION, INTERPRET)
             else:
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = _dot(a, w, acc, PRECISION, INTERPRET)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+                k_ok = ks < k_end - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                if TMA:  # unsplit only: past I the copy engine zero-fills
+                    w = w_desc.load([expert.to(tl.int32), k_begin + k * BLOCK_K, column * BLOCK_N]).reshape(BLOCK_K,
+                                                                                                             BLOCK_N)
+                else:
+                    w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc = _dot(a, w, acc, PRECISION, INTERPRET)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         if split == 0:
             acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -413,11 +556,18 @@ FORMAT_CODES = {"bf16": 0, "fp8": 1, "fp8_block": 2, "mxfp4": 3}
 
 
 def _stored(weight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int]:
-    """``(stored weight, scale, scale strides, FORMAT code, K tile)`` of a plain tensor or a ``QuantizedWeight``;
-    the K tile is adjusted to the format: inside one 128-row FP8 block; at least 32 rows of MxFP4 (16 per nibble
-    plane, the smallest 16-bit dot)."""
+    """``(stored weight, scale, scale strides, FORMAT code, K tile)`` of a plain tensor, a ``QuantizedWeight`` or a
+    :class:`~nxd_moe.triton_kernels.repack.RepackedWeight` (its tensors as ``(E, K', rows)`` / ``(E, K'/64, rows)``
+    views, so that the kernels' ``stride_wn`` / ``stride_sn`` step along rows); the K tile is adjusted to the
+    format: inside one 128-row FP8 block; at least 32 rows of MxFP4 (16 per nibble plane, the smallest 16-bit dot);
+    whole 64-deep chunks of a repacked weight."""
     if isinstance(weight, torch.Tensor):
         return weight, weight, (0, 0, 0), 0, block_k
+    if isinstance(weight, RepackedWeight):
+        block_k = max(64, block_k // 64 * 64)
+        block_k = min(block_k, 128) if weight.code == 6 else block_k
+        scale = weight.scale.transpose(1, 2) if weight.code == 4 else weight.scale
+        return weight.weight.transpose(1, 2), scale, tuple(scale.stride()), weight.code, block_k
     fmt = FORMAT_CODES[weight.format.name]
     block_k = min(block_k, 128) if fmt == 2 else max(block_k, 32) if fmt == 3 else block_k
     return weight.weight, weight.scale, tuple(weight.scale.stride()), fmt, block_k

@@ -83,20 +83,23 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
 
 
 def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
-                          multiprocessors: int = 132) -> dict:
+                          multiprocessors: int = 132, quantization: str = "bf16") -> dict:
     """The rule for the one-launch decode (one program per multiprocessor). Weight tiles are read in rows of 256
     bytes (128 columns of gate and of up; down 128 columns) when that still gives a gate/up item per program,
     else 128 bytes -- narrower rows cut HBM efficiency more than extra items help; deep ``K`` tiles keep ~100 KB
     of weights in flight per program (what one multiprocessor needs to reach its share of the bandwidth). The down
     projection's ``K`` is split while its items would not cover the programs. Measured on an H100: see
-    ``benchmarks/notes/issue19_gpu_kernels.md``."""
+    ``benchmarks/notes/issue19_gpu_kernels.md``. MxFP4 (a quarter of bf16's bytes per value, read from the
+    repacked copy, ``repack.py``) takes gate/up K tiles twice as deep (a useful run of bytes per tile); its down
+    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure)."""
     pairs = num_tokens * top_k
     used = min(num_experts, pairs)
     block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
     tiles = used * -(-pairs // (used * block_m))
     gu_n = 128 if tiles * -(-inter // 128) >= multiprocessors else 64
     split = max(1, min(inter // 256, -(-multiprocessors // (tiles * -(-hidden // 128)))))
-    return {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": 8192 // gu_n},
+    deeper = 2 if quantization == "mxfp4" else 1
+    return {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": deeper * 8192 // gu_n},
             "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
             "programs_per_sm": 1}
 
@@ -119,7 +122,8 @@ def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
     if entry is None:
         entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
-        entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
+        entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device),
+                                      quantization)
     return for_dtype(entry, dtype)
 
 

@@ -427,19 +427,23 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-_SYNC: dict[tuple[str, int], torch.Tensor] = {}
+_SYNC: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
-def _device_key(device: torch.device) -> tuple[str, int]:
-    if device.type == "cuda" and device.index is None:
-        return device.type, torch.cuda.current_device()
-    return device.type, device.index or 0
+def _stream_key(device: torch.device) -> tuple[str, int, int]:
+    """``(type, index, stream)`` of the stream that launches on ``device`` now. Counters and scratch are per stream:
+    launches on one stream run one after another, launches on two streams may overlap (e.g. a CUDA-graph warm-up on
+    a side stream while the default stream still runs an eager call) and must not share them."""
+    if device.type != "cuda":
+        return device.type, device.index or 0, 0
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return device.type, index, torch.cuda.current_stream(index).cuda_stream
 
 
 def _sync_buffer(device: torch.device, slots: int) -> torch.Tensor:
-    """The device's counter buffer: zeros, and every launch leaves it zeroed (grown on demand, never shrunk).
-    Launches that share it must not overlap: one stream per device."""
-    key = _device_key(device)
+    """The current stream's counter buffer on ``device``: zeros, and every launch leaves it zeroed (grown on demand,
+    never shrunk)."""
+    key = _stream_key(device)
     buffer = _SYNC.get(key)
     if buffer is None or buffer.numel() < slots:
         buffer = torch.zeros(max(slots, 4096), dtype=torch.int32, device=device)
@@ -448,15 +452,18 @@ def _sync_buffer(device: torch.device, slots: int) -> torch.Tensor:
 
 
 def counters(device: torch.device) -> torch.Tensor | None:
-    """The counter buffer of ``device`` (None before the first launch there); for tests and diagnostics."""
-    return _SYNC.get(_device_key(torch.device(device)))
+    """The counter buffer of the current stream on ``device`` (None before the first launch there); for tests and
+    diagnostics."""
+    return _SYNC.get(_stream_key(torch.device(device)))
 
 
 def timed_out(device: torch.device) -> bool:
-    """Whether a wait of a persistent decode launch on ``device`` ever gave up (a bug: its result was wrong).
-    Reads the device (host sync); for tests."""
-    buffer = counters(device)
-    return buffer is not None and bool(buffer[TIMED_OUT.value])
+    """Whether a wait of a persistent decode launch on ``device`` (any stream) ever gave up (a bug: its result was
+    wrong). Reads the device (host sync); for tests."""
+    device = torch.device(device)
+    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else 0
+    return any(bool(buffer[TIMED_OUT.value]) for (kind, at, _), buffer in _SYNC.items()
+               if (kind, at) == (device.type, index or 0))
 
 
 def applies(num_tokens: int, top_k: int) -> bool:
@@ -480,9 +487,9 @@ _RUNTIME = ("x", "index", "mask", "affinities", "padding", "logits", "addend", "
 
 class _Plan:
     """Everything about one launch that follows from static shapes -- grid, sizes, constexprs, scratch buffers
-    (shared by all layers of that shape: launches on one stream run one after another) -- and, after the first
-    launch, the compiled kernel, relaunched directly: Triton's per-call argument binding would otherwise be most
-    of a decode step's host time."""
+    (shared by all layers of that shape on one stream: launches on one stream run one after another) -- and, after
+    the first launch, the compiled kernel, relaunched directly: Triton's per-call argument binding would otherwise
+    be most of a decode step's host time."""
 
     def __init__(self, x, weights: ExpertWeights, config: dict, num_experts: int, top_k: int, prescale: bool,
                  router: RouterParts | None, shared: SharedParts | None, has_addend: bool, trace: bool):
@@ -554,6 +561,7 @@ class _Plan:
             ROUTE_TOKENS=route_tokens, BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        self.config = config  # held: ``id(config)`` is part of the plan's key and must not be reused by another dict
         self.compiled = None
 
     def launch(self, tensors: dict) -> None:
@@ -600,7 +608,8 @@ def _plan(x, weights: ExpertWeights, config: dict, num_experts: int, top_k: int,
           router: RouterParts | None, shared: SharedParts | None, has_addend: bool, per_call: tuple) -> _Plan:
     gu, dn = weights.gate_up_proj, weights.down_proj
     stored = [getattr(w, "weight", w) for w in (gu, dn)]
-    key = (x.shape, x.dtype, x.device, num_experts, top_k, prescale, id(config), weights.format,
+    key = (x.shape, x.dtype, _stream_key(x.device), num_experts, top_k, prescale, id(config), weights.format,
+           tuple(type(w) for w in (gu, dn)),
            weights.activation, weights.gate_up_bias is not None, weights.down_bias is not None,
            tuple(s.stride() for s in stored), _aligned(*stored, *per_call),
            None if router is None else (router.weight.shape, router.bias is not None, router.sigmoid,

@@ -200,6 +200,39 @@ def test_counters_are_left_at_zero():
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_launches_on_two_streams_may_overlap():
+    """Two streams decode the same shape at once -- e.g. a CUDA-graph warm-up on a side stream while the default
+    stream's eager call is still queued behind other work: each stream has its own counters and scratch, so both
+    results are exact (one shared set lets one launch reset or overwrite the other's tiles mid-flight)."""
+    config = make_config(64, 1024, 512, 8, "glu_silu", normalize_top_k_affinities=True)
+    experts = _experts(config, dtype=torch.bfloat16)
+    xs = [randn(16, 1024, seed=20 + i).to(DEVICE, torch.bfloat16) for i in range(2)]
+    routings = [tuple(t.to(DEVICE) for t in random_routing(16, 64, 8, seed=30 + i)) for i in range(2)]
+    side = torch.cuda.Stream()
+    with torch.no_grad():
+        experts(xs[0], *routings[0], seq_len=1)  # compiled and planned on the default stream
+        with torch.cuda.stream(side):
+            experts(xs[1], *routings[1], seq_len=1)
+        torch.cuda.synchronize()
+        default_counters = persistent_decode.counters(torch.device(DEVICE))
+        with torch.cuda.stream(side):
+            assert persistent_decode.counters(torch.device(DEVICE)) is not default_counters
+        outs = [None, None]
+        for _ in range(20):
+            # Both launches wait for one event behind a sleep, so they become ready together and overlap.
+            torch.cuda._sleep(200_000)
+            ready = torch.cuda.Event()
+            ready.record()
+            side.wait_event(ready)
+            outs[0] = experts(xs[0], *routings[0], seq_len=1)
+            with torch.cuda.stream(side):
+                outs[1] = experts(xs[1], *routings[1], seq_len=1)
+            torch.cuda.synchronize()
+            for i in range(2):
+                _check(outs[i], reference_for_experts(experts, xs[i], *routings[i]), torch.bfloat16, f"stream {i}")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("shared", [False, True])
 def test_cuda_graph_replays_new_routings(shared):
     """One captured one-launch decode serves every routing, all tokens on one expert included; eager and replayed

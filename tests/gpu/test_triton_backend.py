@@ -248,3 +248,25 @@ def test_addend_is_added_in_the_combine(mode):
     _check(out, expected, torch.float32, mode)
     with pytest.raises(ValueError, match="addend must be"):
         tested(x, affinities, index, mode=mode, addend=addend[:3])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block", "mxfp4"])
+def test_one_launch_rule_follows_the_weight_format(fmt):
+    """By default the one-launch decode takes 16-bit weights only (quantized decode measured faster through the
+    separate kernels); ``one_launch=True`` forces it where it applies, False never; W8A8 and large T*k never."""
+    from nxd_moe.quantization.quantizer import quantize_experts
+    from nxd_moe.triton_kernels.backend import TritonBackend
+
+    layer = ExpertMLPsV2(make_config(4, 128, 128, 2, "glu_silu"), backend="torch", dtype=torch.bfloat16)
+    if fmt != "bf16":
+        quantize_experts(layer, fmt)
+    weights = layer.expert_weights()
+    assert TritonBackend()._one_launch(1, 2, weights) is (fmt == "bf16")
+    assert TritonBackend(one_launch=True)._one_launch(1, 2, weights) is True
+    assert TritonBackend(one_launch=False)._one_launch(1, 2, weights) is False
+    assert TritonBackend(one_launch=True)._one_launch(4096, 8, weights) is False
+    assert repr(TritonBackend(one_launch=False)) == "TritonBackend(one_launch=False)"
+    if fmt in ("fp8", "fp8_block"):
+        w8a8 = ExpertMLPsV2(make_config(4, 128, 128, 2, "glu_silu"), backend="torch", dtype=torch.bfloat16)
+        quantize_experts(w8a8, fmt, activation_quantization="fp8")
+        assert TritonBackend(one_launch=True)._one_launch(1, 2, w8a8.expert_weights()) is False
