@@ -144,6 +144,27 @@ def make_experts(
     return randomize_(experts, seed=seed, scale=scale)
 
 
+def quantized_pair(config: RoutedExpertsMLPOpsConfig, fmt: str, dtype: torch.dtype, backend, device, seed: int = 1,
+                   edit=None) -> tuple[ExpertMLPsV2, ExpertMLPsV2]:
+    """``(experts with fmt-quantized weights on backend, torch-backend experts holding their dequantized weights)``,
+    both on ``device``; ``edit(quantized)`` may rewrite the stored weights or scales first."""
+    from nxd_moe.quantization.quantizer import quantize_experts
+    from nxd_moe.quantization.weight import dequantized
+
+    quantized = make_experts(config, block_size=16, dtype=dtype, seed=seed)
+    quantize_experts(quantized, fmt)
+    if edit is not None:
+        with torch.no_grad():
+            edit(quantized)
+    holding = make_experts(config, block_size=16, dtype=dtype, seed=seed)
+    with torch.no_grad():
+        for proj in ("gate_up_proj", "down_proj"):
+            getattr(holding.mlp_op, proj).weight.copy_(dequantized(getattr(quantized.mlp_op, proj).stored_weight()))
+    quantized = quantized.to(device)
+    quantized.backend = backend
+    return quantized, holding.to(device)
+
+
 def random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int, dtype=torch.float32,
                    act: str = "softmax", skew: float = 0.0):
     """``(affinities (T, E), expert_index (T, k))`` from random logits; ``skew`` > 0 biases towards low

@@ -13,15 +13,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.quantization.formats import get_format, k_fastest
-from nxd_moe.quantization.quantizer import quantize_experts
-from nxd_moe.quantization.weight import QuantizedWeight, dequantized
+from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.grouped_gemm import down_projection
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels.launch_configs import default_config
-from conftest import MODES, make_config, make_experts, randn, random_routing
+from conftest import MODES, make_config, quantized_pair, randn, random_routing
 
 
 CUDA = torch.cuda.is_available()
@@ -38,21 +36,13 @@ def _layers(name, shape, dtype, edit_scales=None, configs=None):
     num_tokens, num_experts, top_k, hidden, inter = shape
     config = make_config(num_experts, hidden, inter, top_k, "swiglu_gptoss", bias=True, capacity_factor=1.0,
                          normalize_top_k_affinities=True)
-    quantized = make_experts(config, block_size=16, dtype=dtype, seed=1)
-    quantize_experts(quantized, name)
-    if edit_scales is not None:
-        with torch.no_grad():
-            for proj in ("gate_up_proj", "down_proj"):
-                edit_scales(getattr(quantized.mlp_op, proj).scale)
-    holding = make_experts(config, block_size=16, dtype=dtype, seed=1)
-    with torch.no_grad():
+
+    def edit(quantized):
         for proj in ("gate_up_proj", "down_proj"):
-            getattr(holding.mlp_op, proj).weight.copy_(dequantized(getattr(quantized.mlp_op, proj).stored_weight()))
-    quantized = quantized.to(DEVICE)
-    quantized.backend = TritonBackend(configs=configs)
-    holding = holding.to(DEVICE)
-    holding.backend = TorchBackend()
-    return quantized, holding
+            edit_scales(getattr(quantized.mlp_op, proj).scale)
+
+    return quantized_pair(config, name, dtype, TritonBackend(configs=configs), DEVICE,
+                          edit=edit if edit_scales is not None else None)
 
 
 @pytest.mark.parametrize("name", FORMATS)

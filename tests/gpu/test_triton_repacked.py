@@ -17,16 +17,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.quantization.formats import E2M1_GRID, get_format, k_fastest
-from nxd_moe.quantization.quantizer import quantize_experts
-from nxd_moe.quantization.weight import QuantizedWeight, dequantized
+from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.reference import reference_for_experts
 from nxd_moe.triton_kernels import repack
 from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.grouped_gemm import down_projection
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
-from conftest import capture_cuda_graph, make_config, make_experts, randn, random_routing
+from conftest import capture_cuda_graph, make_config, quantized_pair, randn, random_routing
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -132,27 +130,20 @@ def test_repacked_copy_is_cached_until_the_stored_tensors_change():
     assert key not in repack._CACHE
 
 
+def _n_fastest(quantized):
+    """An N-fastest copy of the same stored bytes (every backend reads either order)."""
+    for proj in ("gate_up_proj", "down_proj"):
+        lin = getattr(quantized.mlp_op, proj)
+        lin.weight = torch.nn.Parameter(lin.weight.contiguous(), requires_grad=False)
+
+
 def _layers(name, shape, dtype, order="stored", one_launch=True, seed=1):
     """(triton layer with quantized weights, torch layer holding the dequantized weights) on DEVICE."""
     num_tokens, num_experts, top_k, hidden, inter = shape
     config = make_config(num_experts, hidden, inter, top_k, "swiglu_gptoss", bias=True,
                          normalize_top_k_affinities=True)
-    quantized = make_experts(config, block_size=16, dtype=dtype, seed=seed)
-    quantize_experts(quantized, name)
-    if order == "n_fastest":  # an N-fastest copy of the same MxFP4 bytes (every backend reads either)
-        with torch.no_grad():
-            for proj in ("gate_up_proj", "down_proj"):
-                lin = getattr(quantized.mlp_op, proj)
-                lin.weight = torch.nn.Parameter(lin.weight.contiguous(), requires_grad=False)
-    holding = make_experts(config, block_size=16, dtype=dtype, seed=seed)
-    with torch.no_grad():
-        for proj in ("gate_up_proj", "down_proj"):
-            getattr(holding.mlp_op, proj).weight.copy_(dequantized(getattr(quantized.mlp_op, proj).stored_weight()))
-    quantized = quantized.to(DEVICE)
-    quantized.backend = TritonBackend(one_launch=one_launch)
-    holding = holding.to(DEVICE)
-    holding.backend = TorchBackend()
-    return quantized, holding
+    return quantized_pair(config, name, dtype, TritonBackend(one_launch=one_launch), DEVICE, seed=seed,
+                          edit=_n_fastest if order == "n_fastest" else None)
 
 
 def _check(tested, holding, x, affinities, index, dtype, what, **kwargs):
