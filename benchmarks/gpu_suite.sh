@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests (they skip without CUDA; on a CPU, CI runs them under Triton's interpreter) on a CUDA machine, in
-# shards that each fit a ~5-minute budget with 4 xdist workers (the suite is compile-bound). From the repository
+# shards sized for ~5 minutes each with 4 xdist workers (the suite is compile-bound; `decode` measured ~3 min on
+# an H100, the others estimated). From the repository
 # root:
 #
 #   OUT=DIR bash benchmarks/gpu_suite.sh SHARD...      SHARD: decode | quantized | backend | graphs | all
