@@ -136,10 +136,15 @@ class NkiInstruction:
 # operand helpers
 
 
+# The operand roles an instruction writes; every other role is read. A write settles the pending matmuls that read
+# the tile's old values and is what the liveness trace starts a value's life at.
+WRITTEN_ROLES = frozenset({"dst", "reduce_res", "val_dst", "idx_dst", "dst_idx"})
+
+
 def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bool = True) -> NkiTensor:
     if not isinstance(t, NkiTensor):
         raise TypeError(f"{op}: {role} must be an on-chip tensor, got {type(t).__name__}")
-    check_alive(t, write=role in ("dst", "reduce_res"), settled=settled)
+    check_alive(t, write=role in WRITTEN_ROLES, settled=settled)
     if t.buffer not in buffers:
         allowed = " or ".join(b.value for b in buffers)
         raise HardwareLimitError(f"{op}: {role} {t.name!r} is in {t.buffer.value}; it must be in {allowed}")

@@ -114,6 +114,28 @@ def test_topk_reads_a_16_partition_snake(k):
             np.testing.assert_array_equal(val[p].astype(np.float32), snake[best])
 
 
+def test_topk_outputs_are_writes_that_a_pending_matmul_reads_before(k):
+    """``val_dst`` / ``idx_dst`` are written: a matmul issued before reads the tile's old values (the simulator
+    accumulates matmuls lazily, so a write it did not see as one would let the product read the new values)."""
+    nl, nisa, run = k
+    values = rng.permutation(np.arange(32 * 3, dtype=np.float32)).reshape(32, 3).astype(ml_dtypes.bfloat16)
+    weight = rng.standard_normal((32, 4)).astype(ml_dtypes.bfloat16)
+    moving = rng.standard_normal((32, 8)).astype(ml_dtypes.bfloat16)
+
+    def body(a, w, m):
+        src, stationary, tile = _load(nl, nisa, a), _load(nl, nisa, w), _load(nl, nisa, m)
+        product = nl.ndarray((4, 8), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(product, stationary, tile)
+        idx = nl.ndarray((32, 8), nl.uint32)
+        nisa.topk(val_dst=tile, idx_dst=idx, src=src, n=42)
+        result = nl.ndarray((4, 8), nl.float32)
+        nisa.tensor_copy(result, product)
+        return _out(nl, nisa, result)
+
+    expected = weight.astype(np.float64).T @ moving.astype(np.float64)
+    np.testing.assert_allclose(run(body, values, weight, moving), expected, rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ selections
 
 
