@@ -97,6 +97,12 @@ class TritonBackend(ExpertsBackend):
 
     def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool | None = None,
                  persistent_prefill: bool = True, repack: bool = True):
+        if not (one_launch is None or type(one_launch) is bool):
+            raise TypeError(f"TritonBackend: one_launch must be None (the measured rule), True or False, got "
+                            f"{one_launch!r}")
+        for name, value in (("persistent_prefill", persistent_prefill), ("repack", repack)):
+            if type(value) is not bool:
+                raise TypeError(f"TritonBackend: {name} must be True or False, got {value!r}")
         self.configs = configs
         self.decode_configs = decode_configs
         self.one_launch = one_launch

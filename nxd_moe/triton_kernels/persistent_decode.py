@@ -460,10 +460,8 @@ def counters(device: torch.device) -> torch.Tensor | None:
 def timed_out(device: torch.device) -> bool:
     """Whether a wait of a persistent decode launch on ``device`` (any stream) ever gave up (a bug: its result was
     wrong). Reads the device (host sync); for tests."""
-    device = torch.device(device)
-    index = (torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else 0
-    return any(bool(buffer[TIMED_OUT.value]) for (kind, at, _), buffer in _SYNC.items()
-               if (kind, at) == (device.type, index or 0))
+    on_device = _stream_key(torch.device(device))[:2]
+    return any(bool(buffer[TIMED_OUT.value]) for key, buffer in _SYNC.items() if key[:2] == on_device)
 
 
 def applies(num_tokens: int, top_k: int) -> bool:

@@ -270,3 +270,12 @@ def test_one_launch_rule_follows_the_weight_format(fmt):
         w8a8 = ExpertMLPsV2(make_config(4, 128, 128, 2, "glu_silu"), backend="torch", dtype=torch.bfloat16)
         quantize_experts(w8a8, fmt, activation_quantization="fp8")
         assert TritonBackend(one_launch=True)._one_launch(1, 2, w8a8.expert_weights()) is False
+
+
+@pytest.mark.parametrize("option, value", [("one_launch", "yes"), ("one_launch", 1), ("repack", None),
+                                           ("persistent_prefill", "no")])
+def test_backend_options_reject_non_booleans(option, value):
+    from nxd_moe.triton_kernels.backend import TritonBackend
+
+    with pytest.raises(TypeError, match=f"TritonBackend: {option} must be"):
+        TritonBackend(**{option: value})
