@@ -1,34 +1,62 @@
 #!/usr/bin/env bash
-# The GPU tests (they skip without CUDA; on a CPU, CI runs them under Triton's interpreter) on a CUDA machine, in
-# shards sized for ~5 minutes each with 4 xdist workers (the suite is compile-bound; `decode` measured ~3 min on
-# an H100, the others estimated). From the repository
-# root:
+# The GPU tests (they skip without CUDA; on a CPU, CI runs them under Triton's interpreter) on a CUDA machine. The
+# suite is bound by Triton compiles on the host, and a few tests compile much more than the rest, so shards of
+# fixed size leave workers idle behind their slowest tests: `all` runs every parallel shard in ONE pytest with
+# work stealing, and the one-process `graphs` shard beside it. From the repository root:
 #
 #   OUT=DIR bash benchmarks/gpu_suite.sh SHARD...      SHARD: decode | quantized | backend | graphs | all
 #
-# Each shard writes DIR/gpu_tests_<shard>.log (pytest -rf: failures named at the end) and prints its summary line;
-# a shard is stopped after GPU_SUITE_TIMEOUT_S seconds (default 300), keeping its log.
+# Each run writes DIR/gpu_tests_<shard>.log (pytest -v: one line per finished test, so a log cut off by the time
+# limit still says what passed; failures and the slowest tests at the end) and prints its summary line. A run is
+# stopped after GPU_SUITE_TIMEOUT_S seconds (default 300), keeping its log. GPU_SUITE_WORKERS sets the xdist worker
+# count (default: host cores - 2, at most 14).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-suite}
 mkdir -p "$out"
 [ $# -gt 0 ] || set -- all
-[ "$1" = all ] && set -- decode quantized backend graphs
-for shard in "$@"; do
-  case $shard in
-    decode) tests=(tests/gpu/test_persistent_decode.py tests/gpu/test_triton_repacked.py); workers=4 ;;
-    quantized) tests=(tests/gpu/test_triton_quantized.py tests/gpu/test_triton_w8a8.py tests/gpu/test_launch_configs.py
-                      tests/gpu/test_dispatch_kernels.py); workers=4 ;;
-    backend) tests=(tests/gpu/test_triton_backend.py tests/gpu/test_prefill_gemm.py tests/test_cuda.py
-                    tests/test_device_and_backend.py
-                    tests/test_cli.py::test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays); workers=4 ;;
+cores=$(nproc)
+workers=${GPU_SUITE_WORKERS:-$(( cores > 16 ? 14 : (cores > 3 ? cores - 2 : 1) ))}
+
+tests_of() {
+  case $1 in
+    decode) echo tests/gpu/test_persistent_decode.py tests/gpu/test_triton_repacked.py ;;
+    quantized) echo tests/gpu/test_triton_quantized.py tests/gpu/test_triton_w8a8.py tests/gpu/test_launch_configs.py \
+                    tests/gpu/test_dispatch_kernels.py ;;
+    backend) echo tests/gpu/test_triton_backend.py tests/gpu/test_prefill_gemm.py tests/test_cuda.py \
+                  tests/test_device_and_backend.py \
+                  tests/test_cli.py::test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays ;;
     # NCCL process groups and CUDA-graph captures: one process
-    graphs) tests=(tests/gpu/test_parallel_graphs.py); workers=0 ;;
-    *) echo "unknown shard $shard (decode | quantized | backend | graphs | all)" >&2; exit 2 ;;
+    graphs) echo tests/gpu/test_parallel_graphs.py ;;
+    *) echo "unknown shard $1 (decode | quantized | backend | graphs | all)" >&2; return 2 ;;
   esac
-  parallel=()
-  [ "$workers" -gt 0 ] && parallel=(-n "$workers")
-  NCCL_NVLS_ENABLE=0 timeout "${GPU_SUITE_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
-    "${parallel[@]}" "${tests[@]}" > "$out/gpu_tests_$shard.log" 2>&1
-  echo "$shard: rc=$? $(grep -E '(passed|failed|error)' "$out/gpu_tests_$shard.log" | tail -1)"
-  grep -E '^(FAILED|ERROR)' "$out/gpu_tests_$shard.log" | head -20
+}
+
+# run NAME XDIST_WORKERS TEST...: one pytest under the time limit, its log in $out, its summary on stdout
+run() {
+  local name=$1 n=$2
+  shift 2
+  local parallel=()
+  [ "$n" -gt 0 ] && parallel=(-n "$n" --dist worksteal)
+  NCCL_NVLS_ENABLE=0 timeout "${GPU_SUITE_TIMEOUT_S:-300}" python3 -m pytest -v -p no:cacheprovider -rf --tb=short \
+    --durations=25 "${parallel[@]}" "$@" > "$out/gpu_tests_$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc $(grep -cE ' PASSED' "$out/gpu_tests_$name.log") passed;" \
+    "$(grep -E '^=+ .*(passed|failed|error|skipped)' "$out/gpu_tests_$name.log" | tail -1)"
+  grep -E '^(FAILED|ERROR)' "$out/gpu_tests_$name.log" | head -20
+}
+
+if [ "$1" = all ]; then
+  # shellcheck disable=SC2046
+  run graphs 0 $(tests_of graphs) &
+  # shellcheck disable=SC2046
+  run parallel "$workers" $(tests_of decode) $(tests_of quantized) $(tests_of backend)
+  wait
+  exit 0
+fi
+for shard in "$@"; do
+  files=$(tests_of "$shard") || exit 2
+  n=$workers
+  [ "$shard" = graphs ] && n=0
+  # shellcheck disable=SC2086
+  run "$shard" "$n" $files
 done
