@@ -9,7 +9,10 @@
 # Each run writes DIR/gpu_tests_<shard>.log (pytest -v: one line per finished test, so a log cut off by the time
 # limit still says what passed; failures and the slowest tests at the end) and prints its summary line. A run is
 # stopped after GPU_SUITE_TIMEOUT_S seconds (default 300), keeping its log. GPU_SUITE_WORKERS sets the xdist worker
-# count (default: host cores - 2, at most 14).
+# count (default: host cores - 2, at most 14). Where pytest-timeout is installed, one test running longer than
+# GPU_SUITE_TEST_TIMEOUT_S (default 240) ends its worker with every thread's stack in the log, so a test stuck in a
+# kernel (a stack in a CUDA synchronize) tells itself apart from one still compiling (a stack in Triton's compiler)
+# and stops starving the others of the GPU.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-suite}
 mkdir -p "$out"
@@ -37,6 +40,8 @@ run() {
   shift 2
   local parallel=()
   [ "$n" -gt 0 ] && parallel=(-n "$n" --dist worksteal)
+  python3 -c "import pytest_timeout" 2>/dev/null &&
+    parallel+=(--timeout "${GPU_SUITE_TEST_TIMEOUT_S:-240}" --timeout-method thread)
   NCCL_NVLS_ENABLE=0 timeout "${GPU_SUITE_TIMEOUT_S:-300}" python3 -m pytest -v -p no:cacheprovider -rf --tb=short \
     --durations=25 "${parallel[@]}" "$@" > "$out/gpu_tests_$name.log" 2>&1
   local rc=$?
