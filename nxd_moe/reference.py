@@ -109,7 +109,9 @@ def dense_moe_reference(
     (with early affinity modulation: ``sum_j expert_{idx[t,j]}(w[t,j] * x[t])``).
 
     Weights in NxD layout (``gate_up_proj (E, H, 2I)``, ``down_proj (E, I, H)``). ``keep (T, k)`` removes
-    assignments (padding, capacity drops). One Python iteration per token and chosen expert: slow, obvious.
+    assignments (padding, capacity drops). Each token's slots are added in slot order ``j = 0..k-1``; within a
+    slot, the tokens that chose expert ``e`` go through it together (rows never mix in a matmul), so the loop runs
+    per (slot, expert) and stays fast at prefill sizes.
     """
     f64 = torch.float64
     x = hidden_states.detach().to(f64).cpu()
@@ -117,16 +119,16 @@ def dense_moe_reference(
                                                                        down_bias)]
     pair_weights = pair_weights.detach().to(f64).cpu()
     index = expert_index.detach().long().cpu()
+    kept = torch.ones(index.shape, dtype=torch.bool) if keep is None else keep.detach().bool().cpu()
     out = torch.zeros(x.shape[0], down_proj.shape[-1], dtype=f64)
-    for t in range(x.shape[0]):
-        for j in range(index.shape[1]):
-            if keep is not None and not bool(keep[t, j]):
-                continue
-            e, w = int(index[t, j]), pair_weights[t, j]
+    for j in range(index.shape[1]):
+        for e in index[:, j][kept[:, j]].unique().tolist():
+            tokens = torch.nonzero((index[:, j] == e) & kept[:, j])[:, 0]
+            w = pair_weights[tokens, j, None]
             if config.early_expert_affinity_modulation:
-                out[t] += _expert(w * x[t: t + 1], e, config, *weights)[0]
+                out[tokens] += _expert(w * x[tokens], e, config, *weights)
             else:
-                out[t] += w * _expert(x[t: t + 1], e, config, *weights)[0]
+                out[tokens] += w * _expert(x[tokens], e, config, *weights)
     return out
 
 
