@@ -48,10 +48,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Under pytest-xdist every worker would start one intra-op thread per core: N workers x N threads on N cores, and
-# every small op then waits on oversubscribed thread pools. On the 16-core GPU host that made the float64
-# reference (then one Python iteration per token) 10-100x slower and the prefill-sized tests never finished in 9
-# minutes; measured here, six processes on two cores took 60 s each for a 2051-token reference with two threads,
-# 4 s with one. Each worker takes its share of the cores.
+# every small op then waits on oversubscribed thread pools: measured on a CPU, six processes on two cores took 60 s
+# each for a 2051-token float64 reference with two threads, 4 s with one (on the 16-core GPU host the
+# prefill-sized tests, whose reference then looped per token, never finished in 9 minutes). Each worker takes its
+# share of the cores.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
