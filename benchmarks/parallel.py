@@ -351,11 +351,12 @@ def ep_model(report: dict, args) -> dict:
     steps = single_runs["steps"]
     by_key = {(x["config"], x["format"], x["phase"], x["tokens_per_rank"], x["layer"]): x for x in steps}
     latency_ms = args.assumed_latency_us / 1e3
-    if measured:
-        top = report["runs"][max(multi)]
+    top_dispatch = report["runs"][max(multi)]["dispatch_combine"] if measured else []
+    if top_dispatch:
         one = {d["dispatch"]: d["ms"] for d in single_runs["dispatch_combine"]}
-        latency_ms = max(0.0, min(d["ms"] - one.get(d["dispatch"], 0.0) for d in top["dispatch_combine"]) / 2)
+        latency_ms = max(0.0, min(d["ms"] - one.get(d["dispatch"], 0.0) for d in top_dispatch) / 2)
     out = {"assumptions": ep_model.__doc__, "communication": "measured" if measured else "assumed",
+           "latency": "measured" if top_dispatch else "assumed",
            "nvlink_all_to_all_GBps_per_gpu": rates["nvlink_all_to_all_GBps_per_gpu"],
            "all_to_all_latency_ms": latency_ms, "internode_GBps_per_gpu": args.internode_GBps, "rows": []}
     for (config, fmt, phase, n, layer), x in by_key.items():
@@ -408,6 +409,7 @@ def launch(args) -> dict:
             runs[world] = json.loads(out.read_text())
             if done.returncode:
                 runs[world]["failed"] = done.stderr[-4000:]
+                print(f"world {world} failed:\n{done.stderr[-4000:]}", file=sys.stderr)
             print(f"world {world}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     steps = [s for run in runs.values() for s in run["steps"]]
     report = {

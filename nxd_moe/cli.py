@@ -12,7 +12,8 @@ call replayed from a CUDA graph (what a serving engine sees). Inputs are drawn o
 see the same tokens, and the float64 reference is computed on the CPU either way.
 
 ``torchrun --nproc-per-node N -m nxd_moe.cli run --config ... --tp A --ep B`` runs the same job model-parallel
-(gloo, CPU): each token group (TP group) feeds its own sequence and decode batch, rank 0 reports.
+(gloo on a CPU; NCCL with ``--device cuda``, one GPU per rank, bfloat16 and graph replays as above): each token
+group (TP group) feeds its own sequence and decode batch, rank 0 reports (times: the slowest rank's).
 """
 
 from __future__ import annotations
@@ -169,17 +170,24 @@ def _progress(total: int, enabled: bool):
         bar.close()
 
 
+def _graph_time(moe, x: torch.Tensor, repeats: int) -> dict:
+    """``{"graph_ms": ...}`` for the step captured as a CUDA graph (on a GPU), ``{"graph_error": ...}`` where the
+    step cannot be captured (a backend or dispatch that syncs with the host), ``{}`` on a CPU. Under a model-parallel
+    world every rank captures and replays together (the graph holds the collectives)."""
+    if x.device.type != "cuda":
+        return {}
+    try:
+        return {"graph_ms": _graphed_ms(capture(moe, x), repeats)}
+    except Exception as error:
+        return {"graph_error": f"{type(error).__name__}: {error}"[:300]}
+
+
 def _step(moe, x: torch.Tensor, repeats: int, unquantized=None) -> dict:
     """One timed step with its error against the float64 reference of the layer's own (for a quantized layer:
     dequantized) weights and, given the ``unquantized`` layer, the quantization error against its output."""
     with torch.inference_mode():
         (output, stats), ms = _timed_ms(lambda: moe(x, return_stats=True), repeats, x.device)
-        graph = {}
-        if x.device.type == "cuda":
-            try:
-                graph["graph_ms"] = _graphed_ms(capture(moe, x), repeats)
-            except Exception as error:  # a backend that syncs with the host cannot be captured: say so
-                graph["graph_error"] = f"{type(error).__name__}: {error}"[:300]
+        graph = _graph_time(moe, x, repeats)
         reference = reference_for_moe(moe, x, capacity=stats.capacity)  # float64, on the CPU
         original = None if unquantized is None else unquantized(x)[0]
     summary = stats.summary()
@@ -298,6 +306,7 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
     local = mine(x).to(device)
     with torch.inference_mode():
         (output, stats), ms = _timed_ms(lambda: moe(local, return_stats=True), repeats, device)
+        graph = _graph_time(moe, local, repeats)
         # Capacity drops depend on every token of the block; otherwise this rank's tokens are enough.
         reference = (mine(reference_for_moe(full, x, capacity=stats.capacity)) if stats.capacity is not None
                      else reference_for_moe(full, local.cpu()))
@@ -307,7 +316,7 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
     mine_numbers = {"err": float((output.double() - reference).abs().max()), "ref": float(reference.abs().max()),
                     "ms": ms, "bytes": summary["bytes_moved"], "load": summary["rank_load"],
                     "vs_unquantized": None if original is None else float((output.double() - original.double())
-                                                                          .abs().max())}
+                                                                          .abs().max()), **graph}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine_numbers)
     summary.update(
@@ -319,6 +328,11 @@ def _parallel_step(full, moe, x: torch.Tensor, batch: int, sharded: bool, repeat
     )
     if unquantized is not None:
         summary["max_abs_err_vs_unquantized"] = max(e["vs_unquantized"] for e in everyone)
+    errors = [e["graph_error"] for e in everyone if "graph_error" in e]
+    if errors:
+        summary["graph_error"] = errors[0]
+    elif "graph_ms" in mine_numbers:  # the slowest rank's replay
+        summary["graph_ms"] = max(e["graph_ms"] for e in everyone)
     for key in ("bytes_moved", "rank_load", "bytes_by_step", "local_experts"):
         summary.pop(key, None)
     return summary
@@ -335,7 +349,7 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     device = resolve_device(str(device), args.backend)
-    model, dtype, scale = _setup(args)
+    model, dtype, scale = _setup(args, device)
     started = not dist.is_initialized()
     if started:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -346,11 +360,14 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
             raise ValueError(f"--sp shards the --tokens ({args.tokens}) over --tp ({args.tp}); pick a multiple")
         common = dict(scale=scale, dtype=dtype, seed=args.seed, backend=args.backend, sequence_parallel=args.sp,
                       **_overrides(args))
-        full = build_moe(model, model_parallel=False, **common)
+        # The single-device layers are references on the CPU: the torch backend, whatever --backend the
+        # parallel layer runs (a GPU backend cannot run there).
+        on_cpu = {**common, "backend": "torch"}
+        full = build_moe(model, model_parallel=False, **on_cpu)
         unquantized = None
         if full.expert_mlps.routed_experts_mlp_config.quantization != "bf16":  # the same weights before quantization
             shapes = scaled_model(model, scale, full.expert_mlps.routed_experts_mlp_config.quantization)
-            unquantized = build_moe(shapes, model_parallel=False, **{**common, "scale": 1, "quantization": "bf16"})
+            unquantized = build_moe(shapes, model_parallel=False, **{**on_cpu, "scale": 1, "quantization": "bf16"})
         placement = ExpertParallelConfig(args.dispatch, all_to_all_splits=args.all_to_all_splits)
         moe = load_full_state_dict(build_moe(model, expert_parallel_config=placement, device=device, **common),
                                    full.state_dict())

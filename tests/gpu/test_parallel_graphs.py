@@ -138,3 +138,33 @@ def test_out_of_range_expert_index_trips_the_device_assert(tmp_path):
     assert "NO ERROR" not in done.stdout
     assert "expert_index values must be in [0, 7]" in done.stderr or "device-side assert" in done.stderr, \
         done.stderr[-2000:]
+
+
+@needs_two_gpus
+def test_torchrun_on_two_gpus_defaults_to_bf16_and_reports_graph_replays():
+    """``torchrun --nproc-per-node 2 -m nxd_moe.cli run --device cuda ...``: NCCL, one GPU per rank, bf16 by
+    default like the single-GPU run, and the whole parallel step's CUDA-graph replay time next to the eager one;
+    the exact all-to-all (host-synced) says why it has no graph time instead of hanging."""
+    import json
+
+    def torchrun(*args: str) -> dict:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                   str(_free_port()), "-m", "nxd_moe.cli", "run", "--no-progress", "--repeats", "2", "--device",
+                   "cuda", "--tokens", "64", "--decode-batch", "4", "--json", *args]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)
+
+    report = torchrun("--config", "deepseek-v3", "--ep", "2", "--dispatch", "all_to_all_v", "--backend", "triton",
+                      "--quantization", "fp8_block")
+    assert report["dtype"] == "bfloat16" and report["device"] == "cuda"
+    for step in (report["prefill"], report["decode"]):
+        assert step["ms"] > 0 and step["graph_ms"] > 0 and "graph_error" not in step, step
+        assert step["max_abs_err"] < 6e-2 * max(1.0, step["max_abs_ref"]), step
+    exact = torchrun("--config", "qwen3-30b-a3b", "--ep", "2", "--dispatch", "all_to_all_v", "--all-to-all-splits",
+                     "exact", "--dtype", "float32")
+    assert exact["dtype"] == "float32"
+    for step in (exact["prefill"], exact["decode"]):
+        assert "graph_ms" not in step and "capture" in step["graph_error"], step
+        assert step["max_abs_err"] < 1e-4 * max(1.0, step["max_abs_ref"]), step

@@ -84,3 +84,32 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     for row in rows:
         if row["world_size"] == 2:
             assert row["bytes_sent_per_rank"] > 0 and row["single_gpu_same_total_ms"] > 0
+
+
+def test_ep_model_takes_the_assumed_latency_where_no_dispatch_combine_was_measured():
+    """A 2-GPU run of a config other than ``--dispatch-config`` times no dispatch+combine: the EP model then uses
+    the measured NVLink bandwidth with the assumed latency (it used to fail on an empty list after the run)."""
+    import argparse
+    import copy
+    import importlib.util
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("parallel_benchmark", benchmarks / "parallel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = benchmarks / "results"
+    report = json.loads((results / "parallel_ep2_qwen3_h100x2.json").read_text())
+    report["runs"] = {int(w): run for w, run in report["runs"].items()}
+    args = argparse.Namespace(scale=1, assumed_latency_us=20.0, assumed_nvlink_GBps=350.0, internode_GBps=50.0)
+    assert not report["runs"][2]["dispatch_combine"]
+    model = bench.ep_model(copy.deepcopy(report), args)
+    assert model["communication"] == "measured" and model["latency"] == "assumed"
+    assert model["all_to_all_latency_ms"] == 0.02
+    assert model["nvlink_all_to_all_GBps_per_gpu"] == report["runs"][2]["rooflines"]["nvlink_all_to_all_GBps_per_gpu"]
+    ep2 = [r for r in model["rows"] if r["ep"] == 2]
+    assert ep2 and all(r["predicted_ms"] > r["compute_ms"] > 0 for r in ep2)
+    with_latency = copy.deepcopy(report)
+    with_latency["runs"][2]["dispatch_combine"] = [{"dispatch": "all_to_all_v", "ms": 0.1}]
+    with_latency["runs"][1]["dispatch_combine"] = [{"dispatch": "all_to_all_v", "ms": 0.04}]
+    measured = bench.ep_model(with_latency, args)
+    assert measured["latency"] == "measured" and abs(measured["all_to_all_latency_ms"] - 0.03) < 1e-12
