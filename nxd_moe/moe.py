@@ -176,7 +176,8 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
                batch: int, return_stats: bool):
         """Router, routed experts and shared experts as separate modules: ``(out (T, H), router_logits,
         expert_index, stats or None)``."""
-        router_logits, expert_affinities, expert_index = self.router(flat)
+        fused = self.expert_mlps.backend.fused_router(flat, self.router)
+        router_logits, expert_affinities, expert_index = self.router(flat) if fused is None else fused
         if self.validate_inputs:
             check_finite(expert_affinities, "MoE: router expert_affinities")
             check_expert_index(expert_index, self.router.num_experts, "MoE: router expert_index")

@@ -82,6 +82,13 @@ class ExpertsBackend(abc.ABC):
         ``MoE`` calls it for decode (``S == 1``) on one device, without stats or input validation."""
         return None
 
+    def fused_router(self, hidden_states: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor,
+                                                                          torch.Tensor] | None:
+        """Optional: ``router`` (a ``RouterBase``) on ``hidden_states (T, H)`` in the backend's own fused form,
+        returning what ``router(hidden_states)`` returns -- ``(router_logits (T, E), expert_affinities (T, E),
+        expert_index (T, k))`` -- or None when the backend has none for this router (the caller runs it)."""
+        return None
+
     @abc.abstractmethod
     def blockwise(self, hidden_states: torch.Tensor, routing: Routing, mapping: BlockMapping,
                   weights: ExpertWeights, config: BlockwiseMatmulConfig) -> torch.Tensor:

@@ -29,6 +29,7 @@ from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.triton_kernels import persistent_decode, prefill_gemm
+from nxd_moe.triton_kernels import router as router_kernel
 from nxd_moe.triton_kernels.combine import combine_rows
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, FORMAT_CODES, down_projection, gate_up_projection
 from nxd_moe.triton_kernels.launch_configs import decode_config, launch_config
@@ -86,6 +87,9 @@ class TritonBackend(ExpertsBackend):
     kernels, which read the repacked copy 10-45 % faster than the persistent kernel on every measured shape (H100,
     ``benchmarks/results/gpu_quantized_decode_h100.json``: its one program per multiprocessor leaves the
     dequantization's latency exposed). True: wherever it applies; False: never.
+    ``fuse_router``: a top-k router with an fp32 weight as one kernel (:meth:`fused_router`) where the layer is not
+    decoded in one launch. None (default): from :data:`~nxd_moe.triton_kernels.router.MIN_TOKENS` tokens on, where
+    it was measured faster than torch's router; True: wherever it applies; False: never.
     """
 
     name = "triton"
@@ -96,10 +100,14 @@ class TritonBackend(ExpertsBackend):
     supports_activation_quantization = True
 
     def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool | None = None,
-                 persistent_prefill: bool = True, repack: bool = True):
+                 persistent_prefill: bool = True, repack: bool = True,
+                 fuse_router: bool | None = None):
         if not (one_launch is None or type(one_launch) is bool):
             raise TypeError(f"TritonBackend: one_launch must be None (the measured rule), True or False, got "
                             f"{one_launch!r}")
+        if not (fuse_router is None or type(fuse_router) is bool):
+            raise TypeError(f"TritonBackend: fuse_router must be None (the measured rule), True or False, got "
+                            f"{fuse_router!r}")
         for name, value in (("persistent_prefill", persistent_prefill), ("repack", repack)):
             if type(value) is not bool:
                 raise TypeError(f"TritonBackend: {name} must be True or False, got {value!r}")
@@ -108,6 +116,7 @@ class TritonBackend(ExpertsBackend):
         self.one_launch = one_launch
         self.persistent_prefill = persistent_prefill
         self.repack = repack
+        self.fuse_router = fuse_router
         # Launch configurations by static shape: looked up once, not on every forward.
         self._configs: dict[tuple, dict] = {}
 
@@ -251,6 +260,22 @@ class TritonBackend(ExpertsBackend):
         return self._run(hidden_states, routing, weights, tiles._replace(pair_row=pair_row), launch, addend,
                          every_expert)
 
+    def fused_router(self, hidden_states, router):
+        """A :class:`~nxd_moe.routing.topk.RouterTopK` with an fp32 weight (and no training jitter) as one kernel
+        (:mod:`~nxd_moe.triton_kernels.router`) instead of torch's fp32 copy, SIMT fp32 GEMM, top-k, activation and
+        scatter, where ``fuse_router`` asks for it; else None."""
+        from nxd_moe.routing.topk import RouterTopK
+
+        linear = router.linear_router
+        wanted = (hidden_states.shape[0] >= router_kernel.MIN_TOKENS if self.fuse_router is None
+                  else self.fuse_router)
+        if not (wanted and type(router) is RouterTopK and not (router.training and router.jitter_eps > 0)
+                and router_kernel.applies(hidden_states, linear.weight, router.top_k)):
+            return None
+        _check_device(hidden_states)
+        return router_kernel.router_top_k(hidden_states, linear.weight, linear.bias, router.top_k,
+                                          router.act_fn == "sigmoid", router.apply_act_fn_over_topk)
+
     def fused_decode(self, hidden_states, router, experts, shared_experts, padding_mask):
         """A single-device decode layer in one launch when everything in it has a fused form: a
         :class:`~nxd_moe.routing.topk.RouterTopK` with an fp32 weight, the experts' own dtype and width, and no or
@@ -285,6 +310,7 @@ class TritonBackend(ExpertsBackend):
         shown += [] if self.one_launch is None else [f"one_launch={self.one_launch}"]
         shown += [] if self.persistent_prefill else ["persistent_prefill=False"]
         shown += [] if self.repack else ["repack=False"]
+        shown += [] if self.fuse_router is None else [f"fuse_router={self.fuse_router}"]
         return f"TritonBackend({', '.join(shown)})"
 
 

@@ -44,6 +44,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.triton_kernels.combine import _combine_token, combine_width
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _down_tile, _gate_up_tile, _stored, epilogue_arguments
+from nxd_moe.triton_kernels.router import activation, top_k_rounds
 from nxd_moe.triton_kernels.routing_metadata import max_tiles
 
 # The synchronisation buffer (int32). Each global counter has its own 128-byte line, each tile counter its own
@@ -165,29 +166,11 @@ def _route(t0, part_ptr, bias_ptr, padding_ptr, logits_ptr, index_ptr, mask_ptr,
     if HAS_BIAS:
         logits += tl.load(bias_ptr + experts, mask=expert_ok, other=0.0)[None, :]
     tl.store(logits_ptr + at, logits, mask=ok)
-    # Sort keys: the logit's bits made order-preserving as a signed integer, above the inverted expert id.
-    bits = logits.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32
-    key = key | (num_experts - 1 - experts).to(tl.int64)[None, :]
-    key = tl.where(expert_ok[None, :], key, -9223372036854775807 - 1)
-    # k rounds of argmax (one row reduction each): lighter on registers than a sorting network.
-    chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
-    for j in tl.static_range(top_k):
-        best = tl.max(key, axis=1)
-        hit = key == best[:, None]
-        chosen = chosen | hit
-        key = tl.where(hit, -9223372036854775807 - 1, key)
-        tl.store(index_ptr + tokens * top_k + j, (num_experts - 1 - (best & 0xFFFFFFFF)), mask=token_ok)
+    chosen = top_k_rounds(logits, experts, expert_ok, index_ptr, tokens, token_ok, num_experts, top_k)
     if ACT_OVER_TOPK:
-        scope = chosen
+        affinity = activation(logits, chosen, SIGMOID)
     else:
-        scope = ok
-    if SIGMOID:
-        affinity = tl.sigmoid(logits)
-    else:
-        peak = tl.max(tl.where(scope, logits, float("-inf")), axis=1)
-        weight = tl.where(scope, tl.exp(logits - peak[:, None]), 0.0)
-        affinity = weight / tl.maximum(tl.sum(weight, axis=1), 1e-30)[:, None]  # rows past T: 0, not 0/0
+        affinity = activation(logits, ok, SIGMOID)
     if HAS_PADDING:
         chosen = chosen & (tl.load(padding_ptr + tokens, mask=token_ok, other=0) != 0)[:, None]
     affinity = tl.where(chosen, affinity, 0.0)
