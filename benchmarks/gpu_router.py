@@ -127,13 +127,16 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's launch configurations")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    cases = [case.partition(":")[::2] for case in args.cases.split(",")]
+    for name, tokens in cases:
+        if not tokens.isdigit() or int(tokens) < 1:
+            parser.error(f"--cases: each case is config:tokens with tokens >= 1, got {name}:{tokens}")
     if not torch.cuda.is_available():
         sys.exit("gpu_router.py needs a CUDA device")
     swept = sweep() if args.sweep else None
     rate = copy_GBps()
     rows = []
-    for case in args.cases.split(","):
-        name, tokens = case.split(":")
+    for name, tokens in cases:
         rows.append(run_case(name, int(tokens), rate))
         torch.cuda.empty_cache()
         r = rows[-1]

@@ -20,7 +20,6 @@ Accumulation is fp32; results are rounded once.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -30,6 +29,7 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.config import GLUType
 from nxd_moe.triton_kernels.repack import RepackedWeight
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
+from nxd_moe.triton_kernels import interpreting
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "tanh": 4, "leaky_relu": 5}
 
@@ -577,7 +577,7 @@ def _launch_options(config: dict, dtype: torch.dtype) -> dict:
     # fp32 models get fp32 products (tf32 would cost them ~1e-3 relative error); 16-bit inputs ignore it.
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
             "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-            "INTERPRET": os.environ.get("TRITON_INTERPRET") == "1",
+            "INTERPRET": interpreting(),
             "GROUP_M": config.get("GROUP_M", 8)}
 
 

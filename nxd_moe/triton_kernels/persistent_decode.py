@@ -33,7 +33,6 @@ runs (and is tested) on a CPU.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
@@ -46,6 +45,7 @@ from nxd_moe.triton_kernels.combine import _combine_token, combine_width
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _down_tile, _gate_up_tile, _stored, epilogue_arguments
 from nxd_moe.triton_kernels.router import activation, top_k_rounds
 from nxd_moe.triton_kernels.routing_metadata import max_tiles
+from nxd_moe.triton_kernels import interpreting
 
 # The synchronisation buffer (int32). Each global counter has its own 128-byte line, each tile counter its own
 # 32-byte sector: polled words never share a sector with the item queue's counter.
@@ -528,7 +528,7 @@ class _Plan:
             s_dnb_e=weights.down_bias.stride(0) if weights.down_bias is not None else 0,
             **dict(zip(("s_shg_k", "s_shg_n", "s_shd_k", "s_shd_n"), shared_strides)),
             **dict(zip(("scaling", "act_bias", "gate_lower", "gate_upper", "up_lower", "up_upper"), scalars[1:])),
-            **epilogue, PRECISION="ieee" if dtype == torch.float32 else "tf32", INTERPRET=_interpreting(),
+            **epilogue, PRECISION="ieee" if dtype == torch.float32 else "tf32", INTERPRET=interpreting(),
             # The down bias is its own: an expert-parallel rank's slice of the intermediate dimension other than the
             # first has a gate/up bias but adds no down bias (the slices' outputs are summed).
             FORMAT=fmt, DOWN_BIAS=weights.down_bias is not None, ROUTER=router is not None,
@@ -555,7 +555,7 @@ class _Plan:
                                       for hook in ("launch_enter_hook", "launch_exit_hook"))
         if self.compiled is None or hooked:
             compiled = _decode_kernel[(self.programs,)](*args, **self.constexprs, **self.options)
-            if not _interpreting() and not hooked:
+            if not interpreting() and not hooked:
                 self.compiled = compiled
                 names = _decode_kernel.arg_names[len(args):]
                 self.constexpr_values = [self.constexprs[name] for name in names]
@@ -570,11 +570,6 @@ class _Plan:
 def _hooked(hook) -> bool:
     """Whether a Triton launch hook is set (None, or since Triton 3.5 an empty ``HookChain``, when not)."""
     return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 _PLANS: dict[tuple, _Plan] = {}

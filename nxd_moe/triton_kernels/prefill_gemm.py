@@ -47,7 +47,6 @@ Results are deterministic: every output element is written once, sums run in a f
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -57,6 +56,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.triton_kernels.grouped_gemm import (_capability, _dot, _gate_up_epilogue, _grouped_order, _launch_options,
                                                  down_projection, epilogue_arguments, gate_up_projection)
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
+from nxd_moe.triton_kernels import interpreting
 
 # Rows and columns one permute_rows program copies.
 PERMUTE_ROWS = 16
@@ -217,7 +217,7 @@ def applies(hidden_states: torch.Tensor, weights: ExpertWeights, block_m: int) -
     (fp32 layers keep IEEE fp32 products, which the tensor-core path does not have), unquantized 16-bit weights of
     the same dtype, prefill tiles (``block_m`` >= 64: the smallest Hopper MMA), and 16-byte-aligned rows for the
     descriptors."""
-    if (hidden_states.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if (hidden_states.device.type != "cuda" or interpreting()
             or _capability(hidden_states.device)[0] < 9 or block_m < 64):
         return False
     dtype, gate_up, down = hidden_states.dtype, weights.gate_up_proj, weights.down_proj

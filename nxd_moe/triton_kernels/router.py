@@ -12,11 +12,11 @@ The top-k and activation helpers are shared with :mod:`~nxd_moe.triton_kernels.p
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+from nxd_moe.triton_kernels import interpreting
 
 # Router widths one program holds in registers (E <= 256 covers every top-k router of the supported models).
 MAX_EXPERTS = 256
@@ -105,20 +105,28 @@ def router_top_k(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.
     affinities (T, E) fp32, expert_index (T, k) int64)``: ``logits = x @ weight.T + bias``; ``expert_index`` its
     top k; affinities ``sigmoid`` or ``softmax`` of the logits, over the chosen k only (0 elsewhere) when
     ``act_over_topk`` -- :class:`~nxd_moe.routing.topk.RouterTopK`'s outputs (see :func:`applies`)."""
+    if not applies(hidden_states, weight, top_k):
+        raise ValueError(
+            f"router_top_k: needs hidden_states (T, H), T >= 1, bf16 / fp16 / fp32 with unit stride along H, weight "
+            f"(E, H) fp32 with E <= {MAX_EXPERTS}, and top_k in [1, E]; got hidden_states "
+            f"{tuple(hidden_states.shape)} {hidden_states.dtype} strides {hidden_states.stride()}, weight "
+            f"{tuple(weight.shape)} {weight.dtype}, top_k {top_k}")
     num_tokens, hidden = hidden_states.shape
     num_experts = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (num_experts,) or bias.dtype != torch.float32):
+        raise ValueError(f"router_top_k: bias must be ({num_experts},) fp32, got {tuple(bias.shape)} {bias.dtype}")
     weight = weight.contiguous()
     device = hidden_states.device
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=device)
     affinities = torch.empty_like(logits)
     index = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
     block_t, block_e, block_h = launch_config(num_tokens, num_experts)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = interpreting()
     _router_kernel[(triton.cdiv(num_tokens, block_t),)](
         hidden_states, weight, bias if bias is not None else weight, logits, affinities, index, num_tokens,
         hidden_states.stride(0), hidden=hidden, num_experts=num_experts, top_k=top_k, HAS_BIAS=bias is not None,
         SIGMOID=sigmoid, ACT_OVER_TOPK=act_over_topk, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=block_h,
-        PRECISION="ieee" if interpreting else "tf32x3", num_warps=4, num_stages=3)
+        PRECISION="ieee" if interpreted else "tf32x3", num_warps=4, num_stages=3)
     return logits, affinities, index
 
 

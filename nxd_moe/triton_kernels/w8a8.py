@@ -31,7 +31,6 @@ Quantization is the one of :class:`~nxd_moe.quantization.activations.ActivationQ
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -43,6 +42,7 @@ from nxd_moe.quantization.activations import INV_FP8_MAX
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _capability, _gate_up_epilogue, _tile_and_column
 from nxd_moe.triton_kernels.launch_configs import _multiprocessors, default_config, device_name, shape_key, tuned_table
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
+from nxd_moe.triton_kernels import interpreting
 
 # The smallest K of an FP8 tensor-core product (and of Triton's FP8 dot).
 MIN_FP8_K = 32
@@ -120,7 +120,7 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     block_r = max(1, QUANTIZE_TILE // block_c)
     grid = (triton.cdiv(rows, block_r), width // group)
     _quantize_rows_kernel[grid](x, q, scale, rows, group, x.stride(0), q.stride(0), scale.stride(0),
-                                INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_R=block_r,
+                                INTERPRET=interpreting(), BLOCK_R=block_r,
                                 BLOCK_C=block_c)
     return q, scale
 
@@ -365,7 +365,7 @@ def _k_major_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted
 
 
 def _launch(config: dict, block_m: int, device: torch.device) -> dict:
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     # Tiles of fewer than 64 token rows swap the operands on Hopper and newer (see _accumulate); the interpreter
     # takes the same path so that CI runs it.
     hopper = interpret or (device.type == "cuda" and _capability(device)[0] >= 9)

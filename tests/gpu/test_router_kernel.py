@@ -90,6 +90,12 @@ def test_applies_names_what_it_takes():
     assert not router_kernel.applies(x, torch.zeros(257, 32), 2)  # more experts than one program holds
     assert not router_kernel.applies(x, weight, 9) and not router_kernel.applies(x.t(), weight.t(), 2)
     assert not router_kernel.applies(x[:0], weight, 2)
+    with pytest.raises(ValueError, match=r"weight \(8, 32\) torch.bfloat16"):
+        router_kernel.router_top_k(x, weight.bfloat16(), None, 2, False, False)
+    with pytest.raises(ValueError, match="top_k 9"):
+        router_kernel.router_top_k(x, weight, None, 9, False, False)
+    with pytest.raises(ValueError, match=r"bias must be \(8,\) fp32, got \(7,\)"):
+        router_kernel.router_top_k(x, weight, torch.zeros(7), 2, False, False)
 
 
 def _layer(router, backend, dtype, num_experts, top_k, hidden):
