@@ -49,11 +49,14 @@ from nxd_moe.quantization.checkpoint import mxfp4_from_gpt_oss, mxfp4_to_gpt_oss
 __all__ = [
     "LAYOUTS",
     "SUPPORTED_MODEL_TYPES",
+    "check_experts_support",
     "from_hf_config",
     "from_hf_moe_block",
     "hf_to_nxd_state_dict",
     "load_hf_layer",
     "nxd_to_hf_state_dict",
+    "register_experts_implementations",
+    "set_experts_implementation",
 ]
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama4_text", "llama4",
@@ -821,3 +824,19 @@ def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE
     build_kwargs.setdefault("dtype", reference.dtype)
     build_kwargs.setdefault("device", reference.device)
     return load_full_state_dict(build_moe(cfg, **build_kwargs), nxd)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' experts interface: experts_implementation="nxd_moe" / "nxd_moe_torch" / "nxd_moe_triton".
+# Imported last so that nxd_moe.models, which builds on this module, finds every name above defined.
+
+import importlib.util  # noqa: E402
+
+from nxd_moe.models.experts_backend import (  # noqa: E402
+    check_experts_support,
+    register_experts_implementations,
+    set_experts_implementation,
+)
+
+if importlib.util.find_spec("transformers") is not None:
+    register_experts_implementations()

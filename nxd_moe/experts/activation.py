@@ -12,12 +12,16 @@ from nxd_moe.config import GLUType, RoutedExpertsMLPOpsConfig
 
 @dataclass(frozen=True)
 class ExpertActivation:
-    """``(..., 2I) -> (..., I)`` for GLU experts (``[gate | up]`` concatenated), ``(..., I) -> (..., I)`` otherwise.
+    """``(..., 2I) -> (..., I)`` for GLU experts, ``(..., I) -> (..., I)`` otherwise.
 
     GLU:    ``act(s * gate) * (up + b)``
     SwiGLU: ``gate * act(s * gate) * (up + b)``
     with ``gate``/``up`` clamped first when limits are set. Columns at or beyond ``intermediate_size_actual``
     are zeroed: they are checkpoint padding, and ``act(0) * (0 + b)`` is not zero for every activation.
+
+    ``gate_up_interleaved``: the GLU input's columns are ``g0, u0, g1, u1, ...`` (GPT-OSS's stored order) instead
+    of NxD's ``[gate | up]``; the gate/up weight and bias it multiplies have their columns in the same order, so
+    the weight is used as stored.
     """
 
     hidden_act: str
@@ -31,6 +35,7 @@ class ExpertActivation:
     up_upper: float | None = None
     intermediate_size: int | None = None
     intermediate_size_actual: int | None = None
+    gate_up_interleaved: bool = False
 
     @classmethod
     def from_config(cls, config: RoutedExpertsMLPOpsConfig) -> "ExpertActivation":
@@ -53,7 +58,10 @@ class ExpertActivation:
         if not self.glu_mlp:
             out = act(projected)
         else:
-            gate, up = projected.chunk(2, dim=-1)
+            if self.gate_up_interleaved:
+                gate, up = projected[..., 0::2], projected[..., 1::2]
+            else:
+                gate, up = projected.chunk(2, dim=-1)
             if self.gate_lower is not None or self.gate_upper is not None:
                 gate = gate.clamp(min=self.gate_lower, max=self.gate_upper)
             if self.up_lower is not None or self.up_upper is not None:

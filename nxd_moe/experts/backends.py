@@ -52,6 +52,13 @@ class ExpertsBackend(abc.ABC):
         return select_mode(num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
                            selective_loading_threshold)
 
+    def select_mode_from_tokens(self, num_tokens: int, top_k: int, num_experts: int, block_size: int,
+                                selective_loading_threshold: float) -> ExpertsMode:
+        """The algorithm for ``num_tokens`` tokens when the caller cannot tell decode from prefill (transformers'
+        experts seam sees ``T`` alone: a decode step of ``B`` sequences is ``T = B``): NxD's dropless prefill rule,
+        which depends on ``T`` only; a backend may prefer its decode form where ``T`` is decode-sized."""
+        return self.select_mode(num_tokens, None, top_k, num_experts, block_size, None, selective_loading_threshold)
+
     def build_routing(self, expert_affinities: torch.Tensor, expert_index: torch.Tensor, num_experts: int,
                       normalize: bool, prescale: bool, padding_mask: torch.Tensor | None = None) -> Routing:
         """The router's output in the algorithms' form (:func:`~nxd_moe.experts.routing_inputs.build_routing`;

@@ -22,13 +22,14 @@ from nxd_moe.config import (
     to_torch_dtype,
 )
 from nxd_moe.experts.activation import ExpertActivation
-from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, check_backend_supports, get_backend
+from nxd_moe.experts.backends import ExpertsBackend, check_backend_supports, get_backend
 from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
+from nxd_moe.experts.pairs import experts_forward_pairs, run_experts
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.shard import ShardSpec, WeightShard
-from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.experts.token_mapping import BlockMapping
 from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
 from nxd_moe.quantization.activations import activation_quantization_spec
 from nxd_moe.quantization.formats import k_fastest
@@ -452,8 +453,9 @@ class ExpertMLPsV2(nn.Module):
                     if mode is ExpertsMode.CAPACITY_FACTOR else None)
         # The backend may add the addend in its own last pass (fused) when the widths agree.
         fused = addend if in_width == cfg.hidden_size else None
-        out, dropped, mapping, block_size, n_blocks = self._run(x, routing, mode, capacity, self.expert_weights(),
-                                                                fused)
+        run = run_experts(self.backend, x, routing, self.expert_weights(), mode, self.blockwise_matmul_config,
+                          capacity, fused)
+        out, mapping = run.output, run.mapping
         if fused is not None:
             addend = None
         # Only when asked: the counts are a kernel launch, which decode latency would otherwise pay.
@@ -463,9 +465,9 @@ class ExpertMLPsV2(nn.Module):
             top_k=cfg.top_k,
             num_experts=cfg.num_experts,
             tokens_per_expert=routing.expert_mask.sum(dim=0) if mapping is None else mapping.tokens_per_expert,
-            dropped_tokens=dropped,
-            block_size=block_size,
-            num_blocks=n_blocks,
+            dropped_tokens=run.dropped,
+            block_size=run.block_size,
+            num_blocks=run.num_blocks,
             capacity=capacity,
             mapping=mapping,
         ) if return_stats else None
@@ -491,12 +493,11 @@ class ExpertMLPsV2(nn.Module):
         this shard's slice of the intermediate dimension, and what was computed. ``mode`` and ``capacity`` are the
         whole layer's (the caller resolves them from the layer's token count, as on one device).
         """
-        cfg = self.routed_experts_mlp_config
-        shard = self.weight_shard(decode)
-        local = self.backend.build_local_routing(pair_expert, pair_weight, self._local_slot(decode, rows.device),
-                                                 len(shard.experts), cfg.early_expert_affinity_modulation)
-        out, _, mapping, block_size, n_blocks = self._run(rows, local, mode, capacity, self.shard_weights(decode))
-        return out, PairsComputed(local.expert_mask.sum(dim=0), mapping, block_size, n_blocks)
+        run = experts_forward_pairs(self.backend, rows, pair_expert, pair_weight, self.shard_weights(decode),
+                                    self._local_slot(decode, rows.device), mode, self.blockwise_matmul_config,
+                                    capacity, self.routed_experts_mlp_config.early_expert_affinity_modulation)
+        return run.output, PairsComputed(run.routing.expert_mask.sum(dim=0), run.mapping, run.block_size,
+                                         run.num_blocks)
 
     def _local_slot(self, decode: bool, device) -> torch.Tensor:
         """``(E,)`` local index of each global expert this phase's shard holds, ``-1`` elsewhere (one table per
@@ -508,36 +509,6 @@ class ExpertMLPsV2(nn.Module):
             slot[list(experts)] = torch.arange(len(experts))
             self._local_slots[key] = slot.to(device)
         return self._local_slots[key]
-
-    def _run(self, x: torch.Tensor, routing: Routing, mode: ExpertsMode, capacity: int | None,
-             weights: ExpertWeights, addend: torch.Tensor | None = None):
-        """The backend call for one mode on ``routing``'s experts, ``+ addend`` if given: ``(out, dropped,
-        mapping, block_size, num_blocks)``."""
-        backend = self.backend
-        if mode is ExpertsMode.BLOCKWISE and self.blockwise_matmul_config.use_torch_block_wise \
-                and not isinstance(backend, TorchBackend):
-            backend = TorchBackend()
-        fused = {"addend": addend} if addend is not None and backend.fuses_addend else {}
-        dropped = torch.zeros((), dtype=torch.int64, device=x.device)
-        mapping = block_size = n_blocks = None
-        if mode is ExpertsMode.BLOCKWISE:
-            bcfg = self.blockwise_matmul_config
-            block_size = bcfg.block_size
-            # Shapes, not cfg: on a shard the routing covers its local experts and k' pairs.
-            n_blocks = num_blocks(x.shape[0], routing.expert_index.shape[1], routing.expert_mask.shape[1], block_size,
-                                  bcfg.pad_num_blocks_to_even)
-            mapping = backend.block_mapping(routing, weights, block_size, n_blocks,
-                                            bcfg.optimized_block_to_token_mapping)
-            out = backend.blockwise(x, routing, mapping, weights, bcfg, **fused)
-        elif mode is ExpertsMode.CAPACITY_FACTOR:
-            out, dropped = backend.capacity_factor(x, routing, capacity, weights, **fused)
-        elif mode is ExpertsMode.SELECTIVE_LOADING:
-            out = backend.selective_loading(x, routing, weights, **fused)
-        else:
-            out = backend.all_experts(x, routing, weights, **fused)
-        if addend is not None and not fused:
-            out = out + addend
-        return out, dropped, mapping, block_size, n_blocks
 
     def resolve_mode(self, mode, num_tokens: int, seq_len: int | None) -> ExpertsMode:
         """The algorithm for ``num_tokens`` tokens (the whole layer's, under model parallelism): ``mode`` if forced,

@@ -99,6 +99,9 @@ def weight_arrays(weights: ExpertWeights, dtype: torch.dtype) -> dict[str, Any]:
 
     Quantized weights go in as stored (``(E, H/v, 2I)`` / ``(E, I/v, H)`` bytes) with NxD's ``gate_up_proj_scale``
     / ``down_proj_scale`` and ``weight_format``: the kernels DMA them packed and dequantize on chip."""
+    if weights.activation.gate_up_interleaved:
+        raise ValueError("the nki_sim backend takes gate/up weights as [gate | up] column halves (NxD's layout); "
+                         "interleaved gate/up columns (g0, u0, g1, u1, ...) run on the 'torch' and 'triton' backends")
     experts, hidden, width = weights.gate_up_proj.shape
     projections = 2 if weights.activation.glu_mlp else 1
     if weights.format == "bf16":

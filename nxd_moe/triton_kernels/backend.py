@@ -170,6 +170,13 @@ class TritonBackend(ExpertsBackend):
             return ExpertsMode.SELECTIVE_LOADING
         return ExpertsMode.BLOCKWISE
 
+    def select_mode_from_tokens(self, num_tokens, top_k, num_experts, block_size, selective_loading_threshold):
+        """Decode-sized ``T`` (``T*k`` within one launch's pairs) as the decode rule has it, selective loading (the
+        one-launch decode where it applies); larger ``T`` by the prefill rule."""
+        if persistent_decode.applies(num_tokens, top_k):
+            return ExpertsMode.SELECTIVE_LOADING
+        return self.select_mode(num_tokens, None, top_k, num_experts, block_size, None, selective_loading_threshold)
+
     def build_routing(self, expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask=None):
         """One fused kernel instead of the torch version's chain of small ones (decode latency)."""
         _check_device(expert_affinities)

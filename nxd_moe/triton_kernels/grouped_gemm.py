@@ -345,17 +345,22 @@ def _gate_up_tile(
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DIRECT_ROWS: tl.constexpr,
+    DIRECT_ROWS: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr = False,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`). The up half of a GLU
     weight is read from ``w_up_ptr`` (same strides as ``w_ptr``: the second half of ``gate_up_proj``, or a
-    separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths."""
+    separate up projection, or with ``GATE_UP_INTERLEAVED`` the column after each gate column, which then sit two
+    columns apart) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths (which take no
+    interleaved weights)."""
+    tl.static_assert(not GATE_UP_INTERLEAVED or (FORMAT == 0 and not TMA),
+                     "interleaved gate/up columns are read through pointers from unquantized weights only")
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
-    w_offsets = expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+    w_cols = 2 * cols if GATE_UP_INTERLEAVED else cols
+    w_offsets = expert * stride_we + ks[:, None] * stride_wk + w_cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
@@ -405,7 +410,7 @@ def _gate_up_tile(
     out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
                             inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
                             up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
-                            UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS)
+                            UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, GATE_UP_INTERLEAVED)
     tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -416,20 +421,21 @@ def _gate_up_epilogue(
     stride_be, scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
-    MASK_PADDED_COLUMNS: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr = False,
 ):
     """The activated fp32 tile from the gate (and up) accumulators of rows ``token (M,)`` (``row_ok``: real rows)
     and columns ``cols (N,)`` of ``expert``: affinity pre-scaling, bias, clamps, GLU / SwiGLU, padded columns
-    zeroed (see :func:`gate_up_projection`)."""
+    zeroed (see :func:`gate_up_projection`). ``GATE_UP_INTERLEAVED``: the bias holds ``g0, u0, g1, u1, ...``."""
     if PRESCALE:
         scale = tl.load(affinity_ptr + token * num_experts + expert, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * scale[:, None]
         acc_up = acc_up * scale[:, None]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        gate_bias = bias_ptr + expert * stride_be + (2 * cols if GATE_UP_INTERLEAVED else cols)
+        acc += tl.load(gate_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GLU:
-            acc_up += tl.load(bias_ptr + expert * stride_be + inter + cols, mask=col_ok,
-                              other=0.0).to(tl.float32)[None, :]
+            up_bias = gate_bias + (1 if GATE_UP_INTERLEAVED else inter)
+            acc_up += tl.load(up_bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GLU:
         gate = _clamp(acc, gate_lower, gate_upper, GATE_LOWER, GATE_UPPER)
         up = _clamp(acc_up, up_lower, up_upper, UP_LOWER, UP_UPPER)
@@ -455,16 +461,18 @@ def _gate_up_kernel(
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
     MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATE_UP_INTERLEAVED: tl.constexpr,
 ):
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
         return
-    _gate_up_tile(tile, column, x_ptr, w_ptr, w_ptr + inter * stride_wn, w_desc, scale_ptr, bias_ptr, affinity_ptr,
+    w_up_ptr = w_ptr + (stride_wn if GATE_UP_INTERLEAVED else inter * stride_wn)
+    _gate_up_tile(tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr,
                   out_ptr, row_token_ptr, tile_expert_ptr, 0, hidden, inter, inter_actual, num_experts,
                   stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
                   scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS,
                   PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET,
-                  TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False)
+                  TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False, GATE_UP_INTERLEAVED)
 
 
 @triton.jit
@@ -583,7 +591,8 @@ def _launch_options(config: dict, dtype: torch.dtype) -> dict:
 
 def epilogue_arguments(activation: ExpertActivation, inter: int, has_bias: bool, prescale: bool) -> tuple[tuple, dict]:
     """The gate/up epilogue for ``activation`` as ``(inter_actual, scaling, act_bias, gate_lower, gate_upper,
-    up_lower, up_upper)`` and the matching constexprs of :func:`_gate_up_tile`."""
+    up_lower, up_upper)`` and the matching constexprs of :func:`_gate_up_tile` (``GATE_UP_INTERLEAVED``: the
+    weight's and bias's gate/up columns alternate, GPT-OSS's stored order)."""
     if activation.hidden_act not in ACTIVATIONS:
         raise ValueError(f"the triton backend supports hidden_act in {sorted(ACTIVATIONS)}, got "
                          f"{activation.hidden_act!r}")
@@ -595,7 +604,8 @@ def epilogue_arguments(activation: ExpertActivation, inter: int, has_bias: bool,
                       SWIGLU=activation.glu_type is GLUType.SWIGLU, HAS_BIAS=has_bias, PRESCALE=prescale,
                       GATE_LOWER=limits[0] is not None, GATE_UPPER=limits[1] is not None,
                       UP_LOWER=limits[2] is not None, UP_UPPER=limits[3] is not None,
-                      MASK_PADDED_COLUMNS=actual is not None and actual < inter)
+                      MASK_PADDED_COLUMNS=actual is not None and actual < inter,
+                      GATE_UP_INTERLEAVED=activation.glu_mlp and activation.gate_up_interleaved)
     return scalars, constexprs
 
 
@@ -604,7 +614,7 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
                        affinities: torch.Tensor | None, config: dict) -> torch.Tensor:
     """``hidden_states (T, H)`` -> ``(R, I)`` activated rows in tile order (padding rows unwritten).
 
-    ``gate_up_proj (E, H, 2I)`` (``(E, H, I)`` without GLU), a tensor or a
+    ``gate_up_proj (E, H, 2I)`` (``(E, H, I)`` without GLU; any strides), a tensor or a
     :class:`~nxd_moe.quantization.weight.QuantizedWeight` (its stored bytes are read, dequantized in registers);
     ``affinities (T, E)`` when the expert input is pre-scaled by its affinity, else None.
     """
@@ -616,7 +626,12 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     bias = gate_up_bias if gate_up_bias is not None else hidden_states
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
     stored, scale, scale_strides, fmt, block_k = _stored(gate_up_proj, config["BLOCK_K"])
-    descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and fmt == 0)
+    interleaved = constexprs["GATE_UP_INTERLEAVED"]
+    if interleaved and fmt != 0:
+        raise ValueError("gate_up_projection: interleaved gate/up columns are read from unquantized weights only, "
+                         f"got a {type(gate_up_proj).__name__}")
+    # A TMA box is a run of adjacent columns; interleaved gate (or up) columns are every other one.
+    descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and fmt == 0 and not interleaved)
     _gate_up_kernel[grid](
         hidden_states, stored, stored if descriptor is None else descriptor, scale, bias,
         affinities if affinities is not None else hidden_states, out,

@@ -234,8 +234,9 @@ def _decode_kernel(
     up_lower: tl.constexpr, up_upper: tl.constexpr,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
     GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
-    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FORMAT: tl.constexpr,
-    DOWN_BIAS: tl.constexpr, ROUTER: tl.constexpr, ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr, FORMAT: tl.constexpr, DOWN_BIAS: tl.constexpr, ROUTER: tl.constexpr,
+    ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     ACT_OVER_TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, SHARED: tl.constexpr, SHARED_ACT: tl.constexpr,
     HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr,
@@ -313,13 +314,14 @@ def _decode_kernel(
                 if j < routed_gu:
                     kind = 3
                     tile = j // gu_cols
-                    _gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_ptr + inter * s_gu_n, gu_ptr, gu_scale_ptr,
+                    gu_up_ptr = gu_ptr + (s_gu_n if GATE_UP_INTERLEAVED else inter * s_gu_n)
+                    _gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr, gu_scale_ptr,
                                   gu_bias_ptr, affinity_ptr, act_ptr, row_token_ptr, tile_expert_ptr, 0,
                                   hidden, inter, inter_actual, num_experts, hidden, s_gu_e, s_gu_k, s_gu_n,
                                   s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter, scaling, act_bias, gate_lower,
                                   gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER,
                                   GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, False,
-                                  FORMAT, BLOCK_M, GU_N, GU_K, False)
+                                  FORMAT, BLOCK_M, GU_N, GU_K, False, GATE_UP_INTERLEAVED)
                     _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)
                 elif j < routed_gu + shared_dn:
                     kind = 4

@@ -113,9 +113,11 @@ def _gate_up_persistent_kernel(
     MASK_PADDED_COLUMNS: tl.constexpr, A_TMA: tl.constexpr, OUT_TMA: tl.constexpr, PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+    GATE_UP_INTERLEAVED: tl.constexpr,
 ):
     """Persistent programs over items ``(tile, column slice)`` of :func:`gate_up_projection`; ``A_TMA``: the A
     tiles are boxes of ``x_desc`` over the permuted rows, else gathered from ``x_ptr`` by token id."""
+    tl.static_assert(not GATE_UP_INTERLEAVED, "TMA boxes read adjacent columns: interleaved gate/up cannot be split")
     num_n = tl.cdiv(inter, BLOCK_N)
     num_tiles = tl.load(num_tiles_ptr)
     k_steps = tl.cdiv(hidden, BLOCK_K)
@@ -320,9 +322,10 @@ def expert_rows(hidden_states: torch.Tensor, layout: TileLayout, weights: Expert
                 affinities: torch.Tensor | None, prefill: dict, launch: dict) -> torch.Tensor:
     """gate/up then down over ``layout``: ``(S, R, H)`` rows for the combine. ``prefill``: ``gate_up`` and
     ``down`` entries as :func:`default_prefill_config`; a GEMM that is not persistent there runs the
-    tile-per-program kernel with its entry in ``launch`` (the layer's launch configuration)."""
+    tile-per-program kernel with its entry in ``launch`` (the layer's launch configuration), as does gate/up with
+    interleaved gate/up columns (TMA boxes are runs of adjacent columns)."""
     gate_up, down = prefill["gate_up"], prefill["down"]
-    if gate_up.get("persistent", True):
+    if gate_up.get("persistent", True) and not weights.activation.gate_up_interleaved:
         activated = gate_up_rows(hidden_states, layout, weights.gate_up_proj, weights.gate_up_bias,
                                  weights.activation, affinities, gate_up)
     else:

@@ -1,0 +1,26 @@
+"""Whole models: nxd_moe inside ``transformers`` models.
+
+- :mod:`~nxd_moe.models.experts_backend`: the experts implementations ``"nxd_moe"``, ``"nxd_moe_torch"`` and
+  ``"nxd_moe_triton"`` of transformers' experts interface (``from_pretrained(..., experts_implementation="nxd_moe")``),
+  registered by ``import nxd_moe.hf``.
+"""
+
+from nxd_moe.models.experts_backend import (
+    IMPLEMENTATIONS,
+    UnsupportedExpertsError,
+    check_experts_support,
+    experts_forward,
+    nxd_moe_experts_forward,
+    register_experts_implementations,
+    set_experts_implementation,
+)
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "UnsupportedExpertsError",
+    "check_experts_support",
+    "experts_forward",
+    "nxd_moe_experts_forward",
+    "register_experts_implementations",
+    "set_experts_implementation",
+]
