@@ -427,6 +427,28 @@ def test_experts_do_not_import_the_parallel_layer():
     assert not offenders, offenders
 
 
+def test_only_the_integration_layer_imports_transformers_and_models():
+    """Core (experts, routing, parallel, the layer, kernels) never imports transformers or the layer above it: only
+    nxd_moe.hf (checkpoint and config conversion) and nxd_moe.models (whole-model integration) do."""
+    import ast
+    from pathlib import Path
+
+    import nxd_moe
+
+    root = Path(nxd_moe.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        relative = path.relative_to(root).as_posix()
+        if relative == "hf.py" or relative.startswith("models/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{relative}: {n}" for n in names
+                          if n.split(".")[0] == "transformers" or n.startswith("nxd_moe.models")]
+    assert not offenders, offenders
+
+
 def test_moe_validate_inputs():
     moe = MoE(make_router("topk_softmax", E, K, H), make_experts(make_config(num_experts=E, top_k=K)),
               validate_inputs=True).eval()

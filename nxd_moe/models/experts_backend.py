@@ -56,6 +56,8 @@ class ExpertsLayout:
     has_bias: bool
     num_experts: int
     activation: ExpertActivation
+    # A transformers release without the ``_is_expert_parallel`` flag (5.17 has none): ids >= E are sentinels always.
+    sentinels_always: bool = False
     # ``arange(E)`` per device: every expert is local (the routing of pairs takes a global -> local table).
     local_slots: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -77,9 +79,11 @@ class ExpertsLayout:
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """Whether ``module`` dispatches through transformers' experts interface (its class is decorated with
-    ``use_experts_implementation``, whose ``__init__`` sets these flags)."""
-    return hasattr(module, "is_concatenated") and hasattr(module, "_is_expert_parallel")
+    """Whether ``module`` dispatches through transformers' experts interface: its class is decorated with
+    ``use_experts_implementation``, which gives the class a ``_apply_gate`` and the instance its layout flags (of
+    which every transformers 5 release sets ``is_transposed``; later flags are read with the decorator's
+    defaults where absent)."""
+    return callable(getattr(type(module), "_apply_gate", None)) and hasattr(module, "is_transposed")
 
 
 def experts_layout(module: nn.Module, where: str | None = None) -> ExpertsLayout:
@@ -93,10 +97,11 @@ def experts_layout(module: nn.Module, where: str | None = None) -> ExpertsLayout
     if not is_experts_module(module):
         refuse("not an experts module of transformers' experts interface (a class decorated with "
                "use_experts_implementation)")
-    if module.has_post_expert_norm:
+    if getattr(module, "has_post_expert_norm", False):
         refuse("has_post_expert_norm=True (a norm after each expert) is not supported; use "
                "experts_implementation='eager' or 'grouped_mm'")
-    first_proj = "gate_up_proj" if module.has_gate else "up_proj"
+    has_gate, has_bias = getattr(module, "has_gate", True), bool(getattr(module, "has_bias", False))
+    first_proj = "gate_up_proj" if has_gate else "up_proj"
     first, down = getattr(module, first_proj, None), getattr(module, "down_proj", None)
     for proj, tensor in ((first_proj, first), ("down_proj", down)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or not tensor.is_floating_point():
@@ -109,41 +114,45 @@ def experts_layout(module: nn.Module, where: str | None = None) -> ExpertsLayout
         (first.shape, down.shape) if transposed else
         ((first.shape[0], first.shape[2], first.shape[1]), (down.shape[0], down.shape[2], down.shape[1])))
     num_experts = getattr(module, "num_experts", None)
-    glu_width = 2 * inter if module.has_gate else inter
+    glu_width = 2 * inter if has_gate else inter
     if num_experts != experts or down_experts != experts or down_hidden != hidden or width != glu_width:
         layout = "(E, H, W) / (E, I, H)" if transposed else "(E, W, H) / (E, H, I)"
         refuse(f"with is_transposed={transposed}, {first_proj} {tuple(first.shape)} and down_proj "
                f"{tuple(down.shape)} must be {layout} with E = num_experts ({num_experts}) and W = "
-               f"{'2I' if module.has_gate else 'I'}")
-    if module.has_bias:
+               f"{'2I' if has_gate else 'I'}")
+    if has_bias:
         for bias_name, size in ((first_proj + "_bias", width), ("down_proj_bias", hidden)):
             bias = getattr(module, bias_name, None)
             if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (experts, size):
                 refuse(f"has_bias=True needs {bias_name} of shape ({experts}, {size}), got "
                        f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else bias!r}")
-    activation = _activation(module, inter, refuse)
-    return ExpertsLayout(first_proj, transposed, bool(module.has_bias), experts, activation)
+    activation = _activation(module, has_gate, inter, refuse)
+    return ExpertsLayout(first_proj, transposed, has_bias, experts, activation,
+                         sentinels_always=not hasattr(module, "_is_expert_parallel"))
 
 
-def _activation(module: nn.Module, inter: int, refuse) -> ExpertActivation:
+def _activation(module: nn.Module, has_gate: bool, inter: int, refuse) -> ExpertActivation:
     """The module's activation between the projections: ``act_fn`` (no gate), the default ``_apply_gate``
-    (``act_fn(gate) * up`` on ``[gate | up]`` halves) or GPT-OSS's clamped SwiGLU on interleaved columns."""
-    if not module.has_gate:
+    (``act_fn(gate) * up`` on ``[gate | up]`` halves) or GPT-OSS's clamped SwiGLU on interleaved columns. The gate
+    function decides the column order (early transformers 5 releases have no ``is_concatenated`` flag); a flag
+    that contradicts it is refused."""
+    if not has_gate:
         return ExpertActivation(_activation_name(module, refuse), False, GLUType.GLU, intermediate_size=inter)
     if "_apply_gate" in module.__dict__:
         refuse("_apply_gate is overridden on the instance; only the class's default gate or GPT-OSS's is known")
     gate = getattr(type(module), "_apply_gate", None)
     from transformers.integrations.moe import _default_apply_gate
 
+    concatenated = getattr(module, "is_concatenated", None)
     if gate is _default_apply_gate:
-        if not module.is_concatenated:
+        if concatenated is False:
             refuse("is_concatenated=False (interleaved gate/up) but the default _apply_gate splits [gate | up] "
                    "halves: which layout the weights hold is ambiguous")
         return ExpertActivation(_activation_name(module, refuse), True, GLUType.GLU, intermediate_size=inter)
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     if gate is GptOssExperts._apply_gate:
-        if module.is_concatenated:
+        if concatenated is True:
             refuse("GPT-OSS's _apply_gate reads interleaved gate/up columns but is_concatenated=True")
         alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
         if not isinstance(alpha, (int, float)) or not (limit is None or isinstance(limit, (int, float))):
@@ -221,7 +230,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
                     top_k_weights: torch.Tensor, backend: str | ExpertsBackend | None = None,
                     blockwise_matmul_config: BlockwiseMatmulConfig = BLOCKWISE_MATMUL_CONFIG) -> torch.Tensor:
     """transformers' experts function on nxd_moe: ``hidden_states (T, H)``, ``top_k_index (T, k)`` (ids ``>=
-    num_experts`` are expert-parallel sentinels when ``module._is_expert_parallel``: they contribute nothing),
+    num_experts`` are expert-parallel sentinels -- when ``module._is_expert_parallel``, or always on a transformers
+    release without that flag -- and contribute nothing),
     ``top_k_weights (T, k)`` (final weights, summed in fp32 or better) -> ``(T, H)`` in ``hidden_states.dtype``.
 
     ``backend``: an :class:`~nxd_moe.experts.backends.ExpertsBackend` or its name; None picks by device (see the
@@ -245,7 +255,7 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     dtype = weights.gate_up_proj.dtype
     x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
     pair_expert = top_k_index
-    if module._is_expert_parallel:
+    if layout.sentinels_always or module._is_expert_parallel:
         pair_expert = torch.where(top_k_index < layout.num_experts, top_k_index, -1)
     mode = backend.select_mode_from_tokens(num_tokens, top_k, layout.num_experts, blockwise_matmul_config.block_size,
                                            DEFAULT_SELECTIVE_LOADING_THRESHOLD)

@@ -245,7 +245,7 @@ def reference64(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weight:
         for j in range(index.shape[1]):
             e = int(index[t, j])
             if e >= module.num_experts:
-                assert module._is_expert_parallel
+                assert getattr(module, "_is_expert_parallel", True)
                 continue
             h = x[t].double() @ first[e]
             if module.has_bias:
@@ -324,6 +324,19 @@ def test_expert_parallel_sentinels_contribute_nothing(kind, mode):
     ref = reference64(module, x, index, weight)
     assert out[1].abs().max().item() == 0.0
     assert_matches64(out, ref, f"{kind} {mode} sentinels")
+
+
+def test_modules_of_transformers_5_17():
+    """transformers 5.17's decorator sets neither ``has_post_expert_norm`` nor ``_is_expert_parallel``: such a
+    module is served with the decorator's defaults, and ids >= E are sentinels regardless."""
+    module = make_experts("gpt_oss")
+    del module.has_post_expert_norm, module._is_expert_parallel
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(26))
+    index, weight = routing(6, seed=27)
+    index[::3, 0] = NUM_EXPERTS
+    check_experts_support(nn.ModuleDict({"experts": module}))
+    assert_matches64(run(module, x, index, weight, backend="torch"), reference64(module, x, index, weight),
+                     "5.17 flags")
 
 
 @pytest.mark.parametrize("mode", list(MODE_TOKENS))

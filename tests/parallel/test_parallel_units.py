@@ -19,6 +19,7 @@ from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
 from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads, replica_counts
 from nxd_moe.experts.local_routing import local_routing
+from nxd_moe.experts.pairs import run_experts
 from nxd_moe.parallel import ExpertParallel
 from nxd_moe.parallel.payload import pack, unpack
 from nxd_moe.parallel.placement import ExpertPlacement, pair_positions
@@ -229,8 +230,8 @@ def test_local_routing_computes_exactly_the_assigned_pairs(mode, local, prescale
     local_weights = experts.expert_weights()._replace(
         gate_up_proj=op.gate_up_proj.weight[keep], down_proj=op.down_proj.weight[keep],
         gate_up_bias=op.gate_up_proj.bias[keep], down_bias=op.down_proj.bias[keep])
-    out, _, _, _, _ = experts._run(hidden, routing, ExpertsMode(mode), capacity=20,
-                                   weights=local_weights)
+    out = run_experts(experts.backend, hidden, routing, local_weights, ExpertsMode(mode),
+                      experts.blockwise_matmul_config, capacity=20).output
     cfg = experts.routed_experts_mlp_config
     expected = dense_moe_reference(hidden, index, weights, cfg, op.gate_up_proj.weight, op.down_proj.weight,
                                    op.gate_up_proj.bias, op.down_proj.bias, keep=mine)
