@@ -1,0 +1,1 @@
+"""Whole-model integration: transformers models running nxd_moe layers."""
