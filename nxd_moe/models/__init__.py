@@ -1,1 +1,1 @@
-"""Whole-model integration: transformers models built, patched and traced around this package's MoE layers."""
+"""Whole-model integration: transformers models running nxd_moe layers, built, patched and traced."""
