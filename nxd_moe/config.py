@@ -529,12 +529,20 @@ _EXPERT_KEYS = {
 }
 
 
+def scaled_width(width: int, scale: int, multiple: int = 8) -> int:
+    """``width / scale`` rounded up to a multiple of ``multiple`` (at least ``multiple``): how every width of a
+    scaled-down model shrinks."""
+    return max(multiple, -(-width // (scale * multiple)) * multiple)
+
+
 @dataclass(frozen=True)
 class MoEModelConfig:
     """One MoE layer of a real architecture, as shipped in ``configs/<name>.yaml``.
 
     ``experts`` holds the remaining :class:`RoutedExpertsMLPOpsConfig` keys (``hidden_act``, ``glu_mlp``,
-    ...); ``blockwise`` holds :class:`BlockwiseMatmulConfig` keys.
+    ...); ``blockwise`` holds :class:`BlockwiseMatmulConfig` keys. ``transformers`` holds the rest of the whole
+    model (attention heads, vocabulary, rope, dense layers...) as keys of the transformers config class of
+    ``hf_model_type``, at full size; ``nxd_moe.models.hf_models.build_hf_model`` reads and checks them.
     """
 
     name: str
@@ -549,11 +557,15 @@ class MoEModelConfig:
     hf_model_type: str | None = None
     num_moe_layers: int | None = None
     source: str = ""
+    transformers: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         unknown = sorted(set(self.experts) - _EXPERT_KEYS)
         if unknown:
             raise ValueError(f"config {self.name!r}: unknown experts key(s) {unknown}; allowed: {sorted(_EXPERT_KEYS)}")
+        if not isinstance(self.transformers, Mapping) or not all(isinstance(k, str) for k in self.transformers):
+            raise TypeError(f"config {self.name!r}: transformers must be a mapping of transformers config keys, "
+                            f"got {self.transformers!r}")
         if not isinstance(self.router, RouterSpec):
             object.__setattr__(self, "router", _build(RouterSpec, self.router, "router"))
         if self.shared_experts is not None and not isinstance(self.shared_experts, SharedExpertsSpec):
@@ -595,7 +607,7 @@ class MoEModelConfig:
             return self
 
         def shrink(n: int | None) -> int | None:
-            return None if n is None else max(multiple, -(-n // (scale * multiple)) * multiple)
+            return None if n is None else scaled_width(n, scale, multiple)
 
         experts = dict(self.experts)
         for key in ("hidden_size_actual", "intermediate_size_actual"):

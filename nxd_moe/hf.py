@@ -10,6 +10,7 @@ Supported model types: ``mixtral``, ``qwen3_moe``, ``qwen2_moe``, ``gpt_oss``, `
   sparse-MoE block, so that ``moe(x)[0]`` equals the block's output.
 - :func:`hf_to_nxd_state_dict` / :func:`nxd_to_hf_state_dict` convert whole checkpoints; :func:`load_hf_layer`
   loads one layer of a transformers checkpoint into an ``MoE``.
+- ``patch_model`` (:mod:`nxd_moe.models.patch`) replaces every MoE block of a whole transformers model.
 
 Layouts. The transformers side is the in-memory layout of transformers 5 (fused ``experts.gate_up_proj``
 tensors). For ``mixtral``, ``qwen3_moe``, ``qwen2_moe`` and ``deepseek_v3`` the Hub checkpoints store one module
@@ -55,6 +56,7 @@ __all__ = [
     "hf_to_nxd_state_dict",
     "load_hf_layer",
     "nxd_to_hf_state_dict",
+    "patch_model",  # noqa: F822 (loaded by the module __getattr__ below)
     "register_experts_implementations",
     "set_experts_implementation",
 ]
@@ -379,6 +381,14 @@ def _shared_from_nxd(nxd: StateDict, hf_name: str, block: str) -> dict[str, torc
     return out
 
 
+def _check_unquantized_export(nxd: StateDict, block: str) -> None:
+    """For blocks whose checkpoints store the routed experts in the model's dtype only (Llama 4, DBRX)."""
+    quantization = _nxd_quantization(nxd)
+    if quantization != "bf16":
+        raise ValueError(f"{block}: quantized experts ({quantization!r}) have no checkpoint form in this model's "
+                         "layout; only unquantized experts export")
+
+
 class _Family(abc.ABC):
     """How one HF model family lays out its MoE block.
 
@@ -559,6 +569,7 @@ class _Llama4Family(_Family):
                 _DOWN_W: parts["experts.down_proj"], **_shared_to_nxd(parts, "shared_expert")}
 
     def from_nxd(self, nxd: StateDict, layout: str) -> dict[str, torch.Tensor]:
+        _check_unquantized_export(nxd, self.block_classes[0])
         return {"router.weight": nxd[_ROUTER_W], "experts.gate_up_proj": nxd[_GATE_UP_W],
                 "experts.down_proj": nxd[_DOWN_W], **_shared_from_nxd(nxd, "shared_expert", self.block_classes[0])}
 
@@ -584,6 +595,7 @@ class _DbrxFamily(_Family):
         }
 
     def from_nxd(self, nxd: StateDict, layout: str) -> dict[str, torch.Tensor]:
+        _check_unquantized_export(nxd, self.block_classes[0])
         gate, up = _split_gate_up(nxd[_GATE_UP_W])
         down = nxd[_DOWN_W]
         return {
@@ -667,13 +679,15 @@ def _check_keys(given: StateDict, expected: StateDict, where: str, side: str) ->
 
 def _hf_block_to_nxd(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict,
                      where: str) -> dict[str, torch.Tensor]:
+    """One HF block's tensors (either layout, any stored format; keys and shapes checked) as our MoE's state dict.
+    Tensors may be views of ``parts``: loading copies them, and writing a checkpoint needs ``.contiguous()``."""
     family = _family(cfg)
     layout = "hub" if family.is_hub(parts) else "transformers"
     quantization = _hf_quantization(parts)
     if quantization != ("bf16", "bf16"):
         expected_nxd = _expected_nxd(cfg, *quantization)
     _check_keys(parts, family.from_nxd(expected_nxd, layout), where, "HF")
-    return {k: v.contiguous() for k, v in family.to_nxd(parts, cfg.num_experts).items()}
+    return family.to_nxd(parts, cfg.num_experts)
 
 
 def _nxd_block_to_hf(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict, where: str,
@@ -739,7 +753,8 @@ def hf_to_nxd_state_dict(hf_state_dict: StateDict, config: Any) -> dict[str, Any
             return None
         return key[:m.start("rest")], f"{m['pre']}{family.module}.", m["rest"]
 
-    return _convert(hf_state_dict, match, lambda parts, where: _hf_block_to_nxd(parts, cfg, expected, where))
+    return _convert(hf_state_dict, match, lambda parts, where: {
+        k: v.contiguous() for k, v in _hf_block_to_nxd(parts, cfg, expected, where).items()})
 
 
 def nxd_to_hf_state_dict(nxd_state_dict: StateDict, config: Any, *, layout: str = "transformers") -> dict[str, Any]:
@@ -785,16 +800,25 @@ def load_hf_layer(moe: MoE, hf_state_dict: StateDict, config: Any, layer: int) -
         found = "no MoE weights (a dense layer, or out of range)" if not blocks else f"several blocks {sorted(blocks)}"
         raise ValueError(f"load_hf_layer: layer {layer} has {found}")
     (where, parts), = blocks.items()
-    routed, shared = _hf_quantization(parts)
-    for what, stored, argument, layer_format in (
-            ("routed", routed, "quantization", moe.expert_mlps.routed_experts_mlp_config.quantization),
-            ("shared", shared, "shared_quantization",
-             None if moe.shared_experts is None else moe.shared_experts.down_proj.format.name)):
-        if layer_format is not None and stored != layer_format:
-            raise ValueError(f"load_hf_layer: layer {layer}'s {what} experts are stored as {stored!r} in the "
-                             f"checkpoint, the layer's as {layer_format!r}: build the layer with "
-                             f"{argument}={stored!r}")
+    check_stored_formats(moe, parts, f"load_hf_layer: layer {layer}'s", "build the layer with")
     return load_full_state_dict(moe, _hf_block_to_nxd(parts, cfg, _expected_nxd(cfg), where))
+
+
+def layer_formats(moe: MoE) -> tuple[str, str | None]:
+    """The weight formats of ``moe``'s routed and shared experts (None: no shared experts)."""
+    shared = None if moe.shared_experts is None else moe.shared_experts.down_proj.format.name
+    return moe.expert_mlps.routed_experts_mlp_config.quantization, shared
+
+
+def check_stored_formats(moe: MoE, parts: StateDict, subject: str, remedy: str) -> None:
+    """Raise unless one HF block's tensors ``parts`` are stored in ``moe``'s formats (checkpoint tensors load as
+    stored, never requantized): ``"<subject> routed experts are stored as 'mxfp4' in the checkpoint, the layer's as
+    'bf16': <remedy> quantization='mxfp4'"``."""
+    for what, stored, argument, layer_format in zip(("routed", "shared"), _hf_quantization(parts),
+                                                    ("quantization", "shared_quantization"), layer_formats(moe)):
+        if layer_format is not None and stored != layer_format:
+            raise ValueError(f"{subject} {what} experts are stored as {stored!r} in the checkpoint, the layer's as "
+                             f"{layer_format!r}: {remedy} {argument}={stored!r}")
 
 
 def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE:
@@ -804,8 +828,13 @@ def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE
     ``DeepseekV3MoE``, ``Llama4TextMoe`` or ``DbrxFFN``; ``config``: the model's config (or an
     :class:`MoEModelConfig` for it). ``build_kwargs`` go to :func:`~nxd_moe.build.build_moe` (``block_size``,
     ``backend``, ``validate_inputs``, experts overrides...); ``dtype`` and ``device`` default to those of the
-    block's expert weights. Weights are copied with a strict ``load_state_dict``; under model parallelism the
-    layer is sharded and each rank keeps its shard.
+    block's weights. Weights are copied with a strict ``load_state_dict``; under model parallelism the layer is
+    sharded and each rank keeps its shard. The layer is built on the meta device first, so the only memory
+    allocated is the layer's own weights (plus, for GPT-OSS and DBRX, one temporary gate/up projection).
+
+    A block whose experts are stored quantized (GPT-OSS MXFP4 ``*_blocks``/``*_scales``, DeepSeek-style FP8
+    ``weight_scale_inv``) loads as stored: ``quantization``/``shared_quantization`` default to the stored formats
+    and must equal them if given (quantize a bf16 layer with :func:`~nxd_moe.quantization.quantizer.quantize_experts`).
 
     ``moe(x)[0]`` matches the block's output (for ``GptOssMLP`` and ``Llama4TextMoe``, the first element of
     the tuple the block returns) up to floating-point rounding; the router runs in float32 as in NxD.
@@ -819,11 +848,30 @@ def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE
     if not any(c.__name__ in family.block_classes for c in type(block).__mro__):
         raise TypeError(f"from_hf_moe_block: config is {cfg.hf_model_type!r}, whose MoE block is "
                         f"{' or '.join(family.block_classes)}, got {type(block).__name__}")
-    nxd = _hf_block_to_nxd(block.state_dict(), cfg, _expected_nxd(cfg), f"{type(block).__name__}.")
-    reference = nxd[_DOWN_W]
+    parts = block.state_dict()
+    nxd = _hf_block_to_nxd(parts, cfg, _expected_nxd(cfg), f"{type(block).__name__}.")
+    routed, shared = _hf_quantization(parts)
+    build_kwargs.setdefault("quantization", routed)
+    if cfg.shared_experts is not None:
+        build_kwargs.setdefault("shared_quantization", shared)
+    # The layer dtype: the experts' weights', or where they are stored quantized the router's (the model's dtype).
+    reference = nxd[_DOWN_W] if routed == "bf16" else nxd[_ROUTER_W]
     build_kwargs.setdefault("dtype", reference.dtype)
-    build_kwargs.setdefault("device", reference.device)
-    return load_full_state_dict(build_moe(cfg, **build_kwargs), nxd)
+    device = build_kwargs.pop("device", reference.device)
+    moe = build_moe(cfg, device="meta", **build_kwargs).to_empty(device=device)
+    check_stored_formats(moe, parts, "from_hf_moe_block: the block's", "build with")
+    if reference.is_meta:  # a block without values (a model built on the meta device): load its weights later
+        return moe
+    return load_full_state_dict(moe, nxd)
+
+
+def __getattr__(name: str) -> Any:
+    # patch_model lives in nxd_moe.models, which imports this module: loaded on first use.
+    if name == "patch_model":
+        from nxd_moe.models.patch import patch_model
+
+        return patch_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,6 +38,13 @@ def inputs(batch: int, seq_len: int, seed: int = 1, dtype: torch.dtype = torch.f
     return torch.randn(batch, seq_len, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+def hf_output(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block's output as ``(B, S, H)`` (GPT-OSS and Llama 4 return tuples; Llama 4 flattens tokens)."""
+    with torch.no_grad():
+        out = block(x)
+    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
+
+
 def assert_parity(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL_FP32) -> None:
     err = (ours.double() - ref.double()).abs().max().item()
     scale = ref.abs().mean().item()

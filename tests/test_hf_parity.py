@@ -33,7 +33,8 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
-from hf_helpers import ATOL_FP32, HIDDEN, LAYERS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
+from hf_helpers import (  # noqa: E402,F401 (autouse fixture)
+    ATOL_FP32, HIDDEN, LAYERS, assert_parity, hf_output, inputs, one_intra_op_thread, randomize_hf_)
 from nxd_moe.config import MoEModelConfig, RouterSpec, SharedExpertsSpec  # noqa: E402
 from nxd_moe.experts.backends import TorchBackend  # noqa: E402
 from nxd_moe.hf import from_hf_config, from_hf_moe_block  # noqa: E402
@@ -111,19 +112,10 @@ def make_block(variant: str, impl: str | None = "eager", seed: int = 0, dtype: t
     return config, block.to(dtype).eval()
 
 
-def hf_output(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The block's output as ``(B, S, H)`` (GPT-OSS and Llama 4 return tuples; Llama 4 flattens tokens)."""
-    with torch.no_grad():
-        out = block(x)
-    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-
-
 def nxd_output(moe, x: torch.Tensor) -> tuple[torch.Tensor, str]:
     with torch.no_grad():
         out, stats = moe(x, return_stats=True)
     return out, stats.mode.value
-
-
 
 
 def _matrix():

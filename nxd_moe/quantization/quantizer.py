@@ -68,20 +68,42 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
     if experts.is_sharded:
         raise NotImplementedError("quantize_experts: quantizing a model-parallel layer is not supported yet; "
                                   "quantize the single-device layer")
-    if shared is not None and shared.intermediate_shard is not None and fmt.quantized:
-        raise NotImplementedError("quantize_experts: quantizing tensor-parallel shared experts is not supported yet")
     op = experts.mlp_op
     first = "gate_up_proj" if hasattr(op, "gate_up_proj") else "up_proj"
     # Everything is quantized (and its shape checked) before anything is replaced: a refusal leaves the layer as is.
     k_major = config.activation_quantization != "none"
     replaced = [(op, name, quantize_expert_linear(getattr(op, name), fmt, k_major)) for name in (first, "down_proj")]
     if shared is not None and fmt.quantized:
-        names = ["gate_up_proj"] if shared.fused_gate_up_projection else ["gate_proj", "up_proj"]
-        replaced += [(shared, name, quantize_dense_projection(getattr(shared, name), fmt))
-                     for name in names + ["down_proj"]]
+        replaced += _shared_projections(shared, fmt, "quantize_experts")
     for module, name, quantized in replaced:
         setattr(module, name, quantized)
     experts.routed_experts_mlp_config = config
+    return layer
+
+
+def _shared_projections(shared: nn.Module, fmt: QuantizationFormat,
+                        caller: str) -> list[tuple[nn.Module, str, DenseProjection]]:
+    """``(shared, name, quantized projection)`` for each of a ``SharedExperts``' projections."""
+    if shared.intermediate_shard is not None:
+        raise NotImplementedError(f"{caller}: quantizing tensor-parallel shared experts is not supported yet")
+    names = ["gate_up_proj"] if shared.fused_gate_up_projection else ["gate_proj", "up_proj"]
+    return [(shared, name, quantize_dense_projection(getattr(shared, name), fmt)) for name in names + ["down_proj"]]
+
+
+@torch.no_grad()
+def quantize_shared_experts(layer: nn.Module, quantization: str | QuantizationFormat) -> nn.Module:
+    """Quantize only the shared experts of ``layer`` (an ``MoE``) in place and return it; the routed experts and
+    the shared-expert gate keep their format (``quantize_experts(..., shared_experts=True)`` quantizes both to one
+    format)."""
+    shared = getattr(layer, "shared_experts", None)
+    if shared is None:
+        raise ValueError(f"quantize_shared_experts: layer must be an MoE with shared experts, got "
+                         f"{type(layer).__name__}" + (" without shared experts" if hasattr(layer, "shared_experts")
+                                                      else ""))
+    fmt = get_format(quantization, "shared_quantization")
+    if fmt.quantized:
+        for module, name, quantized in _shared_projections(shared, fmt, "quantize_shared_experts"):
+            setattr(module, name, quantized)
     return layer
 
 

@@ -1,0 +1,237 @@
+"""``patch_model``: every sparse-MoE block of a transformers model replaced by nxd_moe's ``MoE``.
+
+The replacement, :class:`PatchedMoEBlock`, sits where the block was, returns what the block returned and keeps the
+block's checkpoint format: its state-dict hooks convert between the ``MoE``'s own keys and the transformers ones
+with the family converters of :mod:`nxd_moe.hf`, so ``state_dict``, ``load_state_dict`` and ``save_pretrained``
+see the model they saw before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from nxd_moe.config import MoEModelConfig
+from nxd_moe.experts.backends import ExpertsBackend
+from nxd_moe.hf import (
+    SUPPORTED_MODEL_TYPES,
+    _expected_nxd,
+    _family,
+    _hf_block_to_nxd,
+    check_stored_formats,
+    from_hf_config,
+    from_hf_moe_block,
+    layer_formats,
+)
+from nxd_moe.moe import MoE
+from nxd_moe.parallel.sharding import shard_state_dict
+from nxd_moe.quantization.formats import get_format
+from nxd_moe.quantization.quantizer import quantize_experts, quantize_shared_experts
+
+__all__ = ["PatchReport", "PatchedMoEBlock", "patch_model"]
+
+# build_moe arguments the transformers block decides: its weights' shapes, dtype and device.
+_FIXED_BY_THE_BLOCK = ("scale", "dtype", "device")
+
+
+def _gpt_oss_output(out: torch.Tensor, router_logits: torch.Tensor, expert_index: torch.Tensor) -> tuple:
+    """``GptOssMLP``: ``(out (B, S, H), router_scores (T, k))``, the softmax over each token's top-k logits."""
+    return out, torch.softmax(router_logits.gather(1, expert_index), dim=-1).to(out.dtype)
+
+
+def _llama4_output(out: torch.Tensor, router_logits: torch.Tensor, expert_index: torch.Tensor) -> tuple:
+    """``Llama4TextMoe``: ``(out (T, H), router_logits (T, E))``, tokens flattened."""
+    return out.view(-1, out.shape[-1]), router_logits.to(out.dtype)
+
+
+# Blocks that return a tuple; every other block returns its output (B, S, H) alone.
+_TUPLE_OUTPUTS: dict[str, Callable[..., tuple]] = {"gpt_oss": _gpt_oss_output, "llama4_text": _llama4_output}
+
+
+class PatchedMoEBlock(nn.Module):
+    """nxd_moe's :class:`~nxd_moe.moe.MoE` in the place of a transformers sparse-MoE block.
+
+    ``forward(hidden_states (B, S, H))`` returns what the block returned: ``(B, S, H)``, or for ``GptOssMLP`` and
+    ``Llama4TextMoe`` their tuples (see ``_TUPLE_OUTPUTS``). The ``MoE`` is ``self.moe``; its weights are the
+    only copy. ``state_dict`` gives the block's transformers keys in their dtypes (the router, which ``MoE`` keeps
+    in float32, goes back to the block's dtype); quantized experts give the checkpoint's quantized tensors (GPT-OSS
+    ``*_blocks``/``*_scales``, the Hub's per-expert FP8 ``weight_scale_inv`` layout) or, in a format the family's
+    checkpoints do not have, a ``ValueError`` naming it. ``load_state_dict`` takes the block's keys in either layout
+    (transformers' fused experts or the Hub's per-expert ones), stored in the layer's formats.
+    """
+
+    def __init__(self, moe: MoE, model_config: MoEModelConfig, block: nn.Module):
+        super().__init__()
+        self.moe = moe
+        self.model_config = model_config
+        self.block_class = type(block).__name__
+        # The block's keys in order, with their dtypes: state_dict gives them back as they were.
+        self.hf_dtypes = {key: value.dtype for key, value in block.state_dict().items()}
+        self._output = _TUPLE_OUTPUTS.get(model_config.hf_model_type)
+        moe.return_router_logits = moe.return_expert_index = self._output is not None
+        self.register_state_dict_post_hook(PatchedMoEBlock._to_hf_state_dict)
+        self.register_load_state_dict_pre_hook(PatchedMoEBlock._from_hf_state_dict)
+
+    def forward(self, hidden_states: torch.Tensor):
+        out = self.moe(hidden_states)
+        return out[0] if self._output is None else self._output(*out)
+
+    def extra_repr(self) -> str:
+        routed, shared = layer_formats(self.moe)
+        formats = f"quantization={routed!r}" + ("" if shared is None else f", shared_quantization={shared!r}")
+        return f"in place of {self.block_class}, backend={self.moe.expert_mlps.backend.name!r}, {formats}"
+
+    @staticmethod
+    def _to_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        own = prefix + "moe."
+        nxd = {key[len(own):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(own)]}
+        # The Hub's per-expert layout is the one FP8 checkpoints have; unquantized experts keep transformers' own.
+        layout = "transformers" if layer_formats(module.moe)[0] == "bf16" else "hub"
+        try:
+            hf = _family(module.model_config).from_nxd(nxd, layout)
+        except ValueError as err:
+            raise ValueError(f"state_dict of {prefix or 'the block'!r} ({module.block_class} patched by nxd_moe): "
+                             f"{err}") from None
+        ordered = [k for k in module.hf_dtypes if k in hf] + [k for k in hf if k not in module.hf_dtypes]
+        for key in ordered:
+            value, dtype = hf[key], module.hf_dtypes.get(key)
+            state_dict[prefix + key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+
+    @staticmethod
+    def _from_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict,
+                            *args: Any) -> None:
+        keys = [k for k in state_dict if k.startswith(prefix)]
+        if not keys:  # a checkpoint without this block: strict loading reports the MoE's keys as missing
+            return
+        parts = {key[len(prefix):]: state_dict.pop(key) for key in keys}
+        check_stored_formats(module.moe, parts, f"load_state_dict: {prefix or 'the block'!r}'s",
+                             "patch the model with")
+        nxd = shard_state_dict(module.moe, _hf_block_to_nxd(parts, module.model_config,
+                                                            _expected_nxd(module.model_config), prefix))
+        if local_metadata.get("assign_to_params_buffers"):
+            # Assigned tensors become the layer's own: in its dtypes (a float32 router), contiguous.
+            own = module.moe.state_dict()
+            nxd = {k: v.to(own[k].dtype).contiguous() for k, v in nxd.items()}
+        state_dict.update({prefix + "moe." + k: v for k, v in nxd.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchReport:
+    """What :func:`patch_model` did, kept as ``model.nxd_moe_patched``.
+
+    ``patched``: module paths of the replaced blocks; ``kept``: ``(path, why)`` of each decoder layer's MLP left as
+    it is (dense layers); ``backend``, ``quantization`` and ``shared_quantization`` (None without shared experts):
+    how the ``MoE`` layers compute and store their experts.
+    """
+
+    model_type: str
+    block_class: str
+    backend: str
+    quantization: str
+    shared_quantization: str | None
+    patched: tuple[str, ...]
+    kept: tuple[tuple[str, str], ...]
+
+
+def _default_backend(device: torch.device) -> str:
+    """``triton`` for a block on a CUDA device where the Triton kernels import, else ``torch``."""
+    if device.type != "cuda":
+        return "torch"
+    try:
+        importlib.import_module("nxd_moe.triton_kernels.backend")
+    except ImportError:
+        return "torch"
+    return "triton"
+
+
+def _check_model(model: Any) -> str:
+    """The model's ``model_type``, or a named error for anything :func:`patch_model` cannot take."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model, nn.Module) or not isinstance(model_type, str):
+        raise TypeError(f"patch_model: model must be a transformers model (an nn.Module with a config.model_type), "
+                        f"got {type(model).__name__}")
+    if isinstance(getattr(model, "nxd_moe_patched", None), PatchReport):
+        raise ValueError(f"patch_model: the model is already patched ({len(model.nxd_moe_patched.patched)} MoE "
+                         "blocks, model.nxd_moe_patched); patch a fresh model")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no sparse-MoE block "
+                         f"nxd_moe converts; supported model types: {list(SUPPORTED_MODEL_TYPES)}")
+    return model_type
+
+
+def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None, quantization: str | None = None,
+                shared_quantization: str | None = None, **build_kwargs: Any) -> nn.Module:
+    """Replace every sparse-MoE block of the transformers ``model`` with nxd_moe's ``MoE`` and return ``model``.
+
+    ``model``: a transformers model of a type in :data:`~nxd_moe.hf.SUPPORTED_MODEL_TYPES` (a ``*ForCausalLM``,
+    its base model, or Llama 4's multimodal model), its weights materialised (or all on the meta device: the
+    layers are then built there too, to be loaded later). Each block (router, experts, shared experts and
+    Qwen2-MoE's shared-expert gate) becomes a :class:`PatchedMoEBlock` holding an ``MoE`` built from it
+    (:func:`~nxd_moe.hf.from_hf_moe_block`) that returns what the block returned; dense layers (DeepSeek's
+    ``first_k_dense_replace``, Qwen's ``mlp_only_layers``, Llama 4's non-MoE layers) stay. One block at a time is
+    converted and its tensors released, so patching needs the memory of one extra block at most.
+
+    ``backend``: the experts' backend; None picks ``"triton"`` for a model on a CUDA device where Triton imports,
+    else ``"torch"``. ``quantization`` (``"fp8"``, ``"fp8_block"``, ``"mxfp4"``; None keeps the block's format):
+    quantize the routed experts after loading; ``shared_quantization``: the shared experts' format (bf16 unless
+    given). ``build_kwargs`` go to :func:`~nxd_moe.build.build_moe` (``block_size``, ``validate_inputs``,
+    experts overrides...); ``scale``, ``dtype`` and ``device`` are the model's and are refused.
+
+    The model's state dict keeps its keys, shapes, dtypes and values; ``load_state_dict`` takes transformers
+    checkpoints (GPT-OSS MXFP4 and DeepSeek-V3 FP8 tensors as stored, into a model patched with that
+    quantization) and ``save_pretrained`` writes a checkpoint transformers loads unpatched. ``model.nxd_moe_patched``
+    is a :class:`PatchReport`.
+    """
+    model_type = _check_model(model)
+    for name in _FIXED_BY_THE_BLOCK:
+        if name in build_kwargs:
+            raise TypeError(f"patch_model: {name!r} is the model's own (convert the model itself, e.g. model.to(), "
+                            "before patching)")
+    cfg = from_hf_config(model.config)
+    if quantization is not None:
+        quantization = get_format(quantization, "patch_model: quantization").name
+    if shared_quantization is not None:
+        if cfg.shared_experts is None:
+            raise ValueError(f"patch_model: shared_quantization={shared_quantization!r}, but model_type "
+                             f"{model_type!r} has no shared experts")
+        shared_quantization = get_format(shared_quantization, "patch_model: shared_quantization").name
+    family = _family(cfg)
+    block_classes = set(family.block_classes)
+    slot = re.compile(rf"(?:.*\.)?{family.container}\.\d+\.{family.module}")
+    paths, kept = [], []
+    for path, module in model.named_modules():
+        if any(c.__name__ in block_classes for c in type(module).__mro__):
+            paths.append(path)
+        elif slot.fullmatch(path):
+            kept.append((path, f"{type(module).__name__} is not a sparse-MoE block"))
+    if not paths:
+        raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no "
+                         f"{' or '.join(family.block_classes)} to replace; every layer is dense")
+    first = model.get_submodule(paths[0])
+    if backend is None:
+        backend = _default_backend(next(first.parameters()).device)
+    del first
+    formats = None
+    # Only paths are held, so each block's tensors go as soon as its replacement is in place.
+    for path in paths:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        block = getattr(parent, name)
+        wrapper = PatchedMoEBlock(from_hf_moe_block(block, cfg, backend=backend, **build_kwargs), cfg, block)
+        setattr(parent, name, wrapper)
+        del block
+        if quantization is not None and quantization != layer_formats(wrapper.moe)[0]:
+            quantize_experts(wrapper.moe, quantization)
+        if shared_quantization is not None and shared_quantization != layer_formats(wrapper.moe)[1]:
+            quantize_shared_experts(wrapper.moe, shared_quantization)
+        formats = layer_formats(wrapper.moe)
+    model.nxd_moe_patched = PatchReport(
+        model_type=cfg.hf_model_type, block_class=family.block_classes[0], backend=wrapper.moe.expert_mlps.backend.name,
+        quantization=formats[0], shared_quantization=formats[1], patched=tuple(paths), kept=tuple(kept))
+    return model
