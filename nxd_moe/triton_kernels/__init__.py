@@ -4,7 +4,9 @@ Optional: ``pip install 'nxd-moe[gpu]'``. Nothing else in nxd_moe imports this p
 Triton; ``ExpertMLPsV2(..., backend="triton")`` imports it on first use.
 """
 
+import contextlib
 import os
+import threading
 
 try:
     import triton  # noqa: F401
@@ -15,3 +17,30 @@ except ImportError as error:  # pragma: no cover - exercised only where triton i
 def interpreting() -> bool:
     """Whether kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: CPU tensors, programs one at a time)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class _GraphCall(threading.local):
+    active = False
+
+
+_graph_call = _GraphCall()
+
+
+@contextlib.contextmanager
+def compiled_graph_call():
+    """Marks the launches inside as one op of a ``torch.compile``'d graph
+    (:mod:`~nxd_moe.triton_kernels.compiled`). There, memory belongs to the graph: under ``mode="reduce-overhead"``
+    Inductor's CUDA-graph trees run and capture the op with every allocation going to their private pool, whose
+    allocator state they later roll back to checkpoints that know nothing of tensors we would keep. So inside, no
+    device tensor may outlive the call: scratch is allocated per call, and no weight copy is built and cached."""
+    outer = _graph_call.active
+    _graph_call.active = True
+    try:
+        yield
+    finally:
+        _graph_call.active = outer
+
+
+def in_compiled_graph_call() -> bool:
+    """Whether the current launch runs inside :func:`compiled_graph_call`."""
+    return _graph_call.active

@@ -28,7 +28,7 @@ from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.quantization.weight import QuantizedWeight
-from nxd_moe.triton_kernels import persistent_decode, prefill_gemm
+from nxd_moe.triton_kernels import compiled, persistent_decode, prefill_gemm
 from nxd_moe.triton_kernels import router as router_kernel
 from nxd_moe.triton_kernels.combine import combine_rows
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, FORMAT_CODES, down_projection, gate_up_projection
@@ -119,6 +119,13 @@ class TritonBackend(ExpertsBackend):
         self.fuse_router = fuse_router
         # Launch configurations by static shape: looked up once, not on every forward.
         self._configs: dict[tuple, dict] = {}
+        # How the ops of a torch.compile'd graph find this backend (see compiled.py).
+        self.handle = compiled.register(self)
+
+    def __setstate__(self, state):
+        """A copy (``copy.deepcopy`` of a layer, unpickling) is another backend: its own handle."""
+        self.__dict__.update(state)
+        self.handle = compiled.register(self)
 
     def _config(self, hidden_states: torch.Tensor, weights: ExpertWeights, top_k: int, decode: bool = False) -> dict:
         if decode and self.decode_configs is not None:
@@ -179,6 +186,9 @@ class TritonBackend(ExpertsBackend):
 
     def build_routing(self, expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask=None):
         """One fused kernel instead of the torch version's chain of small ones (decode latency)."""
+        if torch.compiler.is_compiling():
+            return compiled.build_routing(self, expert_affinities, expert_index, num_experts, normalize, prescale,
+                                          padding_mask)
         _check_device(expert_affinities)
         return fused_routing(expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask)
 
@@ -191,6 +201,8 @@ class TritonBackend(ExpertsBackend):
                       optimized: bool) -> BlockMapping:
         """NxD's mapping and the GPU tiles from the two routing-metadata kernels (``optimized`` changes how the
         torch version computes the same mapping; it has no meaning here)."""
+        if torch.compiler.is_compiling():
+            return compiled.block_mapping(self, routing, weights, block_size, n_blocks)
         _check_device(routing.affinities)
         config = self._config(routing.affinities, weights, routing.expert_index.shape[1])
         mapping, tiles = routing_layout(routing.expert_mask, routing.expert_index, block_size, n_blocks,
@@ -221,6 +233,8 @@ class TritonBackend(ExpertsBackend):
         return combine_rows(rows, layout.pair_row, pair_expert, affinities, routing.prescale, x.dtype, addend)
 
     def blockwise(self, hidden_states, routing, mapping, weights, config, addend=None):
+        if torch.compiler.is_compiling():
+            return compiled.experts(self, "blockwise", hidden_states, routing, weights, addend, mapping=mapping)[0]
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         tiles = mapping.tiles
@@ -232,6 +246,8 @@ class TritonBackend(ExpertsBackend):
     def selective_loading(self, hidden_states, routing, weights, addend=None):
         """Decode sizes run as one persistent launch (:mod:`~nxd_moe.triton_kernels.persistent_decode`); larger
         problems as the separate kernels with decode-sized tiles."""
+        if torch.compiler.is_compiling():
+            return compiled.experts(self, "selective_loading", hidden_states, routing, weights, addend)[0]
         _check_device(hidden_states)
         num_tokens, top_k = routing.expert_index.shape
         if self._one_launch(num_tokens, top_k, weights):
@@ -246,6 +262,10 @@ class TritonBackend(ExpertsBackend):
         return self._run(hidden_states, routing, weights, tiles, launch, addend)
 
     def capacity_factor(self, hidden_states, routing, capacity, weights, addend=None):
+        if torch.compiler.is_compiling():
+            out, dropped = compiled.experts(self, "capacity_factor", hidden_states, routing, weights, addend,
+                                            capacity=capacity)
+            return out, dropped
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         block_m = launch["block_m"]
@@ -254,6 +274,8 @@ class TritonBackend(ExpertsBackend):
         return self._run(hidden_states, routing, weights, tiles, launch, addend), dropped
 
     def all_experts(self, hidden_states, routing, weights, addend=None):
+        if torch.compiler.is_compiling():
+            return compiled.experts(self, "all_experts", hidden_states, routing, weights, addend)[0]
         _check_device(hidden_states)
         launch = self._config(hidden_states, weights, routing.expert_index.shape[1])
         block_m = launch["block_m"]
@@ -279,9 +301,15 @@ class TritonBackend(ExpertsBackend):
         if not (wanted and type(router) is RouterTopK and not (router.training and router.jitter_eps > 0)
                 and router_kernel.applies(hidden_states, linear.weight, router.top_k)):
             return None
+        return self.router_top_k(hidden_states, linear.weight, linear.bias, router.top_k, router.act_fn == "sigmoid",
+                                 router.apply_act_fn_over_topk)
+
+    def router_top_k(self, hidden_states, weight, bias, top_k: int, sigmoid: bool, act_over_topk: bool):
+        """The router kernel's launch (:func:`~nxd_moe.triton_kernels.router.router_top_k`)."""
+        if torch.compiler.is_compiling():
+            return compiled.router_top_k(self, hidden_states, weight, bias, top_k, sigmoid, act_over_topk)
         _check_device(hidden_states)
-        return router_kernel.router_top_k(hidden_states, linear.weight, linear.bias, router.top_k,
-                                          router.act_fn == "sigmoid", router.apply_act_fn_over_topk)
+        return router_kernel.router_top_k(hidden_states, weight, bias, top_k, sigmoid, act_over_topk)
 
     def fused_decode(self, hidden_states, router, experts, shared_experts, padding_mask):
         """A single-device decode layer in one launch when everything in it has a fused form: a
@@ -303,13 +331,20 @@ class TritonBackend(ExpertsBackend):
             shared = _shared_parts(shared_experts, hidden_states.dtype)
             if shared is None:
                 return None
-        _check_device(hidden_states)
         parts = persistent_decode.RouterParts(linear.weight, linear.bias, cfg.top_k, router.act_fn == "sigmoid",
                                               router.apply_act_fn_over_topk, cfg.normalize_top_k_affinities,
                                               padding_mask)
-        return persistent_decode.moe_decode(hidden_states, parts, self._decode_weights(weights),
-                                            self._config(hidden_states, weights, cfg.top_k, decode=True),
-                                            cfg.early_expert_affinity_modulation, shared)
+        return self.moe_decode(hidden_states, parts, weights, cfg.early_expert_affinity_modulation, shared)
+
+    def moe_decode(self, hidden_states, router: persistent_decode.RouterParts, weights: ExpertWeights,
+                   prescale: bool, shared: persistent_decode.SharedParts | None):
+        """The one-launch decode's launch (:func:`~nxd_moe.triton_kernels.persistent_decode.moe_decode`)."""
+        if torch.compiler.is_compiling():
+            return compiled.moe_decode(self, hidden_states, router, weights, prescale, shared)
+        _check_device(hidden_states)
+        return persistent_decode.moe_decode(hidden_states, router, self._decode_weights(weights),
+                                            self._config(hidden_states, weights, router.top_k, decode=True),
+                                            prescale, shared)
 
     def __repr__(self) -> str:
         options = {"configs": self.configs, "decode_configs": self.decode_configs}

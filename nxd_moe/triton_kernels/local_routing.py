@@ -52,7 +52,7 @@ def fused_local_routing(pair_expert: torch.Tensor, pair_weight: torch.Tensor, lo
     index = torch.empty(num_rows, local_k, dtype=torch.int64, device=device)
     if num_rows:
         _local_routing_kernel[(num_rows,)](
-            pair_expert, pair_weight, local_slot.contiguous(), mask.view(torch.uint8), affinities, index, num_local,
+            pair_expert, pair_weight, local_slot.contiguous(), mask, affinities, index, num_local,
             top_k, local_k, pair_expert.stride(0), pair_weight.stride(0),
             BLOCK_E=triton.next_power_of_2(num_local), BLOCK_K=triton.next_power_of_2(top_k))
     return Routing(index, mask, affinities, prescale, has_padding=True)

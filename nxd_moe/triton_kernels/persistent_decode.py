@@ -45,7 +45,7 @@ from nxd_moe.triton_kernels.combine import _combine_token, combine_width
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _down_tile, _gate_up_tile, _stored, epilogue_arguments
 from nxd_moe.triton_kernels.router import activation, top_k_rounds
 from nxd_moe.triton_kernels.routing_metadata import max_tiles
-from nxd_moe.triton_kernels import interpreting
+from nxd_moe.triton_kernels import in_compiled_graph_call, interpreting
 
 # The synchronisation buffer (int32). Each global counter has its own 128-byte line, each tile counter its own
 # 32-byte sector: polled words never share a sector with the item queue's counter.
@@ -500,24 +500,24 @@ class _Plan:
         max_items = (num_router_items + route_items + 1 + shared_tiles * (_cdiv(max(shared_inter, 1), gu_n) + dn_cols)
                      + tile_bound * (_cdiv(inter, gu_n) + dn_cols * split) + num_tokens * _cdiv(hidden, combine_h))
         self.programs = min(max_items, _multiprocessors(device) * config["programs_per_sm"])
-        self.sync = _sync_buffer(device, TILE_COUNTERS.value + 2 * tile_bound * TILE_STRIDE.value)
+        self.sync_slots = TILE_COUNTERS.value + 2 * tile_bound * TILE_STRIDE.value
         block_p = max(16, _pow2(num_tokens * top_k))
         block_e = max(2, _pow2(num_experts))
         route_t = max(16, _pow2(num_tokens))
         self.sizes = (num_tokens, num_rows, max_items, tile_bound, self.programs)
-        self.trace = torch.zeros(max_items, 4, dtype=torch.int64, device=device) if trace else None
-        empty = functools.partial(torch.empty, device=device)
-        self.scratch = dict(
-            part=empty(max(route_parts, 1), num_tokens, num_experts, dtype=torch.float32),
-            sort=empty(block_p, dtype=torch.int32), row_token=empty(num_rows, dtype=torch.int64),
-            tile_expert=empty(tile_bound, dtype=torch.int32), pair_row=empty(num_tokens, top_k, dtype=torch.int64),
-            act=empty(num_rows, inter, dtype=dtype),
-            y=empty(split, num_rows, hidden, dtype=dtype if split == 1 else torch.float32),
-            sh_act=empty(max(shared_tiles * block_m, 1), max(shared_inter, 1), dtype=dtype),
-            sh_y=empty(max(shared_tiles * block_m, 1), hidden, dtype=dtype))
+        self.scratch_shapes = dict(
+            part=((max(route_parts, 1), num_tokens, num_experts), torch.float32), sort=((block_p,), torch.int32),
+            row_token=((num_rows,), torch.int64), tile_expert=((tile_bound,), torch.int32),
+            pair_row=((num_tokens, top_k), torch.int64), act=((num_rows, inter), dtype),
+            y=((split, num_rows, hidden), dtype if split == 1 else torch.float32),
+            sh_act=((max(shared_tiles * block_m, 1), max(shared_inter, 1)), dtype),
+            sh_y=((max(shared_tiles * block_m, 1), hidden), dtype))
         if router is not None:  # the routing the kernel writes; only logits and expert_index are returned
-            self.scratch.update(mask=empty(num_tokens, num_experts, dtype=torch.uint8),
-                                affinities=empty(num_tokens, num_experts, dtype=torch.float32))
+            self.scratch_shapes.update(mask=((num_tokens, num_experts), torch.uint8),
+                                       affinities=((num_tokens, num_experts), torch.float32))
+        if trace:
+            self.scratch_shapes.update(trace=((max_items, 4), torch.int64))
+        self.sync = self.scratch = self.trace = None  # made on the first launch outside a compiled graph
         shared_strides = (0, 0, 0, 0) if shared is None else (*shared.gate.stride(), *shared.down.stride())
         self.constexprs = dict(
             hidden=hidden, inter=inter, inter_actual=scalars[0], shared_inter=shared_inter, num_experts=num_experts,
@@ -546,6 +546,26 @@ class _Plan:
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
         self.config = config  # held: ``id(config)`` is part of the plan's key and must not be reused by another dict
         self.compiled = None
+
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, dict]:
+        """``(counters, scratch)`` for a launch: the plan's own, made once and reused by every launch on its stream
+        (the last program out leaves the counters zeroed) -- or, inside a compiled graph's op, fresh zeroed counters
+        and scratch for this call alone (:func:`~nxd_moe.triton_kernels.compiled_graph_call` says why)."""
+        if in_compiled_graph_call():
+            return (torch.zeros(self.sync_slots, dtype=torch.int32, device=device),
+                    self._new_scratch(device))
+        if self.scratch is None:
+            self.sync = _sync_buffer(device, self.sync_slots)
+            self.scratch = self._new_scratch(device)
+            self.trace = self.scratch.get("trace")
+        return self.sync, self.scratch
+
+    def _new_scratch(self, device: torch.device) -> dict:
+        scratch = {name: torch.empty(shape, dtype=dtype, device=device)
+                   for name, (shape, dtype) in self.scratch_shapes.items()}
+        if "trace" in scratch:
+            scratch["trace"].zero_()  # the rows of items a launch does not run stay 0
+        return scratch
 
     def launch(self, tensors: dict) -> None:
         args = [tensors.get(name, None) for name in _RUNTIME]
@@ -622,15 +642,16 @@ def selective_loading(hidden_states: torch.Tensor, routing: Routing, weights: Ex
     :class:`~nxd_moe.experts.routing_inputs.Routing` -> ``(T, H)`` (``+ addend``)."""
     x = hidden_states.contiguous()
     index = routing.expert_index.contiguous()
-    mask = routing.expert_mask.contiguous().view(torch.uint8)
+    mask = routing.expert_mask.contiguous()
     affinities = routing.affinities.contiguous()
     addend = None if addend is None else addend.contiguous()
     num_experts = mask.shape[1]
     plan = _plan(x, weights, config, num_experts, index.shape[1], routing.prescale, None, None, addend is not None,
                  (x, index, mask, affinities, addend))
+    sync, scratch = plan.buffers(x.device)
     out = torch.empty_like(x)
-    plan.launch(dict(x=x, index=index, mask=mask, affinities=affinities, addend=addend, out=out, sync=plan.sync,
-                     trace=plan.trace, **_weight_tensors(weights), **plan.scratch))
+    plan.launch(dict(x=x, index=index, mask=mask, affinities=affinities, addend=addend, out=out, sync=sync,
+                     **_weight_tensors(weights), **scratch))
     return out
 
 
@@ -641,16 +662,16 @@ def moe_decode(hidden_states: torch.Tensor, router: RouterParts, weights: Expert
     x = hidden_states.contiguous()
     num_tokens = x.shape[0]
     num_experts = router.weight.shape[0]
-    padding = None if router.padding is None else router.padding.contiguous().view(torch.uint8)
+    padding = None if router.padding is None else router.padding.contiguous()
     plan = _plan(x, weights, config, num_experts, router.top_k, prescale, router, shared, shared is not None,
                  (x, padding))
+    sync, scratch = plan.buffers(x.device)
     logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     index = torch.empty(num_tokens, router.top_k, dtype=torch.int64, device=x.device)
     out = torch.empty_like(x)
     tensors = dict(x=x, index=index, padding=padding, logits=logits, out=out, router_w=router.weight,
-                   router_b=router.bias, sync=plan.sync, trace=plan.trace, **_weight_tensors(weights),
-                   **plan.scratch)
+                   router_b=router.bias, sync=sync, **_weight_tensors(weights), **scratch)
     if shared is not None:
-        tensors.update(sh_gate=shared.gate, sh_up=shared.up, sh_down=shared.down, addend=plan.scratch["sh_y"])
+        tensors.update(sh_gate=shared.gate, sh_up=shared.up, sh_down=shared.down, addend=scratch["sh_y"])
     plan.launch(tensors)
     return out, logits, index

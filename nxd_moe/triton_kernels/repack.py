@@ -36,6 +36,7 @@ import torch
 
 from nxd_moe.quantization.formats import QuantizationFormat, Shape
 from nxd_moe.quantization.weight import QuantizedWeight
+from nxd_moe.triton_kernels import in_compiled_graph_call
 
 CHUNK = 64  # K values per thread run of the operand (4 threads x 16 values)
 # Where each code's bits (sign, exponent high, exponent low, mantissa) sit in a 32-bit word, for the four
@@ -171,15 +172,17 @@ def _version(weight: QuantizedWeight) -> tuple:
 def repacked(weight: QuantizedWeight) -> RepackedWeight | None:
     """``weight``'s repacked copy, built on first use and cached until the stored tensors are written or freed.
 
-    None when it is not cached and the current stream is capturing a CUDA graph: building it there would record
-    the repack into the graph (and redo it on every replay), so the caller reads the stored layout instead -- run
-    one eager call (as CUDA-graph warm-up does) before capturing."""
+    None when it is not cached and the current stream is capturing a CUDA graph (building it there would record
+    the repack into the graph, and redo it on every replay) or the call is an op of a ``torch.compile``'d graph
+    (whose memory is the graph's, :func:`~nxd_moe.triton_kernels.compiled_graph_call`): the caller then reads the
+    stored layout instead -- same result, slower decode. One eager decode call before capturing or compiling (as
+    CUDA-graph warm-up does) builds it."""
     key = id(weight.weight)
     entry = _CACHE.get(key)
     version = _version(weight)
     if entry is not None and entry[0]() is weight.weight and entry[1] == version:
         return entry[2]
-    if weight.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+    if in_compiled_graph_call() or (weight.weight.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     built = _build(weight)
     if entry is None or entry[0]() is not weight.weight:

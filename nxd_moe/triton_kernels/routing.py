@@ -48,9 +48,9 @@ def fused_routing(expert_affinities: torch.Tensor, expert_index: torch.Tensor, n
         expert_affinities = expert_affinities.contiguous()
     mask = torch.empty(num_tokens, num_experts, dtype=torch.bool, device=expert_affinities.device)
     affinities = torch.empty(num_tokens, num_experts, dtype=expert_affinities.dtype, device=expert_affinities.device)
-    padding = None if padding_mask is None else padding_mask.reshape(-1).contiguous().view(torch.uint8)
+    padding = None if padding_mask is None else padding_mask.reshape(-1).contiguous()
     _routing_kernel[(num_tokens,)](
-        expert_affinities, expert_index, padding if padding is not None else mask, mask.view(torch.uint8),
+        expert_affinities, expert_index, padding if padding is not None else mask, mask,
         affinities, num_experts, top_k, expert_affinities.stride(0), expert_index.stride(0),
         HAS_PADDING=padding is not None, NORMALIZE=normalize, BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_K=triton.next_power_of_2(top_k))

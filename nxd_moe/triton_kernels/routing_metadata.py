@@ -203,7 +203,7 @@ def routing_layout(expert_mask: torch.Tensor, expert_index: torch.Tensor, block_
     num_pairs = num_tokens * top_k
     device = expert_mask.device
     expert_index = expert_index.contiguous()
-    mask_bytes = expert_mask.contiguous().view(torch.uint8)
+    expert_mask = expert_mask.contiguous()
     chunk = min(pair_chunk, triton.next_power_of_2(num_pairs))
     num_chunks = triton.cdiv(num_pairs, chunk)
     block_e = triton.next_power_of_2(num_experts)
@@ -211,7 +211,7 @@ def routing_layout(expert_mask: torch.Tensor, expert_index: torch.Tensor, block_
     partial = torch.empty(num_experts, num_chunks, dtype=torch.int64, device=device)
     counts = (torch.empty if count_here else torch.zeros)(num_experts, dtype=torch.int64, device=device)
     if not count_here:
-        _count_kernel[(num_experts, num_chunks)](expert_index, mask_bytes, partial, counts, num_pairs, top_k,
+        _count_kernel[(num_experts, num_chunks)](expert_index, expert_mask, partial, counts, num_pairs, top_k,
                                                  num_experts, num_chunks, CHUNK=chunk)
     num_rows = max_tiles(num_pairs, num_experts, block_m) * block_m
     i64 = dict(dtype=torch.int64, device=device)
@@ -224,7 +224,7 @@ def routing_layout(expert_mask: torch.Tensor, expert_index: torch.Tensor, block_
     num_tiles = torch.empty(1, dtype=torch.int32, device=device)
     pair_row = torch.empty(num_tokens, top_k, **i64)
     _layout_kernel[(num_experts + 1, num_chunks)](
-        expert_index, mask_bytes, partial, counts, block_to_expert, token_position_to_id, conditions, token_slot,
+        expert_index, expert_mask, partial, counts, block_to_expert, token_position_to_id, conditions, token_slot,
         row_token, tile_expert, num_tiles, pair_row, num_pairs, top_k, num_experts, num_chunks, block_size,
         num_blocks, num_rows, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_C=triton.next_power_of_2(num_chunks),
         CHUNK=chunk, COUNT_HERE=count_here)
