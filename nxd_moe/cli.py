@@ -55,6 +55,7 @@ AUTO_SCALE_MAX_HIDDEN = 256
 SUBCOMMANDS = {
     "trace": "nxd_moe.trace",
     "plan": "nxd_moe.nki_kernels.plan",
+    "generate": "nxd_moe.models.generate",
 }
 
 DEFAULT_TOKENS = 512

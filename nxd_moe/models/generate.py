@@ -1,0 +1,194 @@
+"""``nxd-moe generate``: a whole transformers MoE model generating through nxd_moe, next to transformers' default.
+
+The model is a shipped config's architecture with random weights (``--config``, ``--scale``, ``--layers``) or a
+local checkpoint directory (``--hf-model``, safetensors only). The same prompts run through transformers' default
+experts implementation and through nxd_moe (``--path patch``: every sparse-MoE block replaced by nxd_moe's ``MoE``;
+``--path experts``: transformers' blocks with nxd_moe's experts backend), greedy, eagerly or with transformers'
+compiled recipe (``--compile``: static cache, decode step under ``torch.compile(mode="reduce-overhead",
+fullgraph=True)``). It prints prefill time, decode tokens/s of both, and whether they chose the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HELP = "generate with a whole transformers MoE model through nxd_moe and print tokens/s next to transformers' default"
+
+PATHS = ("patch", "experts")
+# transformers' default experts implementation (its generate swaps in batched_mm for decode steps on a GPU).
+TRANSFORMERS_DEFAULT = "grouped_mm"
+
+
+def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.device):
+    """A transformers model from a local checkpoint directory, read from safetensors files only.
+
+    A directory holding only pickle weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) is refused by name: unpickling
+    runs code from the file.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"--hf-model must be a local checkpoint directory, got {str(path)!r}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--hf-model {str(path)!r} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(ext))
+        found = f"it holds pickle weights ({', '.join(pickles[:4])}), which are never unpickled" if pickles else \
+            "it holds no weights"
+        raise ValueError(f"--hf-model {str(path)!r}: only safetensors checkpoints are read, and {found}; convert it "
+                         "to safetensors first")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device).eval()
+
+
+def generate_tokens(model, ids: torch.Tensor, new_tokens: int, compiled: bool) -> torch.Tensor:
+    from transformers import CompileConfig
+
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if compiled:
+        kwargs.update(cache_implementation="static",
+                      compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    else:
+        kwargs.update(disable_compile=True)
+    with torch.inference_mode():
+        return model.generate(ids, **kwargs)
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, repeats: int) -> dict:
+    """Prefill ms (a one-token generate) and decode tokens/s (the rest of an ``new_tokens`` generate), medians of
+    ``repeats`` runs after a warm-up run (which also compiles), and the generated tokens."""
+    def timed(n: int) -> tuple[float, torch.Tensor]:
+        if ids.is_cuda:
+            torch.cuda.synchronize(ids.device)
+        start = time.perf_counter()
+        out = generate_tokens(model, ids, n, compiled)
+        if ids.is_cuda:
+            torch.cuda.synchronize(ids.device)
+        return time.perf_counter() - start, out
+
+    # Two warm-up runs: the first compiles (Triton kernels; Inductor under --compile), and attention libraries plan
+    # once per new cache length, so the timed runs see only lengths already seen.
+    timed(new_tokens)
+    timed(new_tokens)
+    timed(1)
+    prefill, whole, out = [], [], None
+    for _ in range(repeats):
+        prefill.append(timed(1)[0])
+        t, out = timed(new_tokens)
+        whole.append(t)
+    t1, tn = statistics.median(prefill), statistics.median(whole)
+    step = max(tn - t1, 1e-9) / (new_tokens - 1)
+    return {"prefill_ms": round(t1 * 1e3, 2), "decode_ms_per_step": round(step * 1e3, 3),
+            "decode_tokens_per_s": round(ids.shape[0] / step, 1), "tokens": out[:, ids.shape[1]:]}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from nxd_moe.cli import _positive_int, _scale
+    from nxd_moe.config import builtin_config_names
+
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help=f"YAML path or built-in name ({', '.join(builtin_config_names())}): the "
+                                         "architecture, with random weights")
+    source.add_argument("--hf-model", help="a local transformers checkpoint directory (safetensors only)")
+    parser.add_argument("--scale", type=_scale, default="auto",
+                        help="with --config: divide the widths by this; 1 = full size; 'auto' (default): 1 on a GPU, "
+                             "else the layer scale `nxd-moe run` picks")
+    parser.add_argument("--layers", type=int, default=4,
+                        help="with --config: decoder layers (default 4; 0 = the architecture's full depth)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--batch", type=_positive_int, default=1, help="sequences (default 1)")
+    parser.add_argument("--prompt-len", type=_positive_int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=_positive_int, default=16, help="generated tokens (default 16, >= 2)")
+    parser.add_argument("--compile", action="store_true",
+                        help="transformers' compiled recipe: static cache, decode step under torch.compile("
+                             "mode='reduce-overhead', fullgraph=True)")
+    parser.add_argument("--path", default="patch", choices=PATHS,
+                        help="patch (default): nxd_moe.hf.patch_model replaces each sparse-MoE block; experts: "
+                             "transformers' blocks with experts_implementation='nxd_moe'")
+    parser.add_argument("--backend", default=None,
+                        help="nxd_moe backend (default: triton on CUDA where it imports, else torch)")
+    parser.add_argument("--repeats", type=_positive_int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from nxd_moe.cli import auto_scale, resolve_device, resolve_dtype
+    from nxd_moe.config import load_model_config
+    from nxd_moe.hf import patch_model
+    from nxd_moe.models.hf_models import build_hf_model
+
+    if args.new_tokens < 2:
+        raise ValueError(f"--new-tokens must be >= 2 (one prefill token and at least one decode step), got "
+                         f"{args.new_tokens}")
+    if args.layers < 0:
+        raise ValueError(f"--layers must be >= 0 (0 = full depth), got {args.layers}")
+    device = resolve_device(args.device, args.backend or "torch")
+    dtype = resolve_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    if args.hf_model is not None:
+        model = load_checkpoint_model(args.hf_model, dtype, device)
+        source = {"hf_model": str(args.hf_model)}
+    else:
+        config = load_model_config(args.config)
+        scale = args.scale
+        if scale == "auto":
+            scale = 1 if device.type == "cuda" else auto_scale(config.hidden_size)
+        model = build_hf_model(config, num_layers=args.layers or None, scale=scale, dtype=dtype, device=device,
+                               seed=args.seed)
+        source = {"config": config.name, "scale": scale}
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.prompt_len), device=device,
+                        generator=torch.Generator(device).manual_seed(args.seed))
+    compiled = bool(args.compile)
+    model.set_experts_implementation(TRANSFORMERS_DEFAULT)
+    baseline = timed_generate(model, ids, args.new_tokens, compiled, args.repeats)
+    if args.path == "patch":
+        patch_model(model, backend=args.backend)
+        ours_name = "patch_model"
+    else:
+        ours_name = "nxd_moe" if args.backend is None else f"nxd_moe_{args.backend}"
+        model.set_experts_implementation(ours_name)
+    ours = timed_generate(model, ids, args.new_tokens, compiled, args.repeats)
+    same = (ours.pop("tokens") == baseline.pop("tokens")).float().mean().item()
+    return {
+        **source, "model_type": model.config.model_type, "layers": model.config.get_text_config().num_hidden_layers,
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "compiled": compiled,
+        "transformers": {"experts_implementation": TRANSFORMERS_DEFAULT, **baseline},
+        "nxd_moe": {"path": ours_name, **ours},
+        "speedup_decode": round(ours["decode_tokens_per_s"] / baseline["decode_tokens_per_s"], 2),
+        "speedup_prefill": round(baseline["prefill_ms"] / ours["prefill_ms"], 2),
+        "same_tokens": round(same, 3),
+    }
+
+
+def format_report(report: dict) -> str:
+    what = report.get("config") or report.get("hf_model")
+    lines = [f"nxd-moe generate: {what} ({report['model_type']}, {report['layers']} layers, {report['dtype']} on "
+             f"{report['device']}{', compiled' if report['compiled'] else ''}), batch {report['batch']}, prompt "
+             f"{report['prompt_len']}, {report['new_tokens']} new tokens"]
+    for name in ("transformers", "nxd_moe"):
+        row = report[name]
+        label = f"{name} ({row.get('experts_implementation') or row.get('path')})"
+        lines.append(f"{label:34s} prefill {row['prefill_ms']:9.2f} ms   decode {row['decode_tokens_per_s']:9.1f} "
+                     f"tokens/s")
+    lines.append(f"nxd_moe vs transformers: decode x{report['speedup_decode']}, prefill x{report['speedup_prefill']}; "
+                 f"same greedy tokens: {report['same_tokens']:.0%}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = run(args)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"nxd-moe generate: error: {e}") from None
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
