@@ -409,22 +409,46 @@ def test_expert_index_out_of_range_is_named_by_default(inputs, backend, bad):
     experts(x, a, i)
 
 
+def imported_modules(paths) -> list[tuple[str, str]]:
+    """``(file name, module)`` of every import statement in the Python files ``paths``."""
+    import ast
+
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [(path.name, n) for n in names]
+    return found
+
+
+def importing(paths, packages: tuple[str, ...]) -> list[str]:
+    return [f"{file}: {name}" for file, name in imported_modules(paths)
+            if any(name == p or name.startswith(p + ".") for p in packages)]
+
+
 def test_experts_do_not_import_the_parallel_layer():
     """The experts compute on the rows they are given; moving tokens between ranks is nxd_moe.parallel's job, so
     the arrows point one way: parallel -> experts, never back."""
-    import ast
     from pathlib import Path
 
     import nxd_moe.experts
 
-    offenders = []
-    for path in Path(nxd_moe.experts.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            offenders += [f"{path.name}: {n}" for n in names if n == "nxd_moe.parallel" or
-                          n.startswith("nxd_moe.parallel.")]
+    offenders = importing(Path(nxd_moe.experts.__file__).parent.glob("*.py"), ("nxd_moe.parallel",))
     assert not offenders, offenders
+
+
+def test_core_does_not_import_transformers_or_the_model_layer():
+    """experts <- parallel <- moe.py <- models: the layers know nothing of transformers or of whole models."""
+    from pathlib import Path
+
+    import nxd_moe
+
+    root = Path(nxd_moe.__file__).parent
+    core = [p for d in ("experts", "routing", "parallel") for p in (root / d).rglob("*.py")] + [root / "moe.py"]
+    forbidden = ("transformers", "nxd_moe.models", "nxd_moe.hf")
+    assert not importing(core, forbidden), importing(core, forbidden)
+    assert importing([root / "models" / "patch.py"], forbidden)  # the scan sees what the model layer imports
 
 
 def test_moe_validate_inputs():

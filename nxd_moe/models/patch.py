@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from nxd_moe.build import build_moe
 from nxd_moe.config import MoEModelConfig
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.hf import (
@@ -23,6 +24,7 @@ from nxd_moe.hf import (
     _expected_nxd,
     _family,
     _hf_block_to_nxd,
+    check_hf_block,
     check_stored_formats,
     from_hf_config,
     from_hf_moe_block,
@@ -100,7 +102,10 @@ class PatchedMoEBlock(nn.Module):
         ordered = [k for k in module.hf_dtypes if k in hf] + [k for k in hf if k not in module.hf_dtypes]
         for key in ordered:
             value, dtype = hf[key], module.hf_dtypes.get(key)
-            state_dict[prefix + key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+            # Unquantized tensors in the block's dtypes (the router); FP8 and packed MXFP4 ones as stored.
+            if dtype is not None and value.is_floating_point() and value.element_size() > 1:
+                value = value.to(dtype)
+            state_dict[prefix + key] = value
 
     @staticmethod
     def _from_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict,
@@ -213,10 +218,15 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     if not paths:
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no "
                          f"{' or '.join(family.block_classes)} to replace; every layer is dense")
-    first = model.get_submodule(paths[0])
     if backend is None:
-        backend = _default_backend(next(first.parameters()).device)
-    del first
+        backend = _default_backend(next(model.get_submodule(paths[0]).parameters()).device)
+    # Everything that can be refused is checked before the first block changes: the layer's arguments (a layer on
+    # the meta device, no memory) and every block's tensors.
+    build_moe(cfg, device="meta", backend=backend, quantization=quantization,
+              **({} if cfg.shared_experts is None else {"shared_quantization": shared_quantization}), **build_kwargs)
+    expected = _expected_nxd(cfg)
+    for path in paths:
+        check_hf_block(model.get_submodule(path).state_dict(), cfg, expected, f"{path}.")
     formats = None
     # Only paths are held, so each block's tensors go as soon as its replacement is in place.
     for path in paths:
