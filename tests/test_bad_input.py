@@ -451,6 +451,19 @@ def test_core_does_not_import_transformers_or_the_model_layer():
     assert importing([root / "models" / "patch.py"], forbidden)  # the scan sees what the model layer imports
 
 
+def test_check_finite_counts_exactly():
+    """Finite values whose sum overflows are fine; each NaN and Inf is counted, in every slice of a large tensor."""
+    from nxd_moe.validation import check_finite
+
+    check_finite(torch.full((4,), 3e38), "big")
+    large = torch.zeros(3, 1 << 25)  # two slices of 2^26 elements at most
+    large[0, 0], large[2, 5], large[2, 6] = math.nan, math.inf, -math.inf
+    with pytest.raises(ValueError, match=r"large contains 3 NaN/Inf value\(s\)"):
+        check_finite(large, "large")
+    with pytest.raises(ValueError, match=r"fp8 contains 1 NaN/Inf"):
+        check_finite(torch.tensor([1.0, math.nan]).to(torch.float8_e4m3fn), "fp8")
+
+
 def test_moe_validate_inputs():
     moe = MoE(make_router("topk_softmax", E, K, H), make_experts(make_config(num_experts=E, top_k=K)),
               validate_inputs=True).eval()

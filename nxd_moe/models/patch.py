@@ -167,6 +167,11 @@ def _check_model(model: Any) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no sparse-MoE block "
                          f"nxd_moe converts; supported model types: {list(SUPPORTED_MODEL_TYPES)}")
+    text_config = getattr(config, "text_config", None) or config
+    if getattr(text_config, "output_router_logits", False):
+        # transformers records them with hooks on its router classes, which the patched blocks no longer contain.
+        raise ValueError("patch_model: config.output_router_logits is True, but patched blocks do not record router "
+                         "logits (transformers' auxiliary training loss); set it to False")
     return model_type
 
 

@@ -470,7 +470,12 @@ def test_bad_models_are_named():
     config.mlp_only_layers = [0, 1]
     with pytest.raises(ValueError, match="has no Qwen3MoeSparseMoeBlock to replace; every layer is dense"):
         patch_model(transformers.Qwen3MoeForCausalLM(config))
-    model = patch_model(original("mixtral"))
+    model = original("mixtral")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits is True, but patched blocks do not record"):
+        patch_model(model)
+    model.config.output_router_logits = False
+    patch_model(model)
     with pytest.raises(ValueError, match="already patched"):
         patch_model(model)
 
