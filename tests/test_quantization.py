@@ -318,8 +318,9 @@ def test_quantize_shared_experts_alone():
     """Routed and shared experts in different formats from one bf16 layer: the bytes build_moe gives."""
     from nxd_moe.build import scaled_model
 
-    built = build_moe("deepseek-v3", scale=32, quantization="fp8", shared_quantization="fp8_block", seed=0).state_dict()
-    layer = build_moe(scaled_model("deepseek-v3", 32, "fp8_block"), seed=0)
+    config = dataclasses.replace(scaled_model("deepseek-v3", 32, "fp8_block"), num_experts=8, top_k=2)  # small
+    built = build_moe(config, quantization="fp8", shared_quantization="fp8_block", seed=0).state_dict()
+    layer = build_moe(config, seed=0)
     quantize_shared_experts(quantize_experts(layer, "fp8"), "fp8_block")
     got = layer.state_dict()
     assert sorted(got) == sorted(built)
@@ -330,7 +331,7 @@ def test_quantize_shared_experts_alone():
     with pytest.raises(ValueError, match="layer must be an MoE with shared experts, got MoE without shared experts"):
         quantize_shared_experts(build_moe("mixtral-8x7b", scale=32, seed=0), "fp8")
     with pytest.raises(ValueError, match="shared_quantization must be one of"):
-        quantize_shared_experts(build_moe("deepseek-v3", scale=32, seed=0), "int4")
+        quantize_shared_experts(build_moe(config, seed=0), "int4")
 
 
 def test_shared_quantization_bad_input_is_named(monkeypatch):
