@@ -33,7 +33,7 @@ from nxd_moe.hf import (
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import shard_state_dict
 from nxd_moe.quantization.formats import get_format
-from nxd_moe.quantization.quantizer import quantize_experts, quantize_shared_experts
+from nxd_moe.quantization.quantizer import holds_whole_experts, quantize_experts, quantize_shared_experts
 
 __all__ = ["PatchReport", "PatchedMoEBlock", "patch_model"]
 
@@ -90,6 +90,10 @@ class PatchedMoEBlock(nn.Module):
 
     @staticmethod
     def _to_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        if _sharded(module.moe):
+            raise NotImplementedError(f"state_dict of {prefix or 'the block'!r} ({module.block_class} patched by "
+                                      "nxd_moe): under model parallelism each rank holds only its shard of the "
+                                      "experts; save the checkpoint from a model patched in one process")
         own = prefix + "moe."
         nxd = {key[len(own):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(own)]}
         # The Hub's per-expert layout is the one FP8 checkpoints have; unquantized experts keep transformers' own.
@@ -123,6 +127,11 @@ class PatchedMoEBlock(nn.Module):
             own = module.moe.state_dict()
             nxd = {k: v.to(own[k].dtype).contiguous() for k, v in nxd.items()}
         state_dict.update({prefix + "moe." + k: v for k, v in nxd.items()})
+
+
+def _sharded(moe: MoE) -> bool:
+    return moe.expert_mlps.is_sharded or (moe.shared_experts is not None
+                                          and moe.shared_experts.intermediate_shard is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +206,10 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     checkpoints (GPT-OSS MXFP4 and DeepSeek-V3 FP8 tensors as stored, into a model patched with that
     quantization) and ``save_pretrained`` writes a checkpoint transformers loads unpatched. ``model.nxd_moe_patched``
     is a :class:`PatchReport`.
+
+    With :mod:`nxd_moe.parallel_state` initialised (expert parallelism), each rank's layers hold its experts only and
+    the rest of the model stays whole: each rank runs its own sequences (same shapes on every rank) and
+    ``generate(..., synced_gpus=True)`` keeps the ranks in step; ``state_dict`` of such a model is refused.
     """
     model_type = _check_model(model)
     for name in _FIXED_BY_THE_BLOCK:
@@ -227,8 +240,14 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         backend = _default_backend(next(model.get_submodule(paths[0]).parameters()).device)
     # Everything that can be refused is checked before the first block changes: the layer's arguments (a layer on
     # the meta device, no memory) and every block's tensors.
-    build_moe(cfg, device="meta", backend=backend, quantization=quantization,
-              **({} if cfg.shared_experts is None else {"shared_quantization": shared_quantization}), **build_kwargs)
+    probe = build_moe(cfg, device="meta", backend=backend, quantization=quantization,
+                      **({} if cfg.shared_experts is None else {"shared_quantization": shared_quantization}),
+                      **build_kwargs)
+    tensor_parallel = not holds_whole_experts(probe.expert_mlps) or (
+        probe.shared_experts is not None and probe.shared_experts.intermediate_shard is not None)
+    if tensor_parallel and (quantization, shared_quantization) != (None, None):
+        raise NotImplementedError("patch_model: quantizing on patch under tensor parallelism or hybrid sharding is "
+                                  "not supported yet (expert parallelism alone is); patch in one process")
     expected = _expected_nxd(cfg)
     for path in paths:
         check_hf_block(model.get_submodule(path).state_dict(), cfg, expected, f"{path}.")
