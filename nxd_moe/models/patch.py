@@ -243,15 +243,15 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     probe = build_moe(cfg, device="meta", backend=backend, quantization=quantization,
                       **({} if cfg.shared_experts is None else {"shared_quantization": shared_quantization}),
                       **build_kwargs)
-    tensor_parallel = not holds_whole_experts(probe.expert_mlps) or (
-        probe.shared_experts is not None and probe.shared_experts.intermediate_shard is not None)
-    if tensor_parallel and (quantization, shared_quantization) != (None, None):
+    # The quantizer takes whole experts: one device, or expert-parallel shards.
+    whole = holds_whole_experts(probe.expert_mlps) and (probe.shared_experts is None
+                                                        or probe.shared_experts.intermediate_shard is None)
+    if not whole and (quantization, shared_quantization) != (None, None):
         raise NotImplementedError("patch_model: quantizing on patch under tensor parallelism or hybrid sharding is "
                                   "not supported yet (expert parallelism alone is); patch in one process")
     expected = _expected_nxd(cfg)
     for path in paths:
         check_hf_block(model.get_submodule(path).state_dict(), cfg, expected, f"{path}.")
-    formats = None
     # Only paths are held, so each block's tensors go as soon as its replacement is in place.
     for path in paths:
         parent_path, _, name = path.rpartition(".")
