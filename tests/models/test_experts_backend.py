@@ -278,6 +278,23 @@ def test_expert_parallel_sentinels_contribute_nothing(kind, mode):
     assert_matches64(out, ref, f"{kind} {mode} sentinels")
 
 
+@pytest.mark.parametrize("mode", list(MODE_TOKENS))
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_no_host_sync_in_eager_calls(kind, mode, monkeypatch):
+    """Eager, first call included (the grouped_mm path, which compiled fp32 graphs do not take): nothing reads a
+    tensor on the host or makes a shape from values."""
+    from conftest import no_host_sync
+
+    module = make_experts(kind)
+    num_tokens = MODE_TOKENS[mode]
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(28))
+    index, weight = routing(num_tokens, seed=29)
+    spy = ExpertsModeSpy(monkeypatch)
+    with no_host_sync():
+        run(module, x, index, weight)
+    assert spy.modes == [mode]
+
+
 def test_modules_of_transformers_5_17():
     """transformers 5.17's decorator sets neither ``has_post_expert_norm`` nor ``_is_expert_parallel``: such a
     module is served with the decorator's defaults, and ids >= E are sentinels regardless."""
