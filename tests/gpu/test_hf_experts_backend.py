@@ -23,7 +23,7 @@ from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
 from hf_helpers import DISPATCHING_FAMILIES, LAYERS, LOGITS_RTOL, ExpertsModeSpy, tiny_causal_lm, token_ids  # noqa: E402
 
 # bf16 logits: eager and nxd_moe round differently (unit roundoff 2**-8) through two layers; 16 roundings' worth of
-# the largest logit bounds what rounding alone can do, a wrong gate or layout is O(1).
+# the largest logit bounds what rounding alone does to a token, a wrong gate or layout is O(1) on every token.
 BF16_LOGITS_RTOL = 16 * 2.0 ** -8
 
 
@@ -60,14 +60,21 @@ def test_whole_model_on_the_triton_backend_matches_eager(family, monkeypatch):
 @pytest.mark.parametrize("implementation", ["nxd_moe", "nxd_moe_torch"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_bf16_whole_model(family, implementation):
+    """bf16: decode-sized (2, 40) and a (1, 600) prefill (triton: blockwise, on Hopper the TMA prefill path; GPT-OSS's
+    interleaved gate/up then runs the tile-per-program gate/up kernel)."""
     model = tiny_causal_lm(family, torch.bfloat16, "cuda")
-    ids = token_ids(2, 40, seed=3).cuda()
-    with torch.no_grad():
-        reference = model(ids).logits
-        model.set_experts_implementation(implementation)
-        ours = model(ids).logits
-    assert ours.dtype == torch.bfloat16
-    assert _relative(ours, reference) <= BF16_LOGITS_RTOL
+    for ids in (token_ids(2, 40, seed=3).cuda(), token_ids(1, 600, seed=5).cuda()):
+        with torch.no_grad():
+            model.set_experts_implementation("eager")
+            reference = model(ids).logits
+            model.set_experts_implementation(implementation)
+            ours = model(ids).logits
+        assert ours.dtype == torch.bfloat16
+        # Layer 0's experts round differently, so layer 1's router may flip a near-tied expert for a few tokens:
+        # nearly every token must agree within the bound.
+        error = (ours.float() - reference.float()).abs().amax(dim=-1)
+        agree = (error <= BF16_LOGITS_RTOL * reference.float().abs().max()).float().mean().item()
+        assert agree >= 0.95, f"{family} {implementation}: {agree:.1%} of tokens within the bf16 bound"
 
 
 def test_switching_costs_no_gpu_memory():
