@@ -124,3 +124,51 @@ MODELS = {
         ffn_config=dict(ffn_hidden_size=i, moe_num_experts=8, moe_top_k=2)),
         24, "transformer.blocks", "ffn", (0, 1), False),
 }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# tiny whole models of the families whose experts transformers dispatches by name (the experts-backend tests)
+
+DISPATCHING_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3")
+# Whole-model logits, nxd_moe against transformers' eager experts (the brief's bound). Both sides fp32, differing only
+# in summation order (grouped vs per-expert matmuls, the combine): each dot of length n <= 64 is off by at most
+# n * 2**-24 ~ 4e-6 relative, and two layers of attention and norms amplify that by O(1); 1e-4 leaves room without
+# accepting a wrong gate layout (the tests' negative controls).
+LOGITS_RTOL = 1e-4
+
+
+def family_config(family: str):
+    """A small transformers config of ``family`` (one of :data:`DISPATCHING_FAMILIES`): :data:`MODELS`' (the GPT-OSS
+    limit there is low enough that its clamps are active on these activations)."""
+    if family not in DISPATCHING_FAMILIES:
+        raise ValueError(f"family must be one of {DISPATCHING_FAMILIES}, got {family!r}")
+    model = MODELS[family]
+    return model.config(HIDDEN, model.intermediate)
+
+
+def tiny_causal_lm(family: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
+    """A random ``AutoModelForCausalLM`` of ``family`` on transformers' eager experts, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(family_config(family), experts_implementation="eager")
+    return randomize_hf_(model, seed=0).to(device=device, dtype=dtype).eval()
+
+
+def token_ids(batch: int, seq_len: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, LAYERS["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+class ExpertsModeSpy:
+    """Records the mode of every call of the nxd_moe experts implementations (and so proves they ran)."""
+
+    def __init__(self, monkeypatch):
+        import nxd_moe.models.experts_backend as backend_module
+
+        self.modes = []
+        original = backend_module.experts_forward_pairs
+
+        def spy(*args, **kwargs):
+            self.modes.append(args[6].value)  # experts_forward_pairs(backend, x, ids, weights, W, slots, mode, ...)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(backend_module, "experts_forward_pairs", spy)

@@ -38,6 +38,7 @@ from nxd_moe.experts.pairs import experts_forward_pairs
 # NxD's defaults: blockwise from T*k >= 512 assignments, selective loading while T*k < E.
 BLOCKWISE_MATMUL_CONFIG = BlockwiseMatmulConfig()
 _LAYOUT = "_nxd_moe_experts_layout"
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 class UnsupportedExpertsError(ValueError):
@@ -104,11 +105,11 @@ def experts_layout(module: nn.Module, where: str | None = None) -> ExpertsLayout
     first_proj = "gate_up_proj" if has_gate else "up_proj"
     first, down = getattr(module, first_proj, None), getattr(module, "down_proj", None)
     for proj, tensor in ((first_proj, first), ("down_proj", down)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or not tensor.is_floating_point():
-            refuse(f"{proj} must be a 3-D floating-point tensor (E, in, out) or (E, out, in), got "
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tensor.dtype not in _WEIGHT_DTYPES:
+            refuse(f"{proj} must be a 3-D tensor of {[str(d) for d in _WEIGHT_DTYPES]}, got "
                    f"{tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
                    f"{' ' + str(tensor.dtype) if isinstance(tensor, torch.Tensor) else ''} (quantized experts "
-                   "modules have their own interface)")
+                   "are not served)")
     transposed = bool(module.is_transposed)
     (experts, hidden, width), (down_experts, inter, down_hidden) = (
         (first.shape, down.shape) if transposed else

@@ -19,16 +19,7 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    DbrxConfig,
-    DeepseekV3Config,
-    GptOssConfig,
-    Llama4TextConfig,
-    MixtralConfig,
-    Qwen2MoeConfig,
-    Qwen3MoeConfig,
-)
+from transformers import AutoModelForCausalLM, DbrxConfig, GptOssConfig, Llama4TextConfig, MixtralConfig  # noqa: E402
 from transformers.activations import ACT2FN as HF_ACT2FN  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation  # noqa: E402
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
@@ -36,7 +27,18 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa:
 
 import nxd_moe.hf  # noqa: E402,F401 (registers the implementations)
 import nxd_moe.models.experts_backend as backend_module  # noqa: E402
-from hf_helpers import one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
+from hf_helpers import (  # noqa: E402,F401 (one_intra_op_thread: autouse fixture)
+    DISPATCHING_FAMILIES,
+    HIDDEN,
+    LAYERS,
+    LOGITS_RTOL,
+    MODELS,
+    ExpertsModeSpy,
+    one_intra_op_thread,
+    randomize_hf_,
+    tiny_causal_lm,
+    token_ids,
+)
 from nxd_moe.config import BlockwiseMatmulConfig  # noqa: E402
 from nxd_moe.experts import ExpertsMode, TorchBackend  # noqa: E402
 from nxd_moe.experts.pairs import experts_forward_pairs  # noqa: E402
@@ -44,29 +46,6 @@ from nxd_moe.hf import check_experts_support, set_experts_implementation  # noqa
 from nxd_moe.models import IMPLEMENTATIONS, UnsupportedExpertsError, experts_forward  # noqa: E402
 from nxd_moe.models.experts_backend import experts_layout, nxd_moe_experts_forward  # noqa: E402
 
-HIDDEN = 32
-LAYERS = dict(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=64)
-FAMILIES = {
-    "mixtral": lambda: MixtralConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                     num_experts_per_tok=2, **LAYERS),
-    "qwen3_moe": lambda: Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24, num_experts=8,
-                                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, **LAYERS),
-    "qwen2_moe": lambda: Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24, num_experts=8,
-                                        num_experts_per_tok=2, shared_expert_intermediate_size=40, **LAYERS),
-    # swiglu_limit low enough that GPT-OSS's clamps are active on these activations.
-    "gpt_oss": lambda: GptOssConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                    num_experts_per_tok=2, swiglu_limit=1.0, head_dim=16, **LAYERS),
-    "deepseek_v3": lambda: DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=16, intermediate_size=48,
-                                            n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
-                                            n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                            first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
-                                            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
-                                            **{**LAYERS, "num_key_value_heads": 2}),
-}
-# The brief's bound for whole-model logits. Both sides are fp32 and differ only in summation order (grouped vs
-# per-expert matmuls, the combine): each dot of length n <= 64 is off by at most n * 2**-24 ~ 4e-6 relative, and
-# two layers of attention and norms amplify that by O(1); 1e-4 leaves room without accepting a wrong gate (below).
-LOGITS_RTOL = 1e-4
 # The experts function alone, fp32 vs float64: H + I + k terms summed in fp32 (unit roundoff 2**-24), times 8 for
 # the magnitudes of the intermediate activations relative to the output; ~3e-5 of the output scale here.
 U32 = 2.0 ** -24
@@ -76,46 +55,17 @@ def fp32_tolerance(hidden: int, inter: int, top_k: int, scale: float) -> float:
     return 8 * (hidden + inter + top_k) * U32 * max(scale, 1.0)
 
 
-@torch.no_grad()
-def randomize_(module: nn.Module, seed: int, std: float = 0.2) -> nn.Module:
-    gen = torch.Generator().manual_seed(seed)
-    for tensor in module.parameters():
-        tensor.copy_(torch.randn(tensor.shape, generator=gen) * std)
-    return module
-
-
-@functools.cache
-def tiny_model(family: str):
-    model = AutoModelForCausalLM.from_config(FAMILIES[family](), experts_implementation="eager")
-    return randomize_(model, seed=0).eval()
-
-
-def token_ids(batch: int, seq_len: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, LAYERS["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(seed))
-
-
-class ModeSpy:
-    """Records the mode of every experts call (and so proves the nxd_moe function ran)."""
-
-    def __init__(self, monkeypatch):
-        self.modes = []
-        original = backend_module.experts_forward_pairs
-
-        def spy(*args, **kwargs):
-            self.modes.append(args[6].value)
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(backend_module, "experts_forward_pairs", spy)
+tiny_model = functools.cache(tiny_causal_lm)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # whole models against transformers' eager experts
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", DISPATCHING_FAMILIES)
 def test_whole_model_logits_and_greedy_generate_match_eager(family, monkeypatch):
     model = tiny_model(family)
-    spy = ModeSpy(monkeypatch)
+    spy = ExpertsModeSpy(monkeypatch)
     # (1, 300): T*k >= 512 -> blockwise; (2, 20): all-experts (selective loading for a decode step of 2).
     prompts = [token_ids(1, 300, seed=1), token_ids(2, 20, seed=2)]
     with torch.no_grad():
@@ -138,14 +88,17 @@ def test_whole_model_logits_and_greedy_generate_match_eager(family, monkeypatch)
     assert {"blockwise", "all_experts", "selective_loading"} <= set(spy.modes)
 
 
-def test_from_pretrained_with_experts_implementation(tmp_path):
+def test_from_pretrained_with_experts_implementation(tmp_path, monkeypatch):
     tiny_model("qwen3_moe").save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="nxd_moe").eval()
     assert loaded.config._experts_implementation == "nxd_moe"
     ids = token_ids(2, 9, seed=3)
+    spy = ExpertsModeSpy(monkeypatch)
     with torch.no_grad():
         ours = loaded(ids).logits
-        reference = tiny_model("qwen3_moe")(ids).logits
+        assert len(spy.modes) == len(MODELS["qwen3_moe"].moe_layers)  # every sparse layer's experts
+        loaded.set_experts_implementation("eager")
+        reference = loaded(ids).logits
     assert ((ours - reference).abs().max() / reference.abs().max()).item() <= LOGITS_RTOL
 
 
@@ -227,7 +180,7 @@ def make_experts(kind: str, seed: int = 0, **config_overrides) -> nn.Module:
                         num_experts_per_tok=TOP_K, **({"swiglu_limit": 1.0} if kind == "gpt_oss" else {}),
                         **config_overrides)
     config._experts_implementation = "nxd_moe"
-    return randomize_(EXPERTS[kind](config), seed)
+    return randomize_hf_(EXPERTS[kind](config), seed)
 
 
 def reference64(module: nn.Module, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -303,7 +256,7 @@ def test_experts_function_matches_float64_reference(kind, mode, case, monkeypatc
     num_tokens = MODE_TOKENS[mode]
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(7))
     index, weight = routing(num_tokens, seed=8, case=case)
-    spy = ModeSpy(monkeypatch)
+    spy = ExpertsModeSpy(monkeypatch)
     out = run(module, x, index, weight, backend="torch")
     assert spy.modes == [mode] and out.dtype == x.dtype and out.shape == x.shape
     assert_matches64(out, reference64(module, x, index, weight), f"{kind} {mode} {case}")
@@ -326,11 +279,29 @@ def test_expert_parallel_sentinels_contribute_nothing(kind, mode):
     assert_matches64(out, ref, f"{kind} {mode} sentinels")
 
 
+@pytest.mark.parametrize("mode", list(MODE_TOKENS))
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_no_host_sync_in_eager_calls(kind, mode, monkeypatch):
+    """Eager, first call included (the grouped_mm path, which compiled fp32 graphs do not take): nothing reads a
+    tensor on the host or makes a shape from values."""
+    from conftest import no_host_sync
+
+    module = make_experts(kind)
+    num_tokens = MODE_TOKENS[mode]
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(28))
+    index, weight = routing(num_tokens, seed=29)
+    spy = ExpertsModeSpy(monkeypatch)
+    with no_host_sync():
+        run(module, x, index, weight)
+    assert spy.modes == [mode]
+
+
 def test_modules_of_transformers_5_17():
     """transformers 5.17's decorator sets neither ``has_post_expert_norm`` nor ``_is_expert_parallel``: such a
     module is served with the decorator's defaults, and ids >= E are sentinels regardless."""
     module = make_experts("gpt_oss")
-    del module.has_post_expert_norm, module._is_expert_parallel
+    for flag in ("has_post_expert_norm", "_is_expert_parallel"):
+        module.__dict__.pop(flag, None)
     x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(26))
     index, weight = routing(6, seed=27)
     index[::3, 0] = NUM_EXPERTS
@@ -442,7 +413,7 @@ def test_triton_backend_matches_torch_backend(kind, path, interpreted_triton, mo
             got = experts_forward_pairs(interpreted_triton(), x, index, weight, layout.weights(module),
                                         layout.local_slot(x.device), ExpertsMode.BLOCKWISE, SMALL_BLOCKS).output
     else:
-        spy = ModeSpy(monkeypatch)
+        spy = ExpertsModeSpy(monkeypatch)
         got = run(module, x, index, weight, backend=interpreted_triton(one_launch=path == "one_launch"))
         assert spy.modes == ["selective_loading"]
     tol = fp32_tolerance(HIDDEN, INTER, TOP_K, expected.abs().max().item())
@@ -504,8 +475,16 @@ class GatedExperts(nn.Module):
         raise NotImplementedError("only the registered implementations run this class")
 
 
-@use_experts_implementation(has_post_expert_norm=True)
-class PostNormExperts(GatedExperts):
+def post_norm_experts():
+    """What ``use_experts_implementation(has_post_expert_norm=True)`` makes (transformers 5.17's decorator has no
+    such argument: the flag is set here)."""
+    module = make_experts_of(DefaultGateExperts)
+    module.has_post_expert_norm = True
+    return module
+
+
+@use_experts_implementation
+class DefaultGateExperts(GatedExperts):
     pass
 
 
@@ -528,7 +507,7 @@ def _with_act(name):
 
 
 UNSUPPORTED = {
-    "post_expert_norm": (lambda: make_experts_of(PostNormExperts), "has_post_expert_norm=True"),
+    "post_expert_norm": (post_norm_experts, "has_post_expert_norm=True"),
     "custom_gate": (lambda: make_experts_of(ClampedGate), "_apply_gate .*ClampedGate._apply_gate"),
     "tanh_gelu": (lambda: _with_act("gelu_pytorch_tanh"), "act_fn GELUTanh"),
     "relu2": (lambda: _with_act("relu2"), "act_fn ReLUSquaredActivation"),
