@@ -12,7 +12,9 @@ the layer (each one cuts the graph in two and stalls the device). This module ch
   of ``neuronx-cc compile --framework XLA``) and ``report.json``;
 - :func:`export_program` (``torch.export``, strict) and :func:`compile_check`
   (``torch.compile(fullgraph=True)``) check the same property without ``torch_xla``, on any torch;
-- ``nxd-moe trace`` does all of it for a shipped config.
+- ``nxd-moe trace`` does all of it for a shipped config; with ``--model-layers`` for a whole transformers decoder
+  of its architecture (MoE blocks patched with this package's layer), one decode step or one prefill over a static
+  KV cache (:func:`model_inputs`, :func:`routing_summary`, :func:`trace_model`).
 
 ``torch_xla`` is imported only by the functions that need it (``pip install -e '.[xla]'``, which moves the
 environment to torch 2.9). Without ``PJRT_DEVICE`` set, the XLA CPU client is used.
@@ -831,6 +833,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     """Build the transformers decoder of the config's architecture, patch its MoE blocks with nxd_moe's ``MoE``
     (torch backend), and check one ``args.mode`` step over a static KV cache under XLA; write the HLO and reports
     to ``args.out``."""
+    from nxd_moe.build import scaled_model
     from nxd_moe.cli import auto_scale
     from nxd_moe.config import load_model_config, to_torch_dtype
     from nxd_moe.hf import patch_model
@@ -847,7 +850,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     scale = auto_scale(config.hidden_size) if args.scale == "auto" else args.scale
     tokens = args.tokens or DEFAULT_MODEL_TOKENS[args.mode]
     cache_length = args.cache_length or DEFAULT_CACHE_LENGTH
-    hf_config = build_hf_config(config, num_layers=args.model_layers, scale=scale)
+    hf_config = build_hf_config(config, num_layers=args.model_layers, scale=scale, quantization=args.quantization)
     check_cache_length(hf_config, cache_length)
     if args.mode == "prefill" and tokens > cache_length:
         raise ValueError(f"--tokens ({tokens}) must be <= --cache-length ({cache_length}) for a prefill")
@@ -855,7 +858,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     # eager attention: plain matmuls and a softmax, which every family has (GPT-OSS's attention sinks exist only
     # there); sdpa decomposes into the same ops under torch_xla
     model = build_hf_model(config, num_layers=args.model_layers, scale=scale, dtype=dtype, seed=args.seed,
-                           attn_implementation="eager")
+                           attn_implementation="eager", quantization=args.quantization)
     build_kwargs = {} if args.block_size is None else {"block_size": args.block_size}
     patch_model(model, backend="torch", quantization=args.quantization, **build_kwargs)
     patched = model.nxd_moe_patched
@@ -869,7 +872,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
     static = check_static(step, make_inputs, n=args.routings, atol=atol)
     hlo = export_hlo(step, make_inputs(1), out_dir, atol=atol)
-    moe = config.scaled(scale)
+    moe = scaled_model(config, scale, args.quantization)
     report: dict[str, Any] = {
         "config": config.name,
         "scale": scale,

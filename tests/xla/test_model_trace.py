@@ -108,6 +108,14 @@ def test_every_architecture_traces_to_one_graph(tmp_path, capsys, name, mode):
     assert model["decoder_layers"] == 1 + dense and len(model["patched"]) == 1 and len(model["kept"]) == dense
 
 
+@pytest.mark.slow
+def test_mxfp4_experts_trace_to_one_graph(tmp_path, capsys):
+    """GPT-OSS with its experts quantized to MxFP4 by patch_model: the graph reads the packed 4-bit weights."""
+    report, _ = trace(tmp_path, capsys, "gpt-oss-20b", "decode", 1, "--quantization", "mxfp4")
+    assert_one_static_graph(report)
+    assert report["model"]["quantization"] == "mxfp4" and report["hidden_size"] % 32 == 0
+
+
 def test_llama4_rotary_embedding_with_polar_is_not_static():
     """Negative control: without the rewrite, torch_xla runs Llama 4's torch.polar on the CPU, and the checks say
     so (a fallback, and a graph executed and fetched in the middle of every step)."""
