@@ -27,7 +27,8 @@ tests_of() {
                     tests/gpu/test_dispatch_kernels.py ;;
     backend) echo tests/gpu/test_triton_backend.py tests/gpu/test_prefill_gemm.py tests/gpu/test_router_kernel.py \
                   tests/test_cuda.py tests/test_device_and_backend.py \
-                  tests/test_cli.py::test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays ;;
+                  tests/test_cli.py::test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays \
+                  tests/gpu/test_patch_model_gpu.py ;;
     # NCCL process groups and CUDA-graph captures: one process
     graphs) echo tests/gpu/test_parallel_graphs.py ;;
     *) echo "unknown shard $1 (decode | quantized | backend | graphs | all)" >&2; return 2 ;;

@@ -674,17 +674,23 @@ def _check_keys(given: StateDict, expected: StateDict, where: str, side: str) ->
                              f"{tuple(ref.shape)}")
 
 
-def _hf_block_to_nxd(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict,
-                     where: str) -> dict[str, torch.Tensor]:
-    """One HF block's tensors (either layout, any stored format; keys and shapes checked) as our MoE's state dict.
-    Tensors may be views of ``parts``: loading copies them, and writing a checkpoint needs ``.contiguous()``."""
+def check_hf_block(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict, where: str) -> None:
+    """Raise unless ``parts`` are one HF block's tensors for ``cfg`` (either layout, any stored format): every key
+    there and no other, each of the right shape. ``expected_nxd``: :func:`_expected_nxd` of ``cfg`` (bf16)."""
     family = _family(cfg)
     layout = "hub" if family.is_hub(parts) else "transformers"
     quantization = _hf_quantization(parts)
     if quantization != ("bf16", "bf16"):
         expected_nxd = _expected_nxd(cfg, *quantization)
     _check_keys(parts, family.from_nxd(expected_nxd, layout), where, "HF")
-    return family.to_nxd(parts, cfg.num_experts)
+
+
+def _hf_block_to_nxd(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict,
+                     where: str) -> dict[str, torch.Tensor]:
+    """One HF block's tensors (checked by :func:`check_hf_block`) as our MoE's state dict. Tensors may be views of
+    ``parts``: loading copies them, and writing a checkpoint needs ``.contiguous()``."""
+    check_hf_block(parts, cfg, expected_nxd, where)
+    return _family(cfg).to_nxd(parts, cfg.num_experts)
 
 
 def _nxd_block_to_hf(parts: StateDict, cfg: MoEModelConfig, expected_nxd: StateDict, where: str,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable
+
 import pytest
 import torch
 
@@ -23,12 +26,14 @@ def one_intra_op_thread():
 
 @torch.no_grad()
 def randomize_hf_(module: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Every parameter and floating buffer ~ N(0, std^2) (several are created with torch.empty or zeros, and
-    zero router weights would make routing trivial); DeepSeek's correction bias gets half the scale so it
-    reorders experts without swamping the sigmoid scores."""
+    """Every parameter and floating buffer of the state dict ~ N(0, std^2) (several are created with torch.empty or
+    zeros, and zero router weights would make routing trivial); DeepSeek's correction bias gets half the scale so
+    it reorders experts without swamping the sigmoid scores. Buffers outside the state dict (a whole model's
+    rotary frequencies) are derived ones and stay."""
     gen = torch.Generator().manual_seed(seed)
+    persistent = set(module.state_dict())
     for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor.is_floating_point():
+        if tensor.is_floating_point() and name in persistent:
             scale = std / 2 if name.endswith("e_score_correction_bias") else std
             tensor.copy_(torch.randn(tensor.shape, generator=gen) * scale)
     return module
@@ -50,3 +55,72 @@ def assert_parity(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL_FP32
     scale = ref.abs().mean().item()
     assert 0.05 < scale < 5, f"reference output scale {scale:.3g} is outside the intended O(0.1-1)"
     assert err <= atol, f"max abs error {err:.3e} > {atol:.1e} (reference mean |y| {scale:.3g})"
+
+
+# ----------------------------------------------------------------------------------------------
+# small whole models
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    """A small transformers causal LM of one model type.
+
+    ``config(hidden, intermediate)``: its config with ``hidden_size`` and the routed experts' width (the other sizes
+    fixed); ``layers``: attribute path of the decoder layers; ``block_attr``: the MoE block's attribute in a layer;
+    ``moe_layers``: the sparse layers (Qwen3, DeepSeek and Llama 4 have a dense layer 0, so dense-MLP keys must
+    pass through); ``hub_differs``: whether ``save_pretrained`` writes per-expert tensors.
+    """
+
+    model_class: str
+    config: Callable[[int, int], Any]
+    intermediate: int
+    layers: str
+    block_attr: str
+    moe_layers: tuple[int, ...]
+    hub_differs: bool
+
+    def make(self, hidden: int = HIDDEN, intermediate: int | None = None) -> torch.nn.Module:
+        """The model with transformers' initialisation, in eval mode, its experts on the ``eager`` loop."""
+        import transformers
+
+        model = getattr(transformers, self.model_class)(self.config(hidden, intermediate or self.intermediate))
+        model.config._experts_implementation = "eager"
+        return model.eval()
+
+
+def _config(name: str, **kwargs) -> Any:
+    import transformers
+
+    return getattr(transformers, name)(**kwargs)
+
+
+MODELS = {
+    "mixtral": TinyModel("MixtralForCausalLM", lambda h, i: _config(
+        "MixtralConfig", hidden_size=h, intermediate_size=i, num_local_experts=8, num_experts_per_tok=2, **LAYERS),
+        24, "model.layers", "mlp", (0, 1), True),
+    "qwen3_moe": TinyModel("Qwen3MoeForCausalLM", lambda h, i: _config(
+        "Qwen3MoeConfig", hidden_size=h, moe_intermediate_size=i, intermediate_size=40, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, head_dim=16, mlp_only_layers=[0], **LAYERS),
+        24, "model.layers", "mlp", (1,), True),
+    "qwen2_moe": TinyModel("Qwen2MoeForCausalLM", lambda h, i: _config(
+        "Qwen2MoeConfig", hidden_size=h, moe_intermediate_size=i, shared_expert_intermediate_size=40, num_experts=8,
+        num_experts_per_tok=2, **LAYERS), 24, "model.layers", "mlp", (0, 1), True),
+    "deepseek_v3": TinyModel("DeepseekV3ForCausalLM", lambda h, i: _config(
+        "DeepseekV3Config", hidden_size=h, moe_intermediate_size=i, intermediate_size=48, n_routed_experts=16,
+        num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=8,
+        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+        **{**LAYERS, "num_key_value_heads": 2}),  # attention without key/value groups (MLA)
+        16, "model.layers", "mlp", (1,), True),
+    "gpt_oss": TinyModel("GptOssForCausalLM", lambda h, i: _config(
+        "GptOssConfig", hidden_size=h, intermediate_size=i, num_local_experts=8, num_experts_per_tok=2,
+        swiglu_limit=1.0, head_dim=16, **LAYERS), 24, "model.layers", "mlp", (0, 1), False),
+    "llama4_text": TinyModel("Llama4ForCausalLM", lambda h, i: _config(
+        "Llama4TextConfig", hidden_size=h, intermediate_size=i, intermediate_size_mlp=48, num_local_experts=8,
+        num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=2, **LAYERS),
+        24, "model.layers", "feed_forward", (1,), False),
+    "dbrx": TinyModel("DbrxForCausalLM", lambda h, i: _config(
+        "DbrxConfig", d_model=h, n_layers=2, n_heads=2, vocab_size=64,
+        attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),  # transformers 5 cannot run without it
+        ffn_config=dict(ffn_hidden_size=i, moe_num_experts=8, moe_top_k=2)),
+        24, "transformer.blocks", "ffn", (0, 1), False),
+}

@@ -247,6 +247,23 @@ def test_from_hf_moe_block_rejects_a_block_of_another_model():
         from_hf_moe_block(make_block("mixtral")[1], config, scale=2)
 
 
+def test_from_hf_moe_block_loads_the_stored_format():
+    """A bf16 block builds a bf16 layer; asking for another format is named (quantize_experts does that), and a
+    block without values (meta device) gives a layer on the meta device, to be loaded later."""
+    config, block = make_block("qwen2_moe")
+    with pytest.raises(ValueError, match=r"the block's routed experts are stored as 'bf16' in the checkpoint, the "
+                                         r"layer's as 'fp8': build with quantization='bf16'"):
+        from_hf_moe_block(block, config, quantization="fp8")
+    with pytest.raises(ValueError, match=r"shared experts are stored as 'bf16'.*shared_quantization='bf16'"):
+        from_hf_moe_block(block, config, shared_quantization="fp8")
+    with torch.device("meta"):
+        empty = VARIANTS["qwen2_moe"][1](config)
+    moe = from_hf_moe_block(empty, config)
+    assert all(t.is_meta for t in moe.state_dict().values())
+    assert {k: v.shape for k, v in moe.state_dict().items()} == {
+        k: v.shape for k, v in from_hf_moe_block(block, config).state_dict().items()}
+
+
 def test_from_hf_moe_block_rejects_shape_mismatch():
     config, block = make_block("mixtral")
     bigger = MixtralConfig(**{**config.to_dict(), "intermediate_size": 32})

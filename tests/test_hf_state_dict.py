@@ -15,74 +15,22 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from transformers import (  # noqa: E402
-    DbrxConfig,
-    DbrxForCausalLM,
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    GptOssConfig,
-    GptOssForCausalLM,
-    Llama4ForCausalLM,
-    Llama4TextConfig,
-    MixtralConfig,
-    MixtralForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import MixtralConfig  # noqa: E402
 
-from hf_helpers import HIDDEN, LAYERS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
+from hf_helpers import MODELS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
 from nxd_moe import build_moe  # noqa: E402
 from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict  # noqa: E402
-
-
-# name -> (model factory, attribute path of the decoder layers, attribute of the MoE block in a layer, MoE layers,
-# whether the Hub layout differs from the in-memory one). Qwen3, DeepSeek and Llama 4 get a dense layer 0 so
-# dense-MLP keys must pass through.
-MODELS = {
-    "mixtral": (lambda: MixtralForCausalLM(MixtralConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                                         num_experts_per_tok=2, **LAYERS)),
-                "model.layers", "mlp", (0, 1), True),
-    "qwen3_moe": (lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24,
-                                                             intermediate_size=40, num_experts=8,
-                                                             num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
-                                                             mlp_only_layers=[0], **LAYERS)),
-                  "model.layers", "mlp", (1,), True),
-    "qwen2_moe": (lambda: Qwen2MoeForCausalLM(Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=24,
-                                                             shared_expert_intermediate_size=40, num_experts=8,
-                                                             num_experts_per_tok=2, **LAYERS)),
-                  "model.layers", "mlp", (0, 1), True),
-    "deepseek_v3": (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
-        hidden_size=HIDDEN, moe_intermediate_size=16, intermediate_size=48, n_routed_experts=16, num_experts_per_tok=4,
-        n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
-        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, **LAYERS)), "model.layers", "mlp", (1,), True),
-    "gpt_oss": (lambda: GptOssForCausalLM(GptOssConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                                       num_experts_per_tok=2, swiglu_limit=1.0, head_dim=16,
-                                                       **LAYERS)),
-                "model.layers", "mlp", (0, 1), False),
-    "llama4_text": (lambda: Llama4ForCausalLM(Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=24,
-                                                               intermediate_size_mlp=48, num_local_experts=8,
-                                                               num_experts_per_tok=1, head_dim=16,
-                                                               interleave_moe_layer_step=2, **LAYERS)),
-                    "model.layers", "feed_forward", (1,), False),
-    "dbrx": (lambda: DbrxForCausalLM(DbrxConfig(d_model=HIDDEN, n_layers=2, n_heads=2, vocab_size=64,
-                                                attn_config=dict(kv_n_heads=1, rope_theta=10000.0),
-                                                ffn_config=dict(ffn_hidden_size=24, moe_num_experts=8, moe_top_k=2))),
-             "transformer.blocks", "ffn", (0, 1), False),
-}
-
-
 
 
 class Checkpoint:
     """A random transformers model of one type, its in-memory state dict and its Hub (``save_pretrained``) one."""
 
     def __init__(self, name: str, directory):
-        factory, layers, block_attr, self.moe_layers, self.hub_differs = MODELS[name]
+        tiny = MODELS[name]
+        layers, block_attr, self.moe_layers, self.hub_differs = (tiny.layers, tiny.block_attr, tiny.moe_layers,
+                                                                 tiny.hub_differs)
         self.name = name
-        self.model = randomize_hf_(factory(), seed=0).eval()
-        self.model.config._experts_implementation = "eager"
+        self.model = randomize_hf_(tiny.make(), seed=0)
         self.config = self.model.config
         self.memory = self.model.state_dict()
         self.model.save_pretrained(directory)
@@ -200,12 +148,11 @@ def test_nxd_weights_convert_into_a_transformers_model(ckpt):
     moe = randomize_hf_(build_moe(cfg, block_size=8), seed=3)
     nxd = hf_to_nxd_state_dict(ckpt.memory, ckpt.config)
     nxd.update({ckpt.prefix[layer] + k: v for k, v in moe.state_dict().items()})
-    model = MODELS[ckpt.name][0]().eval()
-    model.config._experts_implementation = "eager"
+    model = MODELS[ckpt.name].make()
     model.load_state_dict(nxd_to_hf_state_dict(nxd, ckpt.config), strict=True)
     x = inputs(2, 24, seed=2)
     with torch.no_grad():
-        ref = getattr(model.get_submodule(MODELS[ckpt.name][1])[layer], ckpt.block_attr)(x)
+        ref = getattr(model.get_submodule(MODELS[ckpt.name].layers)[layer], ckpt.block_attr)(x)
     ref = (ref[0] if isinstance(ref, tuple) else ref).reshape(x.shape)
     with torch.no_grad():
         assert_parity(moe(x)[0], ref)

@@ -21,7 +21,7 @@ from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.quantization import FORMATS, QuantizedWeight, Shape, dequantized, get_format
 from nxd_moe.quantization.formats import k_fastest
-from nxd_moe.quantization.quantizer import expert_weight_bytes, quantize_experts
+from nxd_moe.quantization.quantizer import expert_weight_bytes, quantize_experts, quantize_shared_experts
 from nxd_moe.reference import reference_for_experts
 
 QUANTIZED = ("fp8", "fp8_block", "mxfp4")
@@ -312,6 +312,26 @@ def test_quantized_shared_experts_in_the_moe_every_backend(name):
     for key in sd:
         assert torch.equal(got[key].view(torch.uint8) if got[key].element_size() == 1 else got[key],
                            sd[key].view(torch.uint8) if sd[key].element_size() == 1 else sd[key]), key
+
+
+def test_quantize_shared_experts_alone():
+    """Routed and shared experts in different formats from one bf16 layer: the bytes build_moe gives."""
+    from nxd_moe.build import scaled_model
+
+    config = dataclasses.replace(scaled_model("deepseek-v3", 32, "fp8_block"), num_experts=8, top_k=2)  # small
+    built = build_moe(config, quantization="fp8", shared_quantization="fp8_block", seed=0).state_dict()
+    layer = build_moe(config, seed=0)
+    quantize_shared_experts(quantize_experts(layer, "fp8"), "fp8_block")
+    got = layer.state_dict()
+    assert sorted(got) == sorted(built)
+    assert all(torch.equal(got[k].view(torch.uint8) if got[k].element_size() == 1 else got[k],
+                           built[k].view(torch.uint8) if built[k].element_size() == 1 else built[k]) for k in built)
+    with pytest.raises(ValueError, match="already stored as 'fp8_block'"):
+        quantize_shared_experts(layer, "fp8")
+    with pytest.raises(ValueError, match="layer must be an MoE with shared experts, got MoE without shared experts"):
+        quantize_shared_experts(build_moe("mixtral-8x7b", scale=32, seed=0), "fp8")
+    with pytest.raises(ValueError, match="shared_quantization must be one of"):
+        quantize_shared_experts(build_moe(config, seed=0), "int4")
 
 
 def test_shared_quantization_bad_input_is_named(monkeypatch):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from nxd_moe.build import build_moe
 from nxd_moe.config import MoEModelConfig
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.hf import (
@@ -23,6 +24,7 @@ from nxd_moe.hf import (
     _expected_nxd,
     _family,
     _hf_block_to_nxd,
+    check_hf_block,
     check_stored_formats,
     from_hf_config,
     from_hf_moe_block,
@@ -31,7 +33,7 @@ from nxd_moe.hf import (
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import shard_state_dict
 from nxd_moe.quantization.formats import get_format
-from nxd_moe.quantization.quantizer import quantize_experts, quantize_shared_experts
+from nxd_moe.quantization.quantizer import holds_whole_experts, quantize_experts, quantize_shared_experts
 
 __all__ = ["PatchReport", "PatchedMoEBlock", "patch_model"]
 
@@ -88,6 +90,10 @@ class PatchedMoEBlock(nn.Module):
 
     @staticmethod
     def _to_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        if _sharded(module.moe):
+            raise NotImplementedError(f"state_dict of {prefix or 'the block'!r} ({module.block_class} patched by "
+                                      "nxd_moe): under model parallelism each rank holds only its shard of the "
+                                      "experts; save the checkpoint from a model patched in one process")
         own = prefix + "moe."
         nxd = {key[len(own):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(own)]}
         # The Hub's per-expert layout is the one FP8 checkpoints have; unquantized experts keep transformers' own.
@@ -100,7 +106,10 @@ class PatchedMoEBlock(nn.Module):
         ordered = [k for k in module.hf_dtypes if k in hf] + [k for k in hf if k not in module.hf_dtypes]
         for key in ordered:
             value, dtype = hf[key], module.hf_dtypes.get(key)
-            state_dict[prefix + key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+            # Unquantized tensors in the block's dtypes (the router); FP8 and packed MXFP4 ones as stored.
+            if dtype is not None and value.is_floating_point() and value.element_size() > 1:
+                value = value.to(dtype)
+            state_dict[prefix + key] = value
 
     @staticmethod
     def _from_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict,
@@ -118,6 +127,11 @@ class PatchedMoEBlock(nn.Module):
             own = module.moe.state_dict()
             nxd = {k: v.to(own[k].dtype).contiguous() for k, v in nxd.items()}
         state_dict.update({prefix + "moe." + k: v for k, v in nxd.items()})
+
+
+def _sharded(moe: MoE) -> bool:
+    return moe.expert_mlps.is_sharded or (moe.shared_experts is not None
+                                          and moe.shared_experts.intermediate_shard is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +176,11 @@ def _check_model(model: Any) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no sparse-MoE block "
                          f"nxd_moe converts; supported model types: {list(SUPPORTED_MODEL_TYPES)}")
+    text_config = getattr(config, "text_config", None) or config
+    if getattr(text_config, "output_router_logits", False):
+        # transformers records them with hooks on its router classes, which the patched blocks no longer contain.
+        raise ValueError("patch_model: config.output_router_logits is True, but patched blocks do not record router "
+                         "logits (transformers' auxiliary training loss); set it to False")
     return model_type
 
 
@@ -187,6 +206,10 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     checkpoints (GPT-OSS MXFP4 and DeepSeek-V3 FP8 tensors as stored, into a model patched with that
     quantization) and ``save_pretrained`` writes a checkpoint transformers loads unpatched. ``model.nxd_moe_patched``
     is a :class:`PatchReport`.
+
+    With :mod:`nxd_moe.parallel_state` initialised (expert parallelism), each rank's layers hold its experts only and
+    the rest of the model stays whole: each rank runs its own sequences (same shapes on every rank) and
+    ``generate(..., synced_gpus=True)`` keeps the ranks in step; ``state_dict`` of such a model is refused.
     """
     model_type = _check_model(model)
     for name in _FIXED_BY_THE_BLOCK:
@@ -213,11 +236,22 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     if not paths:
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no "
                          f"{' or '.join(family.block_classes)} to replace; every layer is dense")
-    first = model.get_submodule(paths[0])
     if backend is None:
-        backend = _default_backend(next(first.parameters()).device)
-    del first
-    formats = None
+        backend = _default_backend(next(model.get_submodule(paths[0]).parameters()).device)
+    # Everything that can be refused is checked before the first block changes: the layer's arguments (a layer on
+    # the meta device, no memory) and every block's tensors.
+    probe = build_moe(cfg, device="meta", backend=backend, quantization=quantization,
+                      **({} if cfg.shared_experts is None else {"shared_quantization": shared_quantization}),
+                      **build_kwargs)
+    # The quantizer takes whole experts: one device, or expert-parallel shards.
+    whole = holds_whole_experts(probe.expert_mlps) and (probe.shared_experts is None
+                                                        or probe.shared_experts.intermediate_shard is None)
+    if not whole and (quantization, shared_quantization) != (None, None):
+        raise NotImplementedError("patch_model: quantizing on patch under tensor parallelism or hybrid sharding is "
+                                  "not supported yet (expert parallelism alone is); patch in one process")
+    expected = _expected_nxd(cfg)
+    for path in paths:
+        check_hf_block(model.get_submodule(path).state_dict(), cfg, expected, f"{path}.")
     # Only paths are held, so each block's tensors go as soon as its replacement is in place.
     for path in paths:
         parent_path, _, name = path.rpartition(".")

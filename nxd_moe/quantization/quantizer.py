@@ -65,9 +65,9 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
         quantization=fmt.name, activation_quantization=activation_quantization,
         activation_quantization_group_size=activation_quantization_group_size)
     check_backend_supports(experts.backend, fmt.name, config.activation_quantization)
-    if experts.is_sharded:
-        raise NotImplementedError("quantize_experts: quantizing a model-parallel layer is not supported yet; "
-                                  "quantize the single-device layer")
+    if not holds_whole_experts(experts):
+        raise NotImplementedError("quantize_experts: quantizing a tensor-parallel or hybrid-sharded layer is not "
+                                  "supported yet; quantize the single-device layer")
     op = experts.mlp_op
     first = "gate_up_proj" if hasattr(op, "gate_up_proj") else "up_proj"
     # Everything is quantized (and its shape checked) before anything is replaced: a refusal leaves the layer as is.
@@ -79,6 +79,14 @@ def quantize_experts(layer: nn.Module, quantization: str | QuantizationFormat, *
         setattr(module, name, quantized)
     experts.routed_experts_mlp_config = config
     return layer
+
+
+def holds_whole_experts(experts: ExpertMLPsV2) -> bool:
+    """Whether ``experts`` holds each of its experts whole, in one projection pair: on one device, or as an
+    expert-parallel shard (the formats' scales never cross experts, so such a shard quantizes to the bytes the
+    single-device layer's shard would have)."""
+    shards = experts.weight_shards
+    return shards is None or (all(s.intermediate_parts == 1 for s in shards) and not hasattr(experts, "mlp_op_tkg"))
 
 
 def _shared_projections(shared: nn.Module, fmt: QuantizationFormat,

@@ -586,6 +586,80 @@ def hf_checkpoint() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# whole transformers models: data-parallel attention, expert-parallel MoE (nxd_moe.hf.patch_model)
+
+
+def _tiny_model(name: str, seed: int = 0, **sizes):
+    from hf_helpers import MODELS, randomize_hf_
+
+    return randomize_hf_(MODELS[name].make(**sizes), seed=seed)
+
+
+def _prompts(world: int) -> torch.Tensor:
+    """Every rank's prompts, two each: the same on every rank, each rank takes its rows."""
+    return torch.randint(0, 64, (2 * world, 7), generator=torch.Generator().manual_seed(11))
+
+
+def _greedy(model, prompts: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def patched_generate(name: str, quantization: str | None = None, **sizes) -> Callable[[], None]:
+    """Each rank generates its own two sequences with its half of the experts; rank 0 asks for fewer tokens, so it
+    finishes first and keeps stepping (``synced_gpus=True``) while rank 1 finishes. The tokens equal one process
+    running every rank's sequences: the unpatched transformers model, or (quantized) the model patched whole."""
+    def run():
+        import copy
+
+        from nxd_moe.hf import patch_model
+
+        init(1, dist.get_world_size())
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = _tiny_model(name, **sizes)
+        prompts, mine = _prompts(world), slice(2 * rank, 2 * rank + 2)
+        single = model if quantization is None else patch_model(copy.deepcopy(model), quantization=quantization,
+                                                                model_parallel=False)
+        expected = _greedy(single, prompts, 12)
+        parallel = patch_model(copy.deepcopy(model), quantization=quantization)
+        moe = parallel.get_submodule(parallel.nxd_moe_patched.patched[0]).moe
+        assert moe.expert_mlps.is_sharded and moe.expert_parallel is not None
+        num_experts = moe.router.num_experts
+        assert len(moe.expert_mlps.weight_shard(False).experts) == num_experts // world
+        new_tokens = 5 if rank == 0 else 12
+        out = _greedy(parallel, prompts[mine], new_tokens, synced_gpus=True)
+        assert torch.equal(out, expected[mine, :7 + new_tokens]), (out, expected[mine])
+        assert expected[mine, 7:].unique().numel() > 1  # a varied continuation
+    return run
+
+
+def patched_checkpoint() -> None:
+    """An expert-parallel patched model loads a transformers checkpoint (each rank its experts) and computes what
+    the unpatched model computes on its rows; its state dict, a shard, is refused by name."""
+    import copy
+
+    from nxd_moe.hf import patch_model
+
+    init(1, dist.get_world_size())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _tiny_model("mixtral")
+    prompts, mine = _prompts(world), slice(2 * rank, 2 * rank + 2)
+    parallel = patch_model(_tiny_model("mixtral", seed=5))
+    with torch.no_grad():
+        expected, other = model(prompts).logits[mine], parallel(prompts[mine]).logits
+    assert (other - expected).abs().max() > 0.1 * float(expected.abs().max())  # other weights before loading
+    parallel.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        out = parallel(prompts[mine]).logits
+    assert expected.abs().mean() > 0.02
+    assert_close(out, expected, 1e-4 * float(expected.abs().max()))
+    expect_error(NotImplementedError, "each rank holds only its shard", call=parallel.state_dict)
+    expect_error(NotImplementedError, "under tensor parallelism or hybrid sharding",
+                 call=lambda: (parallel_state.destroy_model_parallel(), init(world, 1),
+                               patch_model(copy.deepcopy(model), quantization="fp8")))
+
+
+# ----------------------------------------------------------------------------------------------------------
 # suites
 
 
@@ -670,6 +744,16 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
         "errors/disagreeing_sizes4": lambda: expect_error(ValueError, "expert_model_parallel_size", "rank 3=1",
                                                           call=lambda: init(1, 1 if dist.get_rank() == 3 else 4)),
     },
+}
+
+
+# patch_model's whole models (tests/models/test_patch_model_parallel.py).
+SUITES["models2"] = {
+    "patch_model/ep2/qwen3_moe": patched_generate("qwen3_moe"),
+    "patch_model/ep2/deepseek_v3": patched_generate("deepseek_v3"),
+    "patch_model/ep2/gpt_oss": patched_generate("gpt_oss"),
+    "patch_model/ep2/mixtral_fp8": patched_generate("mixtral", "fp8", hidden=64, intermediate=64),
+    "patch_model/ep2/checkpoint": patched_checkpoint,
 }
 
 
