@@ -50,7 +50,7 @@ class PolarFreeRotaryEmbedding(nn.Module):
         return torch.view_as_complex(torch.stack([freqs.cos(), freqs.sin()], dim=-1)) * self.rotary.attention_scaling
 
 
-# transformers rotary embeddings that call torch.polar (Llama 4's; its rope types are not dynamic).
+# transformers rotary embeddings that call torch.polar (Llama 4's).
 _POLAR_ROTARY = ("Llama4TextRotaryEmbedding",)
 
 
