@@ -12,7 +12,9 @@ the layer (each one cuts the graph in two and stalls the device). This module ch
   of ``neuronx-cc compile --framework XLA``) and ``report.json``;
 - :func:`export_program` (``torch.export``, strict) and :func:`compile_check`
   (``torch.compile(fullgraph=True)``) check the same property without ``torch_xla``, on any torch;
-- ``nxd-moe trace`` does all of it for a shipped config.
+- ``nxd-moe trace`` does all of it for a shipped config; with ``--model-layers`` for a whole transformers decoder
+  of its architecture (MoE blocks patched with this package's layer), one decode step or one prefill over a static
+  KV cache (:func:`model_inputs`, :func:`routing_summary`, :func:`trace_model`).
 
 ``torch_xla`` is imported only by the functions that need it (``pip install -e '.[xla]'``, which moves the
 environment to torch 2.9). Without ``PJRT_DEVICE`` set, the XLA CPU client is used.
@@ -552,10 +554,90 @@ def moe_inputs(moe: nn.Module, tokens: int, mode: str = "prefill", padding: bool
     return make
 
 
+def model_inputs(step: nn.Module, tokens: int, mode: str = "decode",
+                 seed: int = 0) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """``make_inputs`` for a whole decoder step (:class:`nxd_moe.models.decoder_step.StaticCacheStep`):
+    ``i -> (input_ids, cache_position, *cache)``.
+
+    ``mode="decode"``: ``tokens`` sequences of one new token each, written at cache position ``L - 1 - i`` (mod
+    ``L``, the cache length: every input also moves the write position), after a context of random keys and values
+    in the positions before it (zeros after). ``"prefill"``: one sequence of ``tokens`` new tokens at positions
+    ``0 .. tokens - 1`` of an empty (zero) cache. ``i = 0`` gives every token the same id (and, decoding, every
+    sequence the same context), so every token of every MoE layer goes to the same experts -- except where the
+    attention output depends on the position itself (GPT-OSS's attention sinks at prefill); other ``i`` draw random
+    ids. :func:`routing_summary` says which experts each input reached.
+    """
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"mode must be 'prefill' or 'decode', got {mode!r}")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"tokens must be an int >= 1, got {tokens!r}")
+    length = step.cache_length
+    if mode == "prefill" and tokens > length:
+        raise ValueError(f"tokens must be <= the cache length ({length}) for a prefill, got {tokens}")
+    batch, new = (tokens, 1) if mode == "decode" else (1, tokens)
+    shapes = step.cache_shapes(batch)
+    vocab = step.model.get_input_embeddings().weight.shape[0]
+
+    def make(i: int) -> tuple[torch.Tensor, ...]:
+        generator = torch.Generator().manual_seed(seed + i)
+        ids = torch.randint(0, vocab, (batch, new), generator=generator)
+        if i == 0:
+            ids = ids[:1, :1].expand(batch, new).contiguous()
+        if mode == "prefill":
+            return (ids, torch.arange(tokens), *(torch.zeros(shape, dtype=dtype) for shape, dtype in shapes))
+        position = (length - 1 - i) % length
+        cache = []
+        for shape, dtype in shapes:
+            context = torch.randn(shape, generator=generator, dtype=torch.float64)
+            if i == 0:
+                context = context[:1].expand(shape).clone()
+            context[:, :, position:] = 0.0  # not written yet
+            cache.append(context.to(dtype).contiguous())
+        return (ids, torch.tensor([position]), *cache)
+
+    return make
+
+
+@torch.no_grad()
+def routing_summary(module: nn.Module, inputs: Inputs) -> list[dict[str, Any]]:
+    """Per ``MoE`` layer in ``module`` (in call order), for one eager forward on ``inputs``: ``tokens`` routed,
+    the ``experts_mode`` their shape selects, ``experts_used`` (distinct experts any token chose) and
+    ``max_expert_tokens`` (tokens of the busiest expert). Every token sent to the same ``k`` experts reads
+    ``experts_used == k`` and ``max_expert_tokens == tokens``."""
+    from nxd_moe.moe import MoE
+
+    found: list[dict[str, Any]] = []
+
+    def record_shape(moe, args):
+        batch, seq_len, _ = args[0].shape
+        mode = moe.expert_mlps.resolve_mode(None, batch * seq_len, seq_len)
+        found.append({"tokens": batch * seq_len, "experts_mode": mode.value})
+
+    def record_routing(router, args, output):
+        expert_index = output[2]
+        counts = torch.bincount(expert_index.reshape(-1).cpu(), minlength=router.num_experts)
+        found[-1].update(experts_used=int((counts > 0).sum()), max_expert_tokens=int(counts.max()))
+
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    hooks = [m.register_forward_pre_hook(record_shape) for m in layers]
+    hooks += [m.router.register_forward_hook(record_routing) for m in layers]
+    try:
+        module(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
+
+
 # ----------------------------------------------------------------------------------------------------------
 # nxd-moe trace
 
 DEFAULT_TOKENS = {"prefill": 512, "decode": 8}
+DEFAULT_MODEL_TOKENS = {"prefill": 64, "decode": 8}
+# At most GPT-OSS's 128-token sliding window (the smallest of the shipped models), so every shipped model traces.
+DEFAULT_CACHE_LENGTH = 128
+# Layer-trace options a whole-decoder trace does not take.
+_LAYER_ONLY_FLAGS = {"dynamic_while": "--dynamic-while", "padding": "--padding", "skip_xla": "--skip-xla"}
 DYNAMIC_WHILE_FLAGS = {
     "off": (False, False),
     "intermediate": (True, False),
@@ -594,10 +676,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-xla", action="store_true", help="only torch.export and torch.compile")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--model-layers", type=_positive_int, default=None,
+                        help="trace a whole transformers decoder of the config's architecture instead of one layer: "
+                             "this many MoE layers (the dense layers it places around them on top), MoE blocks "
+                             "patched with nxd_moe, one prefill or decode step over a static KV cache; needs "
+                             f"torch_xla (default --tokens {DEFAULT_MODEL_TOKENS['prefill']} prefill, "
+                             f"{DEFAULT_MODEL_TOKENS['decode']} decode)")
+    parser.add_argument("--cache-length", type=_positive_int, default=None,
+                        help=f"with --model-layers: KV cache positions (default {DEFAULT_CACHE_LENGTH}, at most the "
+                             "model's sliding window)")
 
 
 def trace(args: argparse.Namespace) -> dict:
     """Build the layer a config describes and run every check; write the artifacts to ``args.out``."""
+    if args.model_layers is not None:
+        return trace_model(args)
     from nxd_moe.build import build_moe
     from nxd_moe.cli import auto_scale
     from nxd_moe.config import load_model_config, to_torch_dtype
@@ -732,11 +825,136 @@ def format_report(report: dict, out_dir: str) -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# nxd-moe trace --model-layers: a whole decoder
+
+
+def trace_model(args: argparse.Namespace) -> dict:
+    """Build the transformers decoder of the config's architecture, patch its MoE blocks with nxd_moe's ``MoE``
+    (torch backend), and check one ``args.mode`` step over a static KV cache under XLA; write the HLO and reports
+    to ``args.out``."""
+    from nxd_moe.build import scaled_model
+    from nxd_moe.cli import auto_scale
+    from nxd_moe.config import load_model_config, to_torch_dtype
+    from nxd_moe.hf import patch_model
+    from nxd_moe.models.decoder_step import StaticCacheStep, check_cache_length, replace_polar_rotary_embeddings
+    from nxd_moe.models.hf_models import build_hf_config, build_hf_model
+
+    given = [flag for name, flag in _LAYER_ONLY_FLAGS.items() if getattr(args, name) not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: one-layer trace options, not taken with --model-layers")
+    if args.routings < 2:
+        raise ValueError(f"--routings must be >= 2, got {args.routings}")
+    config = load_model_config(args.config)
+    dtype = to_torch_dtype(args.dtype, "--dtype")
+    scale = auto_scale(config.hidden_size) if args.scale == "auto" else args.scale
+    tokens = args.tokens or DEFAULT_MODEL_TOKENS[args.mode]
+    cache_length = args.cache_length or DEFAULT_CACHE_LENGTH
+    hf_config = build_hf_config(config, num_layers=args.model_layers, scale=scale, quantization=args.quantization)
+    check_cache_length(hf_config, cache_length)
+    if args.mode == "prefill" and tokens > cache_length:
+        raise ValueError(f"--tokens ({tokens}) must be <= --cache-length ({cache_length}) for a prefill")
+    import_torch_xla()
+    # eager attention: plain matmuls and a softmax, which every family has (GPT-OSS's attention sinks exist only
+    # there); sdpa decomposes into the same ops under torch_xla
+    model = build_hf_model(config, num_layers=args.model_layers, scale=scale, dtype=dtype, seed=args.seed,
+                           attn_implementation="eager", quantization=args.quantization)
+    build_kwargs = {} if args.block_size is None else {"block_size": args.block_size}
+    patch_model(model, backend="torch", quantization=args.quantization, **build_kwargs)
+    patched = model.nxd_moe_patched
+    rewritten = replace_polar_rotary_embeddings(model)
+    step = StaticCacheStep(model, cache_length).eval()
+    make_inputs = model_inputs(step, tokens, args.mode, args.seed)
+    atol = args.atol if args.atol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 6e-2)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    routings = [routing_summary(step, make_inputs(i)) for i in range(args.routings)]
+    # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
+    static = check_static(step, make_inputs, n=args.routings, atol=atol)
+    hlo = export_hlo(step, make_inputs(1), out_dir, atol=atol)
+    moe = scaled_model(config, scale, args.quantization)
+    report: dict[str, Any] = {
+        "config": config.name,
+        "scale": scale,
+        "dtype": str(dtype).removeprefix("torch."),
+        "mode": args.mode,
+        "tokens": tokens,
+        "cache_length": cache_length,
+        "hidden_size": moe.hidden_size,
+        "num_experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "model": {
+            "class": type(model).__name__,
+            "model_type": hf_config.model_type,
+            "decoder_layers": hf_config.num_hidden_layers,
+            "moe_layers": args.model_layers,
+            "vocab_size": model.get_input_embeddings().weight.shape[0],
+            "attn_implementation": "eager",
+            "patched": list(patched.patched),
+            "kept": [path for path, _ in patched.kept],
+            "backend": patched.backend,
+            "quantization": patched.quantization,
+            "rewritten": {path: "PolarFreeRotaryEmbedding" for path in rewritten},
+        },
+        "routings": routings,
+        "xla": {"hlo": hlo, "check_static": static.to_dict()},
+        "neuronx_cc": (f"neuronx-cc compile {out_dir}/{hlo['files']['hlo_proto']} --framework XLA --target trn2 "
+                       f"--output {out_dir}/model.neff"),
+    }
+    # every MoE layer ran nxd_moe's MoE in every input (none left to transformers' block)
+    report["model"]["moe_layers_traced"] = all(len(r) == args.model_layers for r in routings)
+    report["ok"] = (report["model"]["moe_layers_traced"] and hlo["static"] and hlo["matches_eager"]
+                    and static.ok)
+    (out_dir / "trace.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _routing_line(i: int, layers: list[dict]) -> str:
+    modes = sorted({layer["experts_mode"] for layer in layers})
+    used = "/".join(str(layer["experts_used"]) for layer in layers)
+    busiest = "/".join(f"{layer['max_expert_tokens']}" for layer in layers)
+    return (f"    input {i}: {', '.join(modes)}; experts used per MoE layer {used}, busiest expert's tokens {busiest} "
+            f"of {layers[0]['tokens'] if layers else 0}")
+
+
+def format_model_report(report: dict, out_dir: str) -> str:
+    model, hlo, static = report["model"], report["xla"]["hlo"], report["xla"]["check_static"]
+    shape = (f"{report['tokens']} sequences x 1 new token" if report["mode"] == "decode"
+             else f"1 sequence of {report['tokens']} tokens")
+    rewritten = f"; rewritten for XLA: {', '.join(model['rewritten'])}" if model["rewritten"] else ""
+    experts = "unquantized" if model["quantization"] == "bf16" else model["quantization"]
+    lines = [
+        f"nxd-moe trace: {report['config']} whole decoder  ({model['class']}: {model['decoder_layers']} layers, "
+        f"{model['moe_layers']} MoE; scale 1/{report['scale']}: H={report['hidden_size']}, E={report['num_experts']}, "
+        f"k={report['top_k']}, vocab {model['vocab_size']}; {report['dtype']}; {model['attn_implementation']} "
+        "attention)",
+        f"{report['mode']} {shape}, static KV cache of {report['cache_length']} positions; MoE blocks patched "
+        f"{len(model['patched'])} ({model['backend']} backend, experts {experts}){rewritten}",
+        *(_routing_line(i, layers) for i, layers in enumerate(report["routings"])),
+        f"{'XLA HLO':<{LABEL}}{_yes(hlo['static'] and hlo['matches_eager'])}: "
+        f"{hlo['compiled_graphs']} graph, {hlo['hlo_instructions']} instructions, CPU fallbacks "
+        f"{hlo['fallback_ops'] or 'none'}, host transfers during trace {hlo['transfers_during_trace']} -> "
+        f"{out_dir}/{hlo['files']['hlo_proto']}",
+        f"{'XLA check_static':<{LABEL}}{_yes(static['ok'])}: {static['routings']} inputs -> {static['graphs']} "
+        f"graph, {static['compilations']} compilation, {static['executions_during_trace']} mid-step executions, "
+        f"{static['transfers_during_trace']} mid-step transfers ({static['output_fetch_transfers']} output "
+        f"fetches), fallbacks {static['fallback_ops'] or 'none'}, max |XLA - eager| {static['max_abs_diff']:.2e}",
+        f"compile for Trainium2: {report['neuronx_cc']}",
+    ]
+    if not model["moe_layers_traced"]:
+        lines.append(f"not every MoE layer ran nxd_moe's MoE (expected {model['moe_layers']} per input)")
+    lines.append("all checks passed" if report["ok"] else "SOME CHECKS FAILED")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         report = trace(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"nxd-moe trace: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2) if args.json else format_report(report, args.out))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print((format_model_report if "model" in report else format_report)(report, args.out))
     return 0 if report["ok"] else 1

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
+from nxd_moe.build import scaled_model
 from nxd_moe.config import MoEModelConfig, check_int, load_model_config, scaled_width, to_torch_dtype
 from nxd_moe.hf import from_hf_config
 
@@ -177,14 +178,13 @@ def _check_round_trip(hf_config: Any, moe: MoEModelConfig) -> None:
 
 
 def build_hf_config(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any], *, num_layers: int | None = None,
-                    scale: int = 1):
+                    scale: int = 1, quantization: str | None = None):
     """The transformers config :func:`build_hf_model` builds its model from (same arguments); no weights."""
     cfg = load_model_config(config)
     family = _FAMILIES.get(cfg.hf_model_type)
     if family is None:
         raise ValueError(f"build_hf_model: config {cfg.name!r} has hf_model_type {cfg.hf_model_type!r}; "
                          f"supported: {list(HF_MODEL_TYPES)}")
-    check_int("scale", scale, minimum=1)
     if num_layers is None:
         if cfg.num_moe_layers is None:
             raise ValueError(f"build_hf_model: config {cfg.name!r} has no num_moe_layers; pass num_layers")
@@ -203,7 +203,7 @@ def build_hf_config(config: MoEModelConfig | str | os.PathLike | Mapping[str, An
     if unknown:
         raise ValueError(f"build_hf_model: config {cfg.name!r}: transformers key(s) {unknown} are not "
                          f"{family.config_class} fields")
-    moe = cfg.scaled(scale)
+    moe = scaled_model(cfg, scale, quantization)
     model_keys = family.model_keys(moe, num_layers, config_class(**section))
     owned = sorted(set(model_keys) & set(section))
     if owned:
@@ -217,7 +217,7 @@ def build_hf_config(config: MoEModelConfig | str | os.PathLike | Mapping[str, An
 
 def build_hf_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any], *, num_layers: int | None = None,
                    scale: int = 1, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-                   seed: int = 0, attn_implementation: str | None = None):
+                   seed: int = 0, attn_implementation: str | None = None, quantization: str | None = None):
     """The transformers ``...ForCausalLM`` of ``config``'s architecture with random weights, in eval mode.
 
     ``config``: a shipped config name (``"qwen3-30b-a3b"``), a YAML path, a mapping or an
@@ -235,10 +235,12 @@ def build_hf_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any
 
     Weights are drawn on the CPU from ``seed`` (the same weights on every device; the caller's random state is
     left as it was), then moved to ``device`` in ``dtype``. ``attn_implementation``: transformers' name
-    (``"eager"``, ``"sdpa"``...; default transformers' choice).
+    (``"eager"``, ``"sdpa"``...; default transformers' choice). ``quantization``: the expert weight format the
+    model's MoE layers will be quantized to (``nxd_moe.hf.patch_model(model, quantization=...)``): the scaled MoE
+    widths are rounded to its blocks too (:func:`nxd_moe.build.scaled_model`); the weights built are unquantized.
     """
     dtype = to_torch_dtype(dtype, "dtype")
-    hf_config = build_hf_config(config, num_layers=num_layers, scale=scale)
+    hf_config = build_hf_config(config, num_layers=num_layers, scale=scale, quantization=quantization)
     check_int("seed", seed)
     from transformers import AutoModelForCausalLM
 

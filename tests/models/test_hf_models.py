@@ -118,6 +118,15 @@ def test_widths_scale_and_head_counts_stay():
     assert d.num_attention_heads == 128 and d.intermediate_size == 1152
 
 
+def test_quantization_rounds_the_moe_widths_to_the_format_blocks():
+    """patch_model(quantization="mxfp4") needs H and I in whole 32-column blocks: GPT-OSS's 2880 / 64 = 45 rounds
+    to 48 (multiples of 8) unquantized, to 64 for MxFP4."""
+    plain = build_hf_config("gpt-oss-20b", scale=64)
+    mx = build_hf_config("gpt-oss-20b", scale=64, quantization="mxfp4")
+    assert (plain.hidden_size, plain.intermediate_size) == (48, 48)
+    assert (mx.hidden_size, mx.intermediate_size) == (64, 64)
+
+
 def test_dbrx_head_counts_follow_the_width():
     """DBRX's head width is d_model / n_heads: the heads must leave an even width (rope rotates pairs)."""
     assert (build_hf_config("dbrx", scale=16).n_heads, build_hf_config("dbrx", scale=16).attn_config.kv_n_heads) \
