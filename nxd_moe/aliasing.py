@@ -21,6 +21,20 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping, Sequence
 
 
+def new_module(name: str, doc: str, **attributes) -> types.ModuleType:
+    """A module object ``name`` holding ``attributes`` (no file behind it)."""
+    module = types.ModuleType(name, doc)
+    module.__dict__.update(attributes)
+    return module
+
+
+def new_package(name: str, doc: str, **attributes) -> types.ModuleType:
+    """:func:`new_module` made a package: ``import name.sub`` looks its submodules up in ``sys.modules``."""
+    module = new_module(name, doc, **attributes)
+    module.__path__ = []
+    return module
+
+
 class UsageError(ValueError):
     """A front door's command line is malformed."""
 

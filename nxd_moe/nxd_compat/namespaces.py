@@ -15,6 +15,8 @@ from __future__ import annotations
 import types
 
 from nxd_moe import nxdi
+from nxd_moe.aliasing import new_module as _module
+from nxd_moe.aliasing import new_package as _package
 from nxd_moe.activations import ACT2FN, ACTFunc, get_kernel_activation_func_id
 from nxd_moe.config import (
     DEFAULT_BLOCK_SIZE,
@@ -33,18 +35,6 @@ from nxd_moe.config import (
 from nxd_moe.nxd_compat import adapters, mappings, parallel_state
 from nxd_moe.nxd_compat.spmd_rank import SPMDRank
 from nxd_moe.routing import GroupLimitedRouter, RouterBase
-
-
-def _module(name: str, doc: str, **attributes) -> types.ModuleType:
-    module = types.ModuleType(name, doc)
-    module.__dict__.update(attributes)
-    return module
-
-
-def _package(name: str, doc: str, **attributes) -> types.ModuleType:
-    module = _module(name, doc, **attributes)
-    module.__path__ = []  # a package: `import name.sub` looks its submodules up in sys.modules
-    return module
 
 
 def _model_utils_getattr(name: str):  # noqa: N807 -- a module's __getattr__
