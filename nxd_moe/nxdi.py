@@ -193,8 +193,10 @@ def initialize_moe_process_group(config, enabled_hybrid_sharding: bool):
 
 def initialize_moe_module(config, rmsnorm: nn.Module | None = None, init_tkg_module: bool = False,
                           apply_act_fn_over_topk: bool = False, router_bias: bool = False,
-                          experts_bias: bool = False) -> MoE:
-    """NxD Inference's ``initialize_moe_module`` (moe_v2): the MoE layer ``config`` describes, in eval mode."""
+                          experts_bias: bool = False, *, backend="torch") -> MoE:
+    """NxD Inference's ``initialize_moe_module`` (moe_v2): the MoE layer ``config`` describes, in eval mode, on the
+    CPU (move it with ``.to(device)``). ``backend`` (keyword only, not NxDI's): the experts' backend, e.g.
+    ``"triton"`` on a GPU."""
     nc = _NeuronConfig(_get(config, "neuron_config", None, "config"))
     if nc.capacity_factor is not None:
         raise ValueError(f"neuron_config.capacity_factor={nc.capacity_factor!r}: NxD Inference's "
@@ -230,7 +232,7 @@ def initialize_moe_module(config, rmsnorm: nn.Module | None = None, init_tkg_mod
         enable_spmd_rank=nc.blockwise_matmul_config.parallelize_token_to_block_mapping,
         is_prefill=nc.is_prefill_stage, quantization=routed_quantization(nc))
     expert_mlps = ExpertMLPsV2(experts_config, nc.blockwise_matmul_config, dtype=dtype,
-                               sequence_parallel_enabled=sequence_parallel)
+                               sequence_parallel_enabled=sequence_parallel, backend=backend)
     shared_experts = None
     if field("n_shared_experts", None):
         shared_experts = SharedExperts(hidden_size, experts_config.intermediate_size, field("n_shared_experts"),

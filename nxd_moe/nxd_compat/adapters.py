@@ -70,7 +70,8 @@ class ExpertMLPsV2(nxd_moe.ExpertMLPsV2):
     """NxD's signature. Process groups are checked against :mod:`nxd_moe.parallel_state`'s MoE groups: the
     ``cte_*`` ones (default: ``tensor_model_parallel_group`` / ``expert_model_parallel_group``) against prefill's,
     the ``tkg_*`` ones against decode's. ``is_prefill`` (NxD traces prefill and decode as separate programs) is
-    stored: here one module serves both phases, told apart by ``seq_len``."""
+    stored: here one module serves both phases, told apart by ``seq_len``. ``backend`` (keyword only, not NxD's):
+    nxd_moe's experts backend (``"triton"`` on a GPU)."""
 
     def __init__(self, routed_experts_mlp_config: RoutedExpertsMLPOpsConfig,
                  blockwise_matmul_config: BlockwiseMatmulConfig | None = None, return_bias: bool = False,
@@ -78,7 +79,8 @@ class ExpertMLPsV2(nxd_moe.ExpertMLPsV2):
                  device: torch.device = CPU, tensor_model_parallel_group=None,
                  expert_model_parallel_group=None, tkg_tensor_model_parallel_group=None,
                  tkg_expert_model_parallel_group=None, cte_tensor_model_parallel_group=None,
-                 cte_expert_model_parallel_group=None, is_prefill: bool = True, enabled_hybrid_sharding: bool = False):
+                 cte_expert_model_parallel_group=None, is_prefill: bool = True, enabled_hybrid_sharding: bool = False,
+                 *, backend="torch"):
         owner = "ExpertMLPsV2"
         if check_bool(f"{owner}.return_bias", return_bias):
             raise ValueError(f"{owner}.return_bias must be False: the expert biases are added inside the layer "
@@ -96,7 +98,8 @@ class ExpertMLPsV2(nxd_moe.ExpertMLPsV2):
                                          ("expert", ep, expert_model_parallel_group)):
                 name = f"{prefix}_{what}_model_parallel_group" if group is not None else f"{what}_model_parallel_group"
                 check_group(owner, name, default if group is None else group, f"moe_{phase}_{what}_groups")
-        super().__init__(routed_experts_mlp_config, blockwise_matmul_config, dtype, device, sequence_parallel_enabled)
+        super().__init__(routed_experts_mlp_config, blockwise_matmul_config, dtype, device, sequence_parallel_enabled,
+                         backend)
         self.is_prefill = is_prefill
         self.enabled_hybrid_sharding = enabled_hybrid_sharding
 
@@ -114,7 +117,7 @@ class ExpertMLPsV2(nxd_moe.ExpertMLPsV2):
 class ExpertMLPs(ExpertMLPsV2):
     """NxD's flat-argument ``ExpertMLPs``: the two configs built from its keyword arguments, then
     :class:`ExpertMLPsV2`. As in NxD, ``block_size=None`` is 512 and the projections' default initialiser is
-    ``kaiming_uniform_``."""
+    ``kaiming_uniform_``; ``backend`` as for :class:`ExpertMLPsV2`."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, hidden_act: str,
                  glu_mlp: bool, capacity_factor: float | None, sequence_parallel_enabled: bool = False,
@@ -135,7 +138,7 @@ class ExpertMLPs(ExpertMLPsV2):
                  tkg_expert_model_parallel_group=None, cte_tensor_model_parallel_group=None,
                  cte_expert_model_parallel_group=None, is_prefill: bool = True, enabled_hybrid_sharding: bool = False,
                  use_shard_on_intermediate_dynamic_while: bool = False, use_shard_on_block_dynamic_while: bool = False,
-                 use_index_calc_kernel: bool = False, expert_distribution=None):
+                 use_index_calc_kernel: bool = False, expert_distribution=None, *, backend="torch"):
         experts = RoutedExpertsMLPOpsConfig(
             num_experts=num_experts, hidden_size=hidden_size, intermediate_size=intermediate_size, top_k=top_k,
             hidden_act=hidden_act, glu_mlp=glu_mlp, bias=bias, glu_type=glu_type,
@@ -161,7 +164,7 @@ class ExpertMLPs(ExpertMLPsV2):
         super().__init__(experts, blockwise, return_bias, dtype, sequence_parallel_enabled, device,
                          tensor_model_parallel_group, expert_model_parallel_group, tkg_tensor_model_parallel_group,
                          tkg_expert_model_parallel_group, cte_tensor_model_parallel_group,
-                         cte_expert_model_parallel_group, is_prefill, enabled_hybrid_sharding)
+                         cte_expert_model_parallel_group, is_prefill, enabled_hybrid_sharding, backend=backend)
 
 
 class SharedExperts(nxd_moe.SharedExperts):

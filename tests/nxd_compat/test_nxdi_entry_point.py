@@ -2,9 +2,8 @@
 inference.modules.moe_v2``): the config fields NxDI's GPT-OSS and Llama 4 model code pass, each landing where it
 should, and the resulting layer against the transformers block with the same weights.
 
-The ``gpt_oss_moe`` / ``llama4_moe`` functions below do what NxDI's ``NeuronGptOssMoE`` and ``NeuronMoEDecoderLayer``
-constructors do (set their architecture's fields on ``neuron_config``, then call ``initialize_moe_module``),
-written here from those sources; the configs are NxDI-shaped objects (``SimpleNamespace``) or dicts.
+The layers are built as NxDI's model code builds them (tests/nxd_compat/nxdi_models.py); configs are NxDI-shaped
+objects (``SimpleNamespace``) or dicts.
 
 Tolerance: ``ATOL_FP32 = 1e-5`` (tests/hf_helpers.py): fp32 outputs O(0.1-1) from sums over H = 32 and I = 24, a
 few hundred ulps of 2^-24 at most. Negative controls drop one architecture field and show the bound then fails.
@@ -20,114 +19,30 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import GptOssConfig, Llama4TextConfig  # noqa: E402
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP  # noqa: E402
-from transformers.models.llama4.modeling_llama4 import Llama4TextMoe  # noqa: E402
-
 import nxd_moe  # noqa: E402
-from hf_helpers import ATOL_FP32, HIDDEN, LAYERS, assert_parity, inputs, one_intra_op_thread, randomize_hf_  # noqa: E402,F401
-from nxd_moe.config import BlockwiseMatmulConfig, RouterConfig  # noqa: E402
-from nxd_moe.hf import from_hf_moe_block  # noqa: E402
+from hf_helpers import ATOL_FP32, HIDDEN, assert_parity, inputs, one_intra_op_thread  # noqa: E402,F401
 from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: E402,F401 -- the fixture
-from nxd_moe.nxdi import NEURON_CONFIG_DEFAULTS, initialize_moe_module, routed_quantization  # noqa: E402
-
-E, K, INTER = 8, 2, 24
-
-
-def neuron_config(**overrides) -> SimpleNamespace:
-    """An NxDI ``MoENeuronConfig``-shaped object: its defaults (fp32 here, for the parity checks), a small block."""
-    fields = {**NEURON_CONFIG_DEFAULTS, "torch_dtype": torch.float32, "router_config": RouterConfig(),
-              "blockwise_matmul_config": BlockwiseMatmulConfig.from_kwargs(block_size=4), "on_cpu": False,
-              "is_hidden_dim_shuffled": False, "is_intermediate_dim_shuffled": False,
-              "moe_fused_nki_kernel_enabled": None, "router_topk_nki_kernel_enabled": None,
-              "expert_mlp_nki_kernel_enabled": None, "shared_mlp_nki_kernel_enabled": None,
-              "rpl_reduce_dtype": None, **overrides}
-    return SimpleNamespace(**fields)
-
-
-def inference_config(hidden_act: str, top_k: int, **fields) -> SimpleNamespace:
-    """An NxDI ``InferenceConfig``-shaped object for the MoE layers' fields."""
-    return SimpleNamespace(num_local_experts=E, num_experts_per_tok=top_k, hidden_size=HIDDEN, intermediate_size=INTER,
-                           hidden_act=hidden_act, n_shared_experts=0, neuron_config=neuron_config(), **fields)
-
-
-def gpt_oss_moe(config, rmsnorm=None):
-    """NxDI's ``NeuronGptOssMoE.__init__``: GPT-OSS's fields on neuron_config, then initialize_moe_module."""
-    from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_module as nxdi_initialize_moe_module
-
-    nc = config.neuron_config
-    nc.router_config.act_fn = "softmax"
-    nc.transpose_shared_experts_weights = False
-    nc.early_expert_affinity_modulation = False
-    nc.normalize_top_k_affinities = False
-    nc.glu_type = "swiglu"
-    nc.hidden_act_scaling_factor = 1.702
-    nc.hidden_act_bias = 1
-    nc.gate_clamp_upper_limit = 7.0
-    nc.gate_clamp_lower_limit = None
-    nc.up_clamp_upper_limit = 7.0
-    nc.up_clamp_lower_limit = -7.0
-    return nxdi_initialize_moe_module(config=config, rmsnorm=rmsnorm, init_tkg_module=not nc.on_cpu,
-                                      router_bias=True, experts_bias=True, apply_act_fn_over_topk=True)
-
-
-def llama4_moe(config, rmsnorm=None):
-    """NxDI's ``NeuronMoEDecoderLayer.__init__`` (Llama 4)."""
-    from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_module as nxdi_initialize_moe_module
-
-    config.n_shared_experts = 1
-    nc = config.neuron_config
-    nc.router_config.dtype = torch.float32
-    nc.router_config.act_fn = "sigmoid"
-    nc.fused_shared_experts = False
-    nc.transpose_shared_experts_weights = True
-    nc.early_expert_affinity_modulation = True
-    nc.normalize_top_k_affinities = False
-    return nxdi_initialize_moe_module(config=config, rmsnorm=rmsnorm, init_tkg_module=True)
-
-
-def _rmsnorm(seed: int) -> torch.nn.RMSNorm:
-    norm = torch.nn.RMSNorm(HIDDEN, eps=1e-5)
-    with torch.no_grad():
-        norm.weight.copy_(1 + 0.2 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(seed)))
-    return norm
-
-
-def _load_from_hf(moe, block, hf_config) -> None:
-    """The block's weights into ``moe`` (through nxd_moe.hf's converter; Llama 4's shared expert stored transposed,
-    as NxDI's ``transpose_shared_experts_weights`` asks)."""
-    state = from_hf_moe_block(block, hf_config).state_dict()
-    if moe.rmsnorm is not None:
-        state.update({f"rmsnorm.{k}": v for k, v in moe.rmsnorm.state_dict().items()})
-    shared = moe.shared_experts
-    if shared is not None and shared.transpose_weights:
-        state = {k: v.t() if k.startswith("shared_experts.") else v for k, v in state.items()}
-    moe.load_state_dict(state)
-
-
-def _hf(block, x):
-    with torch.no_grad():
-        out = block(x)
-    return (out[0] if isinstance(out, tuple) else out).reshape(x.shape)
-
-
-def _gpt_oss_block(seed: int = 0):
-    hf_config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=E, num_experts_per_tok=K,
-                             swiglu_limit=7.0, head_dim=16, **LAYERS)  # NxDI hard-codes GPT-OSS's 7.0
-    return hf_config, randomize_hf_(GptOssMLP(hf_config), seed).eval()
-
-
-def _llama4_block(top_k: int, seed: int = 0):
-    hf_config = Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=INTER, intermediate_size_mlp=48,
-                                 num_local_experts=E, num_experts_per_tok=top_k, head_dim=16, **LAYERS)
-    return hf_config, randomize_hf_(Llama4TextMoe(hf_config), seed).eval()
+from nxd_moe.nxdi import initialize_moe_module, routed_quantization  # noqa: E402
+from nxdi_models import (  # noqa: E402
+    E,
+    INTER,
+    K,
+    gpt_oss_block,
+    gpt_oss_moe,
+    hf_output,
+    inference_config,
+    llama4_block,
+    llama4_moe,
+    load_from_hf,
+    rmsnorm,
+)
 
 
 @pytest.mark.parametrize("seq_len", [12, 1])
 def test_gpt_oss_path_matches_transformers(nxd_compat, seq_len):  # noqa: F811
-    hf_config, block = _gpt_oss_block()
+    hf_config, block = gpt_oss_block()
     config = inference_config("sigmoid", K)  # NxDI's GPT-OSS config sets hidden_act "sigmoid", no shared experts
-    norm = _rmsnorm(seed=1)
+    norm = rmsnorm(seed=1)
     moe = gpt_oss_moe(config, rmsnorm=norm)
     assert not moe.training and moe.rmsnorm is norm
     assert moe.router.apply_act_fn_over_topk and moe.router.linear_router.bias is not None
@@ -136,9 +51,9 @@ def test_gpt_oss_path_matches_transformers(nxd_compat, seq_len):  # noqa: F811
         "swiglu", "sigmoid", 1.702, 1.0)
     assert (cfg.gate_clamp_upper_limit, cfg.up_clamp_lower_limit, cfg.up_clamp_upper_limit, cfg.bias) == (
         7.0, -7.0, 7.0, True)
-    _load_from_hf(moe, block, hf_config)
+    load_from_hf(moe, block, hf_config)
     x = inputs(3, seq_len, seed=2) * 6  # the +-7 clamps act (checked below)
-    expected = _hf(block, norm(x))
+    expected = hf_output(block, norm(x))
     # NxDI's NeuronGptOssMoE.forward calls the layer like this.
     out = moe(x, is_speculative_decoding=False, residual=None)[0]
     # Inputs x6 make outputs larger; fp32 rounding grows with them (n = H + I + k ~ 60 terms: n * 2^-24 ~ 4e-6 of
@@ -149,37 +64,40 @@ def test_gpt_oss_path_matches_transformers(nxd_compat, seq_len):  # noqa: F811
     # Negative control: softmax over all experts instead of over the chosen ones (NxDI's apply_act_fn_over_topk).
     other = gpt_oss_moe(inference_config("sigmoid", K), rmsnorm=norm)
     other.router.apply_act_fn_over_topk = False
-    _load_from_hf(other, block, hf_config)
+    load_from_hf(other, block, hf_config)
     assert (other(x)[0].double() - expected.double()).abs().max() > 100 * ATOL_FP32
 
 
 def test_gpt_oss_clamps_are_load_bearing(nxd_compat):  # noqa: F811
-    hf_config, block = _gpt_oss_block()
+    hf_config, block = gpt_oss_block()
     moe = gpt_oss_moe(inference_config("sigmoid", K))
-    _load_from_hf(moe, block, hf_config)
+    load_from_hf(moe, block, hf_config)
     x = inputs(3, 12, seed=2) * 6
     unclamped = copy.deepcopy(block)
     unclamped.experts.limit = 1e9
-    assert (_hf(unclamped, x) - _hf(block, x)).abs().max() > 1e-2  # so the parity above exercises the clamps
+    # The layer follows the clamped block and is far from the unclamped one: the parity exercises the clamps.
+    out = moe(x)[0].double()
+    assert (out - hf_output(block, x).double()).abs().max() <= 4e-6 * hf_output(block, x).abs().max() + ATOL_FP32
+    assert (out - hf_output(unclamped, x).double()).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("top_k,seq_len", [(1, 12), (1, 1), (2, 12)])
 def test_llama4_path_matches_transformers(nxd_compat, top_k, seq_len):  # noqa: F811
-    hf_config, block = _llama4_block(top_k)
+    hf_config, block = llama4_block(top_k)
     config = inference_config("silu", top_k)
-    norm = _rmsnorm(seed=3)
+    norm = rmsnorm(seed=3)
     moe = llama4_moe(config, rmsnorm=norm)
     cfg, shared = moe.expert_mlps.routed_experts_mlp_config, moe.shared_experts
     assert moe.router.act_fn == "sigmoid" and cfg.early_expert_affinity_modulation
     assert not cfg.normalize_top_k_affinities and shared.transpose_weights and not shared.fused_gate_up_projection
-    _load_from_hf(moe, block, hf_config)
+    load_from_hf(moe, block, hf_config)
     x = inputs(2, seq_len, seed=4)
-    expected = _hf(block, norm(x))
+    expected = hf_output(block, norm(x))
     assert_parity(moe(x)[0], expected)
     # Negative control: affinities scaling the experts' output instead of their input.
     config = inference_config("silu", top_k)
     other = llama4_moe(config, rmsnorm=norm)
-    _load_from_hf(other, block, hf_config)
+    load_from_hf(other, block, hf_config)
     changed = nxd_moe.ExpertMLPsV2(cfg.replace(early_expert_affinity_modulation=False),
                                    moe.expert_mlps.blockwise_matmul_config)
     changed.load_state_dict(moe.expert_mlps.state_dict())
