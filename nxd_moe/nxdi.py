@@ -105,6 +105,8 @@ class _NeuronConfig:
             return not self.source.get("disable_normalize_top_k_affinities", False)  # MoENeuronConfig's keyword
         if name in ("is_hidden_dim_shuffled", "is_intermediate_dim_shuffled"):
             return _get(self.source, name, self.is_mxfp4_compute, "neuron_config")  # NeuronConfig derives them so
+        if name not in NEURON_CONFIG_DEFAULTS:
+            raise AttributeError(name)
         return _get(self.source, name, NEURON_CONFIG_DEFAULTS[name], "neuron_config")
 
     @property
@@ -195,8 +197,8 @@ def initialize_moe_module(config, rmsnorm: nn.Module | None = None, init_tkg_mod
                           apply_act_fn_over_topk: bool = False, router_bias: bool = False,
                           experts_bias: bool = False, *, backend="torch") -> MoE:
     """NxD Inference's ``initialize_moe_module`` (moe_v2): the MoE layer ``config`` describes, in eval mode, on the
-    CPU (move it with ``.to(device)``). ``backend`` (keyword only, not NxDI's): the experts' backend, e.g.
-    ``"triton"`` on a GPU."""
+    default device (move it with ``.to(device)``). ``backend`` (keyword only, not NxDI's): the experts' backend,
+    e.g. ``"triton"`` on a GPU."""
     nc = _NeuronConfig(_get(config, "neuron_config", None, "config"))
     if nc.capacity_factor is not None:
         raise ValueError(f"neuron_config.capacity_factor={nc.capacity_factor!r}: NxD Inference's "
