@@ -303,12 +303,14 @@ def set_moe_model_parallel_sizes(prefill: tuple[int, int], decode: tuple[int, in
     layout = state.layout
     if (layout.moe_prefill, layout.moe_decode) == (tuple(prefill), tuple(decode)):
         return
+    sizes = dict(moe_prefill_tensor_model_parallel_size=prefill[0], moe_prefill_expert_model_parallel_size=prefill[1],
+                 moe_decode_tensor_model_parallel_size=decode[0], moe_decode_expert_model_parallel_size=decode[1])
+    # Bad sizes raise here, before the current groups are destroyed.
+    model_parallel_layout(layout.world_size, layout.tensor_model_parallel_size, layout.expert_model_parallel_size,
+                          **sizes)
     destroy_model_parallel()
-    initialize_model_parallel(
-        layout.tensor_model_parallel_size, layout.expert_model_parallel_size,
-        moe_prefill_tensor_model_parallel_size=prefill[0], moe_prefill_expert_model_parallel_size=prefill[1],
-        moe_decode_tensor_model_parallel_size=decode[0], moe_decode_expert_model_parallel_size=decode[1],
-        timeout_s=state.timeout_s)
+    initialize_model_parallel(layout.tensor_model_parallel_size, layout.expert_model_parallel_size, **sizes,
+                              timeout_s=state.timeout_s)
 
 
 def destroy_model_parallel() -> None:

@@ -84,6 +84,28 @@ def nxd_parallel_state():
         raise AssertionError("a world group passed as the tensor-parallel group was accepted")
 
 
+def nxd_moe_process_group():
+    """NxD's MoE-only groups (NxDI's moe_tp / moe_ep, hybrid sharding): prefill EP 2, decode TP 2 of the world."""
+    from neuronx_distributed.modules.moe import moe_process_group as mpg
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    rank = dist.get_rank()
+    mpg.init_tensor_expert_parallel_moe_process_groups(tkg_tp_degree=2, tkg_ep_degree=1, cte_tp_degree=1,
+                                                       cte_ep_degree=2)
+    ranks = dist.get_process_group_ranks
+    assert ranks(mpg.get_moe_tp_ep_group(prefill=True)) == [rank] and ranks(mpg.get_moe_ep_group(True)) == [0, 1]
+    assert ranks(mpg.get_moe_tp_ep_group(prefill=False)) == [0, 1] and ranks(mpg.get_moe_ep_group(False)) == [rank]
+    mpg.destroy_moe_model_parallel()  # the groups belong to the layout: still there
+    assert ranks(mpg.get_moe_ep_group(True)) == [0, 1]
+    try:
+        mpg.init_tensor_expert_parallel_moe_process_groups(2, 2, 1, 2)
+    except ValueError as e:
+        assert "must equal tensor_model_parallel_size * expert_model_parallel_size (2)" in str(e), e
+    else:
+        raise AssertionError("a TKG split of 4 ranks in a world of 2 was accepted")
+    assert ranks(mpg.get_moe_ep_group(True)) == [0, 1]  # the groups before the bad call are kept
+
+
 def nxd_mappings():
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     rank = dist.get_rank()
@@ -126,6 +148,7 @@ pw.SUITES["nxd_world2"] = {
     "deep_dive/ep2": deep_dive_layout(1, 2, 2, 16),
     "deep_dive/tp8_in_a_world_of_2": refuses_more_ranks_than_the_world,
     "nxd/parallel_state": nxd_parallel_state,
+    "nxd/moe_process_group": nxd_moe_process_group,
     "nxd/mappings": nxd_mappings,
     "nxdi/moe_ep2": nxdi_layout((1, 2), (1, 2), moe_tp_degree=1, moe_ep_degree=2),
     "nxdi/hybrid": nxdi_layout((1, 2), (2, 1), hybrid_sharding_config=dict(

@@ -20,7 +20,7 @@ from parallel_harness import assert_scenario, free_port  # noqa: E402
 SCRIPT = Path(__file__).resolve().parent / "nxd_world.py"
 SUITE_NAMES = {
     "nxd_world2": ["deep_dive/tp2", "deep_dive/ep2", "deep_dive/tp8_in_a_world_of_2", "nxd/parallel_state",
-                   "nxd/mappings", "nxdi/moe_ep2", "nxdi/hybrid"],
+                   "nxd/moe_process_group", "nxd/mappings", "nxdi/moe_ep2", "nxdi/hybrid"],
     "nxd_world4": ["deep_dive/tp4", "deep_dive/ep4", "deep_dive/tp2ep2"],
 }
 
