@@ -7,6 +7,7 @@ on the inputs (shapes and dtypes).
 - :class:`RoutedExpertsMLPOpsConfig` -- what the routed experts compute (NxD's class of that name).
 - :class:`BlockwiseMatmulConfig` -- how the dropless blockwise prefill is laid out (NxD's 15 fields).
 - :class:`RouterConfig` -- router activation and dtype (NxD's class of that name).
+- :class:`MoEFusedTKGConfig` -- NxD's fused-decode kernel settings, kept so NxD code builds unchanged.
 - :class:`ExpertParallelConfig` -- expert-parallel dispatch and expert placement.
 - :class:`MoEModelConfig` -- one real architecture (the YAML files in ``configs/``).
 """
@@ -14,6 +15,7 @@ on the inputs (shapes and dtypes).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import os
@@ -123,6 +125,16 @@ class GLUType(str, enum.Enum):
     GLU = "glu"
     SWIGLU = "swiglu"
 
+    @classmethod
+    def validate(cls, glu_type: "GLUType | str | None") -> "GLUType":
+        """NxD's ``GLUType.validate``: a member, its value (any case), or ``None`` (meaning ``GLU``)."""
+        if glu_type is None:
+            return cls.GLU
+        try:
+            return cls(glu_type.lower() if isinstance(glu_type, str) else glu_type)
+        except ValueError:
+            raise ValueError(f"glu_type must be one of {[e.value for e in cls]}, got {glu_type!r}") from None
+
 
 class BlockShardStrategy(str, enum.Enum):
     """How LNC2 splits the blocks between its two cores: halves (HI_LO) or alternating (PING_PONG)."""
@@ -138,26 +150,83 @@ class SkipMode(NamedTuple):
     skip_weight: bool
 
 
-@dataclass(frozen=True)
+# RouterConfig.act_fn takes every activation name NxD's RouterConfig is documented to take ("See ACT2FN"); the
+# routers themselves compute softmax or sigmoid only and refuse the others when built.
+ROUTER_CONFIG_ACT_FNS = ("softmax", *sorted(ACT2FN))
+ROUTER_CONFIG_KEYS = ("router_act_fn", "router_dtype")
+
+
+@dataclass
 class RouterConfig:
-    """Router activation (``softmax`` | ``sigmoid``) and the dtype routing math runs in."""
+    """Router activation and the dtype routing math runs in (NxD's class of that name).
+
+    ``act_fn``: ``"softmax"`` or an :data:`~nxd_moe.activations.ACT2FN` name, as NxD accepts; the routers compute
+    ``softmax`` and ``sigmoid`` only and name the others when built. ``dtype``: a floating ``torch.dtype`` or its
+    name (``"bfloat16"``, ``"float16"``, ``"float32"``, ...).
+
+    Mutable, as NxD's is: NxD Inference's model code sets ``neuron_config.router_config.act_fn`` and ``.dtype`` in
+    place (GPT-OSS, Llama 4). Every assignment is validated; other attributes are refused.
+    """
 
     act_fn: str = "softmax"
     dtype: torch.dtype = torch.float32
 
-    def __post_init__(self):
-        if self.act_fn not in ("softmax", "sigmoid"):
-            raise ValueError(f"RouterConfig.act_fn must be 'softmax' or 'sigmoid', got {self.act_fn!r}")
-        object.__setattr__(self, "dtype", to_torch_dtype(self.dtype, "RouterConfig.dtype"))
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "act_fn":
+            if value not in ROUTER_CONFIG_ACT_FNS:
+                raise ValueError(f"RouterConfig.act_fn must be one of {list(ROUTER_CONFIG_ACT_FNS)}, got {value!r}")
+        elif name == "dtype":
+            value = to_torch_dtype(value, "RouterConfig.dtype")
+        else:
+            raise AttributeError(f"RouterConfig has no field {name!r}; its fields are act_fn and dtype")
+        object.__setattr__(self, name, value)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "RouterConfig":
-        """Read NxDI's flat keys ``router_act_fn`` and ``router_dtype``."""
-        unknown = sorted(set(kwargs) - {"router_act_fn", "router_dtype"})
-        if unknown:
-            raise TypeError(f"RouterConfig.from_kwargs got unknown key(s) {unknown}; "
-                            "allowed: router_act_fn, router_dtype")
+        """Read NxDI's flat keys ``router_act_fn`` and ``router_dtype``.
+
+        NxD Inference passes every keyword argument of its ``NeuronConfig`` here, so other keys are ignored, as in
+        NxD -- except near-misses of the two (``router_act_func``), which NxD would silently drop, keeping a default
+        the caller meant to change."""
+        for key in kwargs:
+            if key not in ROUTER_CONFIG_KEYS:
+                close = difflib.get_close_matches(key, ROUTER_CONFIG_KEYS, n=1, cutoff=0.8)
+                if close:
+                    raise TypeError(f"RouterConfig.from_kwargs got {key!r}: did you mean {close[0]!r}? "
+                                    f"(it reads {list(ROUTER_CONFIG_KEYS)} and ignores unrelated keys)")
         return cls(act_fn=kwargs.get("router_act_fn", "softmax"), dtype=kwargs.get("router_dtype", torch.float32))
+
+
+@dataclass(frozen=True)
+class MoEFusedTKGConfig:
+    """NxD's configuration of its fused decode (token-generation) kernel, ``MoE(init_tkg_module=True,
+    tkg_config=...)``.
+
+    Its toggles pick Neuron kernels. Here the backend decides how a decode step runs (the triton backend runs the
+    whole layer in one launch, the others module by module) and every form computes the same function, so the
+    toggles are kept only so NxD code builds unchanged. ``norm_topk_prob`` is part of that function: the NxD front
+    door checks it against the experts' ``normalize_top_k_affinities`` (NxD's kernel follows the one, its unfused
+    path the other).
+    """
+
+    quantized: bool
+    moe_fused_kernel_enabled: bool | None = None
+    router_topk_kernel_enabled: bool | None = None
+    expert_mlp_kernel_enabled: bool | None = None
+    shared_mlp_kernel_enabled: bool | None = None
+    norm_topk_prob: bool = False
+    is_mxfp4_compute: bool | None = None
+    router_mm_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self):
+        owner = "MoEFusedTKGConfig"
+        check_bool(f"{owner}.quantized", self.quantized)
+        check_bool(f"{owner}.norm_topk_prob", self.norm_topk_prob)
+        for name in ("moe_fused_kernel_enabled", "router_topk_kernel_enabled", "expert_mlp_kernel_enabled",
+                     "shared_mlp_kernel_enabled", "is_mxfp4_compute"):
+            if getattr(self, name) is not None:
+                check_bool(f"{owner}.{name}", getattr(self, name))
+        object.__setattr__(self, "router_mm_dtype", to_torch_dtype(self.router_mm_dtype, f"{owner}.router_mm_dtype"))
 
 
 @dataclass(frozen=True)
@@ -254,6 +323,15 @@ class RoutedExpertsMLPOpsConfig:
     for every token, so it is treated as dropless too (NxD's rule); otherwise each expert keeps at most
     ``min(ceil(T * top_k * capacity_factor / E), T)`` tokens.
 
+    NxD's fields that pick Neuron kernels or runtime rank tensors are accepted, in NxD's positional order, so NxD
+    code builds unchanged; the function computed does not depend on them: ``use_index_calc_kernel`` (NxD's NKI
+    token->block index kernel; every backend here computes the same mapping its own way), ``enable_spmd_rank``
+    (NxD's rank tensor for SPMD tracing; ranks come from :mod:`nxd_moe.parallel_state`), ``is_prefill`` (stored,
+    as in NxD). ``is_hidden_dim_shuffled`` / ``is_intermediate_dim_shuffled`` must be ``None`` or ``False``: NxD's
+    MXFP4-compute checkpoints permute those dimensions for a Trn3 kernel, and nxd_moe reads weights in their logical
+    order. ``expert_distribution`` (per expert-parallel rank, the experts it holds) is the default placement of an
+    :class:`ExpertParallelConfig`'s ``expert_distribution``.
+
     ``selective_loading_threshold`` is the deep dive's alpha: decode loads only the chosen experts while
     ``T * top_k < alpha * E`` and switches to all-experts above it.
 
@@ -283,6 +361,9 @@ class RoutedExpertsMLPOpsConfig:
     hidden_act_bias: float = 0.0
     hidden_size_actual: int | None = None
     intermediate_size_actual: int | None = None
+    is_hidden_dim_shuffled: bool | None = None
+    is_intermediate_dim_shuffled: bool | None = None
+    use_index_calc_kernel: bool = True
     gate_clamp_upper_limit: float | None = None
     gate_clamp_lower_limit: float | None = None
     up_clamp_upper_limit: float | None = None
@@ -292,6 +373,9 @@ class RoutedExpertsMLPOpsConfig:
     input_layer_init_method: InitMethod | None = None
     output_layer_init_method: InitMethod | None = None
     capacity_factor: float | None = None
+    enable_spmd_rank: bool = False
+    is_prefill: bool | None = None
+    expert_distribution: tuple[tuple[int, ...], ...] | None = None
     selective_loading_threshold: float = DEFAULT_SELECTIVE_LOADING_THRESHOLD
     quantization: str = "bf16"
     activation_quantization: str = "none"
@@ -304,18 +388,20 @@ class RoutedExpertsMLPOpsConfig:
         check_int(f"{owner}.intermediate_size", self.intermediate_size, minimum=1)
         check_int(f"{owner}.top_k", self.top_k, minimum=1, maximum=self.num_experts)
         if self.hidden_act not in ACT2FN:
+            # NxD's MoE deep dive writes hidden_act="swiglu", which NxD itself rejects too: say what to write.
             hint = (
-                " (for GPT-OSS-style SwiGLU use glu_type='swiglu', hidden_act='sigmoid', "
-                "hidden_act_scaling_factor=1.702)"
+                " (SwiGLU is a GLU, not an activation: silu(gate) * up, as in Mixtral, Qwen3 or Llama 4, is "
+                "hidden_act='silu' with glu_mlp=True; GPT-OSS's gate * sigmoid(1.702 * gate) * (up + 1) is "
+                "glu_type='swiglu', hidden_act='sigmoid', hidden_act_scaling_factor=1.702, hidden_act_bias=1.0, "
+                "plus its clamps)"
                 if self.hidden_act == "swiglu"
                 else ""
             )
             raise ValueError(f"{owner}.hidden_act must be one of {sorted(ACT2FN)}, got {self.hidden_act!r}{hint}")
         check_bool(f"{owner}.glu_mlp", self.glu_mlp)
         check_bool(f"{owner}.bias", self.bias)
-        glu_type = GLUType.GLU if self.glu_type is None else self.glu_type
         try:
-            glu_type = GLUType(glu_type.lower() if isinstance(glu_type, str) else glu_type)
+            glu_type = GLUType.validate(self.glu_type)
         except ValueError:
             raise ValueError(f"{owner}.glu_type must be 'glu' or 'swiglu', got {self.glu_type!r}") from None
         object.__setattr__(self, "glu_type", glu_type)
@@ -346,6 +432,23 @@ class RoutedExpertsMLPOpsConfig:
                       self.up_clamp_upper_limit, self.up_clamp_lower_limit)
         ):
             raise ValueError(f"{owner}: gate/up clamp limits need glu_mlp=True")
+        for name in ("is_hidden_dim_shuffled", "is_intermediate_dim_shuffled"):
+            if getattr(self, name) not in (None, False):
+                raise ValueError(f"{owner}.{name} must be None or False, got {getattr(self, name)!r}: NxD's "
+                                 "MXFP4-compute checkpoints (NxDI's is_mxfp4_compute) permute that dimension for a "
+                                 "Trn3 kernel, and nxd_moe reads expert weights in their logical order; load the "
+                                 "unshuffled weights (quantization='mxfp4' keeps them in MXFP4)")
+        check_bool(f"{owner}.use_index_calc_kernel", self.use_index_calc_kernel)
+        check_bool(f"{owner}.enable_spmd_rank", self.enable_spmd_rank)
+        if self.is_prefill is not None:
+            check_bool(f"{owner}.is_prefill", self.is_prefill)
+        if self.expert_distribution is not None:
+            distribution = normalize_distribution(self.expert_distribution, f"{owner}.expert_distribution")
+            outside = sorted({e for rank in distribution for e in rank if e >= self.num_experts})
+            if outside:
+                raise ValueError(f"{owner}.expert_distribution names experts {outside} outside [0, "
+                                 f"{self.num_experts - 1}]")
+            object.__setattr__(self, "expert_distribution", distribution)
         check_bool(f"{owner}.normalize_top_k_affinities", self.normalize_top_k_affinities)
         check_bool(f"{owner}.early_expert_affinity_modulation", self.early_expert_affinity_modulation)
         for name in ("input_layer_init_method", "output_layer_init_method"):

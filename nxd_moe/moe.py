@@ -17,7 +17,7 @@ from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_s
 class MoE(FiniteWeightsOnLoad, nn.Module):
     """NxD's ``MoE`` orchestrator.
 
-    ``forward(hidden_states (B, S, H), padding_mask=None (B, S), residual=None)``
+    ``forward(hidden_states (B, S, H), padding_mask=None (B, S), is_speculative_decoding=False, residual=None)``
     returns a tuple ``(output (B, S, H)[, router_logits (T, E)][, expert_index (T, k)][, residual][, stats])``:
 
     - ``residual``: added to the input first (``h = hidden_states + residual``); ``h`` is returned as the new
@@ -26,7 +26,9 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
     - ``padding_mask``: tokens with 0 take no block slot and no expert capacity, contribute nothing to other
       tokens, and get an all-zero output.
     - ``S == 1`` is decode (selective loading or all-experts); longer sequences, including multi-token
-      speculation windows, follow the prefill rules.
+      speculation windows, follow the prefill rules. ``is_speculative_decoding`` (NxD's argument, in NxD's
+      position) changes nothing: NxD uses it to send a speculation window to its fused decode kernel, which
+      computes the same function as its unfused path.
     - ``return_stats=True`` appends an :class:`~nxd_moe.experts.ExpertsStats`.
 
     ``validate_inputs=True`` adds NaN/Inf checks on the input and the routing (host syncs); without them a
@@ -118,10 +120,12 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         self,
         hidden_states: torch.Tensor,
         padding_mask: torch.Tensor | None = None,
+        is_speculative_decoding: bool = False,
         residual: torch.Tensor | None = None,
         *,
         return_stats: bool = False,
     ) -> tuple:
+        check_bool("MoE.forward is_speculative_decoding", is_speculative_decoding)
         check_hidden_states(hidden_states, self.hidden_size, "MoE: hidden_states")
         if hidden_states.dim() != 3:
             raise ValueError(f"MoE: hidden_states must be (B, S, H), got shape {tuple(hidden_states.shape)}")

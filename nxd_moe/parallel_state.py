@@ -294,6 +294,25 @@ def model_parallel_is_initialized() -> bool:
     return _STATE is not None
 
 
+def set_moe_model_parallel_sizes(prefill: tuple[int, int], decode: tuple[int, int]) -> None:
+    """Split the MoE's ranks as ``(tensor, expert)`` parallel sizes ``prefill`` and ``decode`` (hybrid sharding)
+    after :func:`initialize_model_parallel`: the groups are re-created with the same global sizes and timeout.
+    Every rank calls it, with the same values; layers built before keep the groups they were built with, so call
+    it first. Nothing happens when the sizes are already these (NxD's MoE process groups are created this way)."""
+    state = _state()
+    layout = state.layout
+    if (layout.moe_prefill, layout.moe_decode) == (tuple(prefill), tuple(decode)):
+        return
+    sizes = dict(moe_prefill_tensor_model_parallel_size=prefill[0], moe_prefill_expert_model_parallel_size=prefill[1],
+                 moe_decode_tensor_model_parallel_size=decode[0], moe_decode_expert_model_parallel_size=decode[1])
+    # Bad sizes raise here, before the current groups are destroyed.
+    model_parallel_layout(layout.world_size, layout.tensor_model_parallel_size, layout.expert_model_parallel_size,
+                          **sizes)
+    destroy_model_parallel()
+    initialize_model_parallel(layout.tensor_model_parallel_size, layout.expert_model_parallel_size, **sizes,
+                              timeout_s=state.timeout_s)
+
+
 def destroy_model_parallel() -> None:
     """Destroy the groups :func:`initialize_model_parallel` created (the default group stays)."""
     global _STATE

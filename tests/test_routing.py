@@ -208,7 +208,20 @@ def test_router_config_from_kwargs():
     cfg = RouterConfig.from_kwargs(router_act_fn="sigmoid", router_dtype="bfloat16")
     assert cfg.act_fn == "sigmoid" and cfg.dtype == torch.bfloat16
     assert RouterConfig() == RouterConfig(act_fn="softmax", dtype=torch.float32)
-    with pytest.raises(TypeError, match="router_bogus"):
-        RouterConfig.from_kwargs(router_bogus=1)
-    with pytest.raises(ValueError, match="act_fn"):
-        RouterConfig(act_fn="relu")
+    # NxDI passes all its NeuronConfig keywords: unrelated keys are ignored, near-misses of the two are not.
+    assert RouterConfig.from_kwargs(tp_degree=8, router_topk_nki_kernel_enabled=True) == RouterConfig()
+    with pytest.raises(TypeError, match="'router_act_func'.*did you mean 'router_act_fn'"):
+        RouterConfig.from_kwargs(router_act_func="sigmoid")
+    with pytest.raises(ValueError, match="act_fn must be one of"):
+        RouterConfig(act_fn="softmx")
+    # NxD's RouterConfig takes any ACT2FN name; the routers compute softmax and sigmoid only, and say so.
+    assert RouterConfig(act_fn="relu").act_fn == "relu"
+    with pytest.raises(ValueError, match="act_fn must be one of \\['softmax', 'sigmoid'\\], got 'relu'"):
+        RouterTopK(4, 2, 8, act_fn=RouterConfig(act_fn="relu").act_fn)
+    # Mutable, as NxDI's model code needs (router_config.act_fn = "sigmoid"), and every assignment is checked.
+    cfg.act_fn, cfg.dtype = "softmax", "float16"
+    assert cfg == RouterConfig(act_fn="softmax", dtype=torch.float16)
+    with pytest.raises(TypeError, match="RouterConfig.dtype"):
+        cfg.dtype = "int8"
+    with pytest.raises(AttributeError, match="no field 'act'"):
+        cfg.act = "sigmoid"

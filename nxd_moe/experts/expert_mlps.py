@@ -223,12 +223,12 @@ class ExpertMLPsV2(nn.Module):
     Model parallelism (``model_parallel=None``: whenever :mod:`nxd_moe.parallel_state` is initialised with an MoE
     block of more than one rank; ``False``: never): the module holds only this rank's shard (``weight_shards``,
     one :class:`~nxd_moe.experts.shard.WeightShard` per phase) -- the experts of its expert-parallel rank
-    (``expert_parallel_config.expert_distribution``), the slice of the intermediate dimension of its
-    tensor-parallel rank -- for prefill in ``mlp_op`` and, when hybrid sharding splits decode differently, for
-    decode in ``mlp_op_tkg`` (NxD's names). A sharded module computes the pairs it is handed on the rows it is
-    handed (:meth:`forward_pairs`); moving tokens between ranks is the parallel layer's job:
-    :class:`~nxd_moe.MoE` does it, or :class:`nxd_moe.parallel.ExpertParallel` for the experts alone. Load a
-    single-device checkpoint with :func:`nxd_moe.parallel.sharding.load_full_state_dict`. Every rank must build
+    (``expert_parallel_config.expert_distribution``, by default the config's ``expert_distribution``), the slice
+    of the intermediate dimension of its tensor-parallel rank -- for prefill in ``mlp_op`` and, when hybrid
+    sharding splits decode differently, for decode in ``mlp_op_tkg`` (NxD's names). A sharded module computes the
+    pairs it is handed on the rows it is handed (:meth:`forward_pairs`); moving tokens between ranks is the parallel
+    layer's job: :class:`~nxd_moe.MoE` does it, or :class:`nxd_moe.parallel.ExpertParallel` for the experts alone.
+    Load a single-device checkpoint with :func:`nxd_moe.parallel.sharding.load_full_state_dict`. Every rank must build
     the module with the same arguments; they are compared across ranks once, here.
     """
 
@@ -253,11 +253,15 @@ class ExpertMLPsV2(nn.Module):
         if not isinstance(blockwise_matmul_config, BlockwiseMatmulConfig):
             raise TypeError("blockwise_matmul_config must be a BlockwiseMatmulConfig, got "
                             f"{type(blockwise_matmul_config).__name__}")
+        distribution = routed_experts_mlp_config.expert_distribution
         if expert_parallel_config is None:
-            expert_parallel_config = ExpertParallelConfig()
+            expert_parallel_config = ExpertParallelConfig(expert_distribution=distribution)
         if not isinstance(expert_parallel_config, ExpertParallelConfig):
             raise TypeError("expert_parallel_config must be an ExpertParallelConfig or None, got "
                             f"{type(expert_parallel_config).__name__}")
+        if distribution is not None and expert_parallel_config.expert_distribution != distribution:
+            raise ValueError("ExpertMLPsV2: routed_experts_mlp_config.expert_distribution and "
+                             "expert_parallel_config.expert_distribution differ; give the placement once")
         self.routed_experts_mlp_config = routed_experts_mlp_config
         self.blockwise_matmul_config = blockwise_matmul_config
         self.expert_parallel_config = expert_parallel_config

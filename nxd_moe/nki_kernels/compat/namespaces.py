@@ -19,20 +19,10 @@ import types
 
 import numpy as np
 
+from nxd_moe.aliasing import new_module as _module
+from nxd_moe.aliasing import new_package as _package
 from nxd_moe.nki_kernels import isa, language
 from nxd_moe.nki_kernels.compat import collectives, frontend, neuron_dtypes, nki_typing
-
-
-def _module(name: str, doc: str, **attributes) -> types.ModuleType:
-    module = types.ModuleType(name, doc)
-    module.__dict__.update(attributes)
-    return module
-
-
-def _package(name: str, doc: str, **attributes) -> types.ModuleType:
-    module = _module(name, doc, **attributes)
-    module.__path__ = []  # a package: `import name.sub` looks its submodules up in sys.modules
-    return module
 
 
 def _no_compiler(name: str):
