@@ -18,6 +18,8 @@ class ExpertActivation:
     SwiGLU: ``gate * act(s * gate) * (up + b)``
     with ``gate``/``up`` clamped first when limits are set. Columns at or beyond ``intermediate_size_actual``
     are zeroed: they are checkpoint padding, and ``act(0) * (0 + b)`` is not zero for every activation.
+    ``intermediate_size_actual`` may be a 0-d tensor where it depends on the rank of an SPMD program (a
+    tensor-parallel slice of a padded checkpoint).
     """
 
     hidden_act: str
@@ -30,7 +32,7 @@ class ExpertActivation:
     up_lower: float | None = None
     up_upper: float | None = None
     intermediate_size: int | None = None
-    intermediate_size_actual: int | None = None
+    intermediate_size_actual: int | torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config: RoutedExpertsMLPOpsConfig) -> "ExpertActivation":
@@ -64,7 +66,7 @@ class ExpertActivation:
                 out = gate * out
             out = out * (up + self.act_bias if self.act_bias != 0.0 else up)
         actual = self.intermediate_size_actual
-        if actual is not None and actual < out.shape[-1]:
+        if actual is not None and (isinstance(actual, torch.Tensor) or actual < out.shape[-1]):
             keep = torch.arange(out.shape[-1], device=out.device) < actual
             out = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out
