@@ -57,18 +57,24 @@ INPUT_NAMES = ("hidden_states", "padding_mask")
 
 @dataclass(frozen=True)
 class SPMDLayout:
-    """A parallel layout of one MoE block (``world_size = TP * EP`` ranks): NxD's TP / EP sizes, sequence-parallel
-    prefill, and the MoE's own split for decode (hybrid sharding; default the same as prefill)."""
+    """A parallel layout: NxD's TP / EP sizes, sequence-parallel prefill, the MoE's own split for decode (hybrid
+    sharding; default the same as prefill), and ``expert_data_parallel_size`` copies of the ``TP * EP``-rank MoE
+    block (NxD's expert-data-parallel replicas, each with its own tokens): ``world_size = TP * EP * copies``."""
 
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     sequence_parallel: bool = False
     moe_decode_tensor_model_parallel_size: int | None = None
     moe_decode_expert_model_parallel_size: int | None = None
+    expert_data_parallel_size: int = 1
+
+    @property
+    def block_size(self) -> int:
+        return self.tensor_model_parallel_size * self.expert_model_parallel_size
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.expert_model_parallel_size
+        return self.block_size * self.expert_data_parallel_size
 
     def _sizes(self) -> dict:
         return dict(tensor_model_parallel_size=self.tensor_model_parallel_size,
@@ -96,23 +102,33 @@ class SPMDLayout:
         finally:
             parallel_state.destroy_model_parallel()
 
-    def local(self, block: torch.Tensor, rank: int, sharded: bool) -> torch.Tensor:
-        """Rank ``rank``'s part of a block-wide ``(D * B, S, ...)`` tensor (D token groups, the dense layers' TP
-        groups; see :class:`~nxd_moe.parallel.TokenLayout`): its group's ``B`` rows, and with ``sharded``
-        (sequence-parallel prefill) its ``S / TP`` positions of them."""
+    def local(self, world: torch.Tensor, rank: int, sharded: bool) -> torch.Tensor:
+        """Rank ``rank``'s part of a world-wide ``(copies * D * B, S, ...)`` tensor: each MoE block's ``D`` token
+        groups (the dense layers' TP groups; see :class:`~nxd_moe.parallel.TokenLayout`) of ``B`` rows, blocks one
+        after another. The rank gets its group's rows, and with ``sharded`` (sequence-parallel prefill) its
+        ``S / TP`` positions of them."""
         tp, groups = self.tensor_model_parallel_size, self.expert_model_parallel_size
         layout = parallel_state.model_parallel_layout(self.world_size, **self._sizes())
-        group = layout.index_in_groups("expert_model_parallel_groups")[rank]
+        group = rank // self.block_size * groups + layout.index_in_groups("expert_model_parallel_groups")[rank]
         position = layout.index_in_groups("tensor_model_parallel_groups")[rank]
-        batch = block.shape[0] // groups
-        mine = block[group * batch:(group + 1) * batch]
+        batch = world.shape[0] // (groups * self.expert_data_parallel_size)
+        mine = world[group * batch:(group + 1) * batch]
         if not sharded:
             return mine
-        width = block.shape[1] // tp
+        width = world.shape[1] // tp
         return mine[:, position * width:(position + 1) * width]
 
+    def per_block(self, layer: Callable[..., Any], world: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``layer`` (the single-device layer) applied to each MoE block's tokens of the world-wide inputs on its
+        own -- what the block computes -- and the outputs stacked as the inputs are."""
+        rows = world[0].shape[0] // self.expert_data_parallel_size
+        with torch.no_grad():
+            return torch.cat([layer(*(t[b * rows:(b + 1) * rows] for t in world))[0]
+                              for b in range(self.expert_data_parallel_size)])
+
     def to_dict(self) -> dict:
-        return {"world_size": self.world_size, **self._sizes(), "sequence_parallel": self.sequence_parallel}
+        return {"world_size": self.world_size, **self._sizes(), "sequence_parallel": self.sequence_parallel,
+                "expert_data_parallel_size": self.expert_data_parallel_size}
 
 
 def build_rank_layers(build: Callable[..., nn.Module], layout: SPMDLayout) -> tuple[nn.Module, list[nn.Module]]:
@@ -151,15 +167,17 @@ def xla_devices(world_size: int) -> list[str]:
 
 @contextlib.contextmanager
 def replicated(devices: Sequence[str]) -> Iterator[None]:
-    """``torch_xla`` replicates over ``devices`` (its world size, which its collectives use) inside the block."""
+    """Inside the block, ``torch_xla`` compiles programs as one replica of ``devices`` (replica ``r`` on
+    ``devices[r]``), so their collectives span them. Set directly: ``xm.set_replication`` insists on every device
+    of the runtime, and the runtime may have more than the program's ranks."""
+    torch_xla = import_torch_xla()
     import torch_xla.core.xla_model as xm
 
-    first = torch.device(devices[0])
-    xm.set_replication(first, list(devices))
+    torch_xla._XLAC._xla_set_replication_devices(xm.xla_real_devices(list(devices)))
     try:
         yield
     finally:
-        xm.set_replication(first, [])
+        torch_xla._XLAC._xla_set_replication_devices([])
 
 
 def _materialize(tensors: Sequence[torch.Tensor], device: str) -> None:
@@ -373,11 +391,12 @@ def one_rank_token(full: nn.Module, experts: Sequence[int]) -> torch.Tensor:
 
 def block_inputs(full: nn.Module, layout: SPMDLayout, tokens: int, mode: str, padding: bool = False,
                  seed: int = 0) -> Callable[[int], tuple[torch.Tensor, ...]]:
-    """``make_inputs`` for the whole block: ``i -> (hidden_states (D * B, S, H)[, padding_mask (D * B, S)])``, ``D``
-    token groups, each one sequence of ``tokens`` (prefill) or ``tokens`` sequences of one token (decode). ``i = 0``
-    repeats one token that the router sends to EP rank 0's experts (every pair of the block on one rank); other
-    ``i`` draw random tokens. ``padding`` masks the last quarter of each group's tokens."""
-    groups = layout.expert_model_parallel_size
+    """``make_inputs`` for the whole world: ``i -> (hidden_states (G * B, S, H)[, padding_mask (G * B, S)])``, ``G``
+    token groups (``D`` per MoE block), each one sequence of ``tokens`` (prefill) or ``tokens`` sequences of one
+    token (decode). ``i = 0`` repeats one token aimed at EP rank 0's experts (every pair of the block on one rank;
+    :class:`SPMDReport` says where they went); other ``i`` draw random tokens. ``padding`` masks the last quarter
+    of each group's tokens."""
+    groups = layout.expert_model_parallel_size * layout.expert_data_parallel_size
     shape = (groups, tokens) if mode == "prefill" else (groups * tokens, 1)
     dtype, hidden = full.expert_mlps.dtype, full.hidden_size
     ep = (layout.moe_decode_expert_model_parallel_size or layout.expert_model_parallel_size) if mode == "decode" \
@@ -499,8 +518,7 @@ def check_spmd(full: nn.Module, ranks: Sequence[nn.Module], layout: SPMDLayout,
     with layout.initialized(), replicated(devices):
         for i in range(n):
             block = tuple(make_inputs(i))
-            with torch.no_grad():
-                expected = full(*block)[0]
+            expected = layout.per_block(full, block)
             routing_ranks.append(_ep_ranks(full, block[0], ep))
             programs = []
             for rank, (module, device) in enumerate(zip(ranks, devices, strict=True)):

@@ -16,15 +16,16 @@ from nxd_moe.parallel_state import ReplicaGroups
 
 
 def _xm(group: ReplicaGroups):
+    import torch_xla
     import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
 
-    # torch_xla drops an all-reduce when it sees one replica: the program's world must be torch_xla's.
+    # The program is compiled for torch_xla's replication devices: there must be one per rank.
     ranks = 1 + max(max(g) for g in group.groups)
-    if xr.world_size() < ranks:
+    replicas = torch_xla._XLAC._xla_get_replication_devices_count()
+    if replicas != ranks:
         raise RuntimeError(f"{group.kind}: the SPMD program has {ranks} ranks but torch_xla replicates over "
-                           f"{xr.world_size()} device(s); call torch_xla.core.xla_model.set_replication(device, "
-                           f"devices) with {ranks} devices first (nxd_moe.trace_spmd does)")
+                           f"{replicas} device(s); run it inside nxd_moe.trace_spmd.replicated(devices) with "
+                           f"{ranks} devices")
     return xm
 
 
@@ -41,9 +42,12 @@ def reduce_scatter(x: torch.Tensor, group: ReplicaGroups) -> torch.Tensor:
 
 
 def all_reduce(x: torch.Tensor, group: ReplicaGroups) -> torch.Tensor:
-    """Sum over the group (HLO ``all-reduce``; out of place)."""
+    """Sum over the group (HLO ``all-reduce``; out of place). Not through ``xm.all_reduce``, which returns its input
+    when ``torch_xla.runtime.world_size()`` -- cached by the process's first call -- says 1."""
+    import torch_xla
+
     xm = _xm(group)
-    return xm.all_reduce(xm.REDUCE_SUM, x, groups=group.as_lists(), pin_layout=False)
+    return torch_xla._XLAC._xla_all_reduce(xm.REDUCE_SUM, x, 1.0, group.as_lists(), False)
 
 
 def all_to_all(x: torch.Tensor, group: ReplicaGroups) -> torch.Tensor:
