@@ -180,6 +180,18 @@ def replicated(devices: Sequence[str]) -> Iterator[None]:
         torch_xla._XLAC._xla_set_replication_devices([])
 
 
+@contextlib.contextmanager
+def session(layout: SPMDLayout, devices: Sequence[str]) -> Iterator[None]:
+    """What tracing and compiling a layout's program needs: its SPMD state in :mod:`nxd_moe.parallel_state` (the
+    groups the forward reads) and ``torch_xla`` replicating over its ``devices``."""
+    with layout.initialized(), replicated(devices):
+        yield
+
+
+def device_of(module: nn.Module) -> str:
+    return str(next(iter(module.state_dict().values())).device)
+
+
 def _materialize(tensors: Sequence[torch.Tensor], device: str) -> None:
     torch_xla = import_torch_xla()
     torch_xla._XLAC._xla_sync_multi(list(tensors), [device], True)
@@ -375,9 +387,11 @@ def collective_summary(hlo_text: str) -> dict[str, dict]:
 
 
 def one_rank_token(full: nn.Module, experts: Sequence[int]) -> torch.Tensor:
-    """``(H,)``: a hidden state the router sends to the first ``k`` of ``experts`` (one EP rank's): the least-squares
-    solution of ``router(x) = +m`` on them and ``-m`` elsewhere (exact when ``H >= E``; the caller checks), scaled
-    to a standard normal token's norm ``sqrt(H)`` so that the layer's outputs keep their usual size."""
+    """``(H,)``: a hidden state the router sends to experts among ``experts`` (one EP rank's) only. The direction is
+    the least-squares solution of ``router logits = +m`` on the first ``k`` of them and ``-m`` elsewhere; its length
+    starts at a standard normal token's (``sqrt(H)``, so the outputs keep their usual size) and doubles until the
+    router itself picks only ``experts`` (up to 64x; the last one is returned, and the report says where its pairs
+    went)."""
     linear = full.router.linear_router
     weight = linear.weight.detach().double()
     k = full.router.top_k
@@ -385,8 +399,16 @@ def one_rank_token(full: nn.Module, experts: Sequence[int]) -> torch.Tensor:
     target[list(experts[:k])] = 8.0
     if linear.bias is not None:
         target = target - linear.bias.detach().double()
-    x = torch.linalg.lstsq(weight, target.unsqueeze(1)).solution.squeeze(1)
-    return x * (weight.shape[1] ** 0.5 / x.norm())
+    direction = torch.linalg.lstsq(weight, target.unsqueeze(1)).solution.squeeze(1)
+    direction = direction * (weight.shape[1] ** 0.5 / direction.norm())
+    allowed = set(experts)
+    for scale in (1, 2, 4, 8, 16, 32, 64):
+        x = direction * scale
+        with torch.no_grad():
+            chosen = full.router(x.to(linear.weight.dtype).unsqueeze(0))[2]
+        if set(chosen.flatten().tolist()) <= allowed:
+            break
+    return x
 
 
 def block_inputs(full: nn.Module, layout: SPMDLayout, tokens: int, mode: str, padding: bool = False,
@@ -438,7 +460,9 @@ class SPMDReport:
     - ``compilations``: XLA compilations (1; 0 if this process compiled the program before);
     - ``transfers_during_trace`` (0), ``host_sync`` (None; else the error of an execution inside the trace),
       ``fallback_ops`` (operators ``torch_xla`` ran on the CPU: none);
-    - ``max_abs_diff``: largest ``|rank output - single-device output|`` over ranks and routings; ``atol``;
+    - ``max_abs_diff``: largest ``|rank output - single-device output|`` over ranks and routings, ``max_abs_ref``
+      the largest ``|single-device output|``; they match when ``max_abs_diff <= atol * max(1, max_abs_ref)``
+      (rounding scales with the outputs' size);
     - ``routing_ranks``: per routing, the EP ranks the block's pairs went to (routing 0: one rank);
     - ``parameters``: what each HLO parameter is (:class:`ProgramParameter`), ``hlo_text``: the program.
     """
@@ -452,6 +476,7 @@ class SPMDReport:
     host_sync: str | None
     fallback_ops: list[str]
     max_abs_diff: float
+    max_abs_ref: float
     atol: float
     routing_ranks: list[list[int]]
     parameters: list[ProgramParameter] = dataclasses.field(repr=False)
@@ -464,7 +489,7 @@ class SPMDReport:
 
     @property
     def matches_single_device(self) -> bool:
-        return self.max_abs_diff <= self.atol
+        return self.max_abs_diff <= self.atol * max(1.0, self.max_abs_ref)
 
     @property
     def ok(self) -> bool:
@@ -497,34 +522,44 @@ def _shared_values_equal(programs: Sequence[RankProgram]) -> bool:
     return True
 
 
+def trace_world(ranks: Sequence[nn.Module], layout: SPMDLayout, world: Sequence[torch.Tensor], mode: str
+                ) -> list[RankProgram]:
+    """Every rank's program: rank ``r``'s layer (on its device, :func:`to_devices`) traced on its part of the
+    world-wide inputs ``world`` (:meth:`SPMDLayout.local`). Call inside :func:`session`."""
+    programs = []
+    for rank, module in enumerate(ranks):
+        device = device_of(module)
+        inputs = [t.to(torch.device(device)) for t in local_inputs(layout, world, rank, mode)]
+        _materialize(inputs, device)
+        programs.append(trace_rank(module, inputs))
+    return programs
+
+
 def check_spmd(full: nn.Module, ranks: Sequence[nn.Module], layout: SPMDLayout,
                make_inputs: Callable[[int], Sequence[torch.Tensor]], mode: str, n: int = 3,
                atol: float = 1e-5) -> SPMDReport:
     """For ``i`` in ``range(n)``: trace every rank's layer (``ranks``, on their XLA devices from :func:`to_devices`)
-    on its part of the block input ``make_inputs(i)``, compile rank 0's program, run it on every device with each
-    rank's own arguments, and compare each rank's output with the single-device layer ``full`` (eager, CPU) on the
-    block. See :class:`SPMDReport`."""
+    on its part of the world input ``make_inputs(i)``, compile rank 0's program, run it on every device with each
+    rank's own arguments, and compare each rank's output with the single-device layer ``full`` (eager, CPU) on its
+    MoE block's tokens. See :class:`SPMDReport`."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 2:
         raise ValueError(f"n must be an int >= 2 (several routings, to see whether they share a graph), got {n!r}")
     torch_xla = import_torch_xla()
-    devices = [str(next(iter(m.state_dict().values())).device) for m in ranks]
+    devices = [device_of(m) for m in ranks]
     met = torch_xla.debug.metrics
     fallbacks = _fallback_counts(met)
-    hashes, routing_ranks, diffs = set(), [], []
+    hashes, routing_ranks, diffs, refs = set(), [], [], []
     identical, compilations, transfers, host_sync = True, 0, 0, None
     first: RankProgram | None = None
     ep = (layout.moe_decode_expert_model_parallel_size or layout.expert_model_parallel_size) if mode == "decode" \
         else layout.expert_model_parallel_size
-    with layout.initialized(), replicated(devices):
+    sharded = layout.sequence_parallel and mode == "prefill"
+    with session(layout, devices):
         for i in range(n):
-            block = tuple(make_inputs(i))
-            expected = layout.per_block(full, block)
-            routing_ranks.append(_ep_ranks(full, block[0], ep))
-            programs = []
-            for rank, (module, device) in enumerate(zip(ranks, devices, strict=True)):
-                inputs = [t.to(torch.device(device)) for t in local_inputs(layout, block, rank, mode)]
-                _materialize(inputs, device)
-                programs.append(trace_rank(module, inputs))
+            world = tuple(make_inputs(i))
+            expected = layout.per_block(full, world)
+            routing_ranks.append(_ep_ranks(full, world[0], ep))
+            programs = trace_world(ranks, layout, world, mode)
             transfers += sum(p.transfers_during_trace for p in programs)
             host_sync = host_sync or next((p.host_sync for p in programs if p.host_sync), None)
             if host_sync is not None:
@@ -536,14 +571,15 @@ def check_spmd(full: nn.Module, ranks: Sequence[nn.Module], layout: SPMDLayout,
             hashes.add(programs[0].graph_hash)
             compilations += compile_program(programs[0])
             outputs = run_replicated(programs[0].graph_hash, [p.arguments for p in programs], devices)
-            sharded = layout.sequence_parallel and mode == "prefill"
             diffs += [float((out[0].double() - layout.local(expected, rank, sharded).double()).abs().max())
                       for rank, out in enumerate(outputs)]
+            refs.append(float(expected.abs().max()))
             first = first or programs[0]
     return SPMDReport(
         routings=n, world_size=layout.world_size, graphs=len(hashes), identical_across_ranks=identical,
         compilations=compilations, transfers_during_trace=transfers, host_sync=host_sync,
-        fallback_ops=_new_fallbacks(met, fallbacks), max_abs_diff=max(diffs, default=float("inf")), atol=atol,
+        fallback_ops=_new_fallbacks(met, fallbacks), max_abs_diff=max(diffs, default=float("inf")),
+        max_abs_ref=max(refs, default=0.0), atol=atol,
         routing_ranks=routing_ranks, parameters=[] if first is None else first.parameters,
         hlo_text="" if first is None else first.hlo_text)
 
@@ -557,12 +593,8 @@ def export_spmd(ranks: Sequence[nn.Module], layout: SPMDLayout, example: Sequenc
     the files and the parameter list. Run :func:`check_spmd` first: this writes, it does not check."""
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
-    device = str(next(iter(ranks[0].state_dict().values())).device)
-    devices = [str(next(iter(m.state_dict().values())).device) for m in ranks]
-    with layout.initialized(), replicated(devices):
-        inputs = [t.to(torch.device(device)) for t in local_inputs(layout, example, 0, mode)]
-        _materialize(inputs, device)
-        program = trace_rank(ranks[0], inputs)
+    with session(layout, [device_of(m) for m in ranks]):
+        program = trace_world(ranks[:1], layout, example, mode)[0]
         if program.host_sync is not None:
             raise RuntimeError(f"rank 0's forward reads a device value on the host: {program.host_sync}")
         (out_dir / "model.hlo.txt").write_text(program.hlo_text)
@@ -578,7 +610,7 @@ def export_spmd(ranks: Sequence[nn.Module], layout: SPMDLayout, example: Sequenc
                   "shared": "shared.pt", "shards": [f"shards/rank{r}.pt" for r in range(len(ranks))]},
         "hlo_instructions": sum(hlo_op_histogram(program.hlo_text).values()),
         "op_histogram": hlo_op_histogram(program.hlo_text),
-        "inputs": _describe(inputs),
+        "inputs": _describe([a for p, a in zip(program.parameters, program.arguments) if p.kind == "input"]),
         "parameters": parameters,
     }
 
@@ -677,7 +709,8 @@ def format_report(report: dict, out_dir: str) -> str:
     lines.append(f"{'routings':<{LABEL}}EP ranks receiving pairs: {static['routing_ranks']}")
     ok = "ok" if static["matches_single_device"] else "FAILED"
     lines.append(f"{'run on ' + str(static['world_size']) + ' XLA devices':<{LABEL}}{ok}: max |rank output - "
-                 f"single-device layer| {static['max_abs_diff']:.2e} (atol {static['atol']:g})")
+                 f"single-device layer| {static['max_abs_diff']:.2e} (max |output| {static['max_abs_ref']:.2e}, "
+                 f"atol {static['atol']:g} relative above 1)")
     for op, c in report["collectives"].items():
         lines.append(f"    {op:<15} x{c['count']:<3} replica_groups {c['replica_groups']}, "
                      f"{c['bytes_per_rank'] / 1024:.1f} KiB received per rank")
