@@ -78,8 +78,11 @@ def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGrou
     hits = expert_mask(experts, num_experts).to(torch.int64).view(layout.num_segments, layout.segment_len, -1)
     counts = all_gather(hits.sum(dim=1), groups.block_group, ledger, "expert_counts")  # (M, segments, E)
     starts = _segment_starts(layout, groups.block_size, str(experts.device))
+    rank = groups.block_rank
+    # An SPMD rank is a 0-d tensor: indexing with it would read it on the host, a row gather does not.
+    mine = starts[rank] if isinstance(rank, int) else starts.index_select(0, rank.reshape(1)).squeeze(0)
     # A segment's pairs come after those of every segment that starts before it (segments never overlap).
-    before = starts.reshape(1, -1) < starts[groups.block_rank].reshape(-1, 1)  # (segments, M * segments)
+    before = starts.reshape(1, -1) < mine.reshape(-1, 1)  # (segments, M * segments)
     offsets = torch.where(before.unsqueeze(-1), counts.reshape(1, -1, num_experts), 0).sum(dim=1)
     earlier = torch.cumsum(hits, dim=1) - hits + offsets.unsqueeze(1)
     position = earlier.reshape(-1, num_experts).gather(1, experts.clamp(min=0))

@@ -61,6 +61,12 @@ CASES = {
                                           dict(variant="deepseek", shared="tp")),
     "tp2_ep2-all_to_all-all_experts": (world_layout(2, 2), "decode", 4, "all_experts",
                                        dict(variant="mixtral", dispatch="all_to_all_v")),
+    # Pairs' positions among their expert's pairs in the block: capacity drops and EPLB replicas split by them.
+    "tp2_ep2-all_to_all-capacity": (world_layout(2, 2), "prefill", 16, "capacity_factor",
+                                    dict(variant="qwen", dispatch="all_to_all_v", capacity_factor=1.0)),
+    "tp2_ep2_sp-all_to_all-eplb": (world_layout(2, 2, sp=True), "prefill", 16, "blockwise",
+                                   dict(variant="qwen", dispatch="all_to_all_v",
+                                        distribution=[[0, 1, 2, 3, 4], [4, 5, 6, 7, 0]])),
 }
 
 
@@ -69,7 +75,8 @@ def groups(layout: ts.SPMDLayout, kind: str) -> list[list[int]]:
                                                            layout.expert_model_parallel_size), kind)]
 
 
-def expected_collectives(layout: ts.SPMDLayout, mode: str, dispatch: str, shared: str | None) -> dict:
+def expected_collectives(layout: ts.SPMDLayout, mode: str, dispatch: str, shared: str | None,
+                         positions: bool = False) -> dict:
     """``{op: (count, [replica groups])}`` from the dispatch's description (docs/parallel.md, "Dispatch"): what the
     program must contain, written down independently of the code that emits it."""
     ops: dict[str, list] = {}
@@ -84,6 +91,8 @@ def expected_collectives(layout: ts.SPMDLayout, mode: str, dispatch: str, shared
     sharded = layout.sequence_parallel and mode == "prefill"
     block = "moe_model_parallel_groups"
     if dispatch == "all_to_all_v":
+        if positions:
+            add("all-gather", 1, block)  # per-expert pair counts of every rank's tokens
         add("all-to-all", 4, block)  # hidden, ids, weights out; partial outputs back
         if not sharded and tp > 1:
             add("all-gather", 1, "tensor_model_parallel_groups")  # the token group's chunks
@@ -135,7 +144,8 @@ def test_layout_is_one_program_matching_one_device(name):
     report = ts.check_spmd(full, ranks, layout, make, mode, n=3, atol=ATOL)
     assert_one_program(report)
     found = {op: (c["count"], c["replica_groups"]) for op, c in report.collectives.items()}
-    assert found == expected_collectives(layout, mode, kwargs.get("dispatch", "all_gather"), kwargs.get("shared"))
+    assert found == expected_collectives(layout, mode, kwargs.get("dispatch", "all_gather"), kwargs.get("shared"),
+                                         positions="capacity_factor" in kwargs or "distribution" in kwargs)
     # Per rank: the hidden states, the shard's weights and the (1,) rank tensors; nothing else differs by rank.
     ranks_in = {p.name: p.shape for p in report.parameters if p.kind == "rank"}
     assert "expert_mlps.spmd_rank.rank" in ranks_in and set(ranks_in.values()) == {(1,)}, ranks_in
@@ -300,17 +310,19 @@ def test_cli_names_a_bad_layout_before_building(tmp_path, capsys):
 
 
 def test_cli_traces_qwen3_tp2_ep2_prefill(tmp_path, capsys):
-    """``nxd-moe trace --tp 2 --ep 2``: the files, and trace.json in the single-device schema plus the SPMD keys."""
+    """``nxd-moe trace --tp 2 --ep 2`` (with dynamic-while block skipping: an XLA ``while`` in the SPMD program): the
+    files, and trace.json in the single-device schema plus the SPMD keys."""
     from nxd_moe.cli import main
 
     assert main(["trace", "--config", "qwen3-30b-a3b", "--tp", "2", "--ep", "2", "--tokens", "64", "--routings", "2",
-                 "--out", str(tmp_path)]) == 0
+                 "--dynamic-while", "intermediate", "--out", str(tmp_path)]) == 0
     assert "all checks passed" in capsys.readouterr().out
     report = json.loads((tmp_path / "trace.json").read_text())
     assert report["ok"] and report["xla"]["check_static"]["ok"]
     assert {"config", "mode", "experts_mode", "num_blocks", "quantization", "export", "compile", "xla"} <= set(report)
     assert report["collectives"]["all-gather"]["replica_groups"] == [[[0, 2], [1, 3]]]
     assert report["neuronx_cc"]["world_size"] == 4 and "--lnc 2" in report["neuronx_cc"]["command"]
+    assert report["dynamic_while"] == "intermediate" and report["xla"]["hlo"]["op_histogram"]["while"] == 1
     files = report["xla"]["hlo"]["files"]
     for name in [files["hlo_text"], files["hlo_proto"], files["parameters"], files["shared"], *files["shards"]]:
         assert (tmp_path / name).stat().st_size > 0
