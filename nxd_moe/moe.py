@@ -204,7 +204,7 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         if self.expert_parallel is None:
             routed = self.expert_mlps(*routed_args, addend=shared, **routed_kwargs)
         else:
-            layout = self.expert_parallel.groups.token_layout(batch, seq_len, sharded_input)
+            layout = self.expert_parallel.token_layout(batch, seq_len, sharded_input)
             routed = self.expert_parallel(*routed_args, token_layout=layout, addend=None if side else shared,
                                           **routed_kwargs)
         out, stats = routed if return_stats else (routed, None)

@@ -18,6 +18,11 @@ Hybrid sharding: the MoE may split its ``TP * EP`` ranks differently for prefill
 Every rank must call :func:`initialize_model_parallel` with the same arguments. The arguments are compared
 across ranks first (an all-gather with a timeout), so a rank that disagrees makes every rank fail with the
 same message instead of hanging in a later collective.
+
+SPMD: :func:`initialize_spmd_model_parallel` sets up the same layout for ONE program that every rank runs (what
+``neuronx-cc`` compiles for Trainium): no ``torch.distributed``; each group is a :class:`ReplicaGroups` (the
+layout's rank lists, which the collectives pass to XLA as replica groups), and a module's rank is a tensor
+(:class:`SPMDRank`, NxD's name) that the program takes as an input.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from nxd_moe.config import check_float, check_int
 
@@ -72,6 +79,11 @@ class ParallelLayout:
             if rank in group:
                 return group
         raise ValueError(f"rank {rank} is in no {kind} group (world size {self.world_size})")
+
+    def index_in_groups(self, kind: str) -> tuple[int, ...]:
+        """``(world_size,)``: each rank's index in its group of kind ``kind`` (the table an SPMD program reads its
+        group ranks from, with its global rank as the index)."""
+        return tuple(self.group_of(kind, rank).index(rank) for rank in range(self.world_size))
 
 
 # Ranks built with different settings do not fail where the difference is: they exchange tensors of different
@@ -206,14 +218,80 @@ def model_parallel_layout(
 # process groups
 
 
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """One kind of group in an SPMD program: ``groups`` lists every group's global ranks (XLA's
+    ``replica_groups``: each rank takes part with the group that holds it), ``kind`` is its
+    :class:`ParallelLayout` field. Collectives over it are XLA ops (:mod:`nxd_moe.parallel.collectives`)."""
+
+    kind: str
+    groups: tuple[tuple[int, ...], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.groups[0])
+
+    def as_lists(self) -> list[list[int]]:
+        return [list(g) for g in self.groups]
+
+
+class SPMDRank(nn.Module):
+    """NxD's ``SPMDRank``: this rank's global id as a tensor, so that one traced program serves every rank.
+
+    ``rank`` is a ``(1,)`` int32 parameter (no gradient) holding the global rank; a program traced with it takes
+    it as an input, like the weights, and every rank-dependent value (which experts are mine, which rows I
+    dispatch, my slice of the intermediate dimension) is computed from it on the device. Modules built under
+    :func:`initialize_spmd_model_parallel` hold one, set to the rank whose shard they hold (NxD loads
+    ``arange(world_size)`` split one element per rank, which is the same). ``get_rank()`` is NxD's accessor;
+    :meth:`index_in_group` reads this rank's index in a group kind from ``layout`` (default: the current
+    :func:`get_parallel_layout`), on the device.
+    """
+
+    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None, rank: int = 0,
+                 layout: ParallelLayout | None = None):
+        super().__init__()
+        self.layout = layout
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.tensor_model_parallel_size = check_int(
+            "tensor_model_parallel_size",
+            get_tensor_model_parallel_size() if tensor_model_parallel_size is None else tensor_model_parallel_size,
+            minimum=1)
+        check_int("rank", rank, minimum=0, maximum=world_size - 1)
+        self.rank = nn.Parameter(torch.full((1,), rank, dtype=torch.int32), requires_grad=False)
+        self._tables: dict[tuple[str, str], torch.Tensor] = {}
+
+    def get_rank(self) -> torch.Tensor:
+        return self.rank
+
+    def index_in_group(self, kind: str) -> torch.Tensor:
+        """0-d int64: this rank's index in its group of kind ``kind`` (a :class:`ParallelLayout` field), read from
+        the layout's table at ``rank`` (the table is the same for every rank)."""
+        key = (kind, str(self.rank.device))
+        if key not in self._tables:
+            layout = self.layout or get_parallel_layout()
+            if layout.world_size != self.world_size:
+                raise ValueError(f"SPMDRank: world_size {self.world_size} differs from the layout's "
+                                 f"{layout.world_size}")
+            table = torch.tensor(layout.index_in_groups(kind), dtype=torch.int64)
+            self._tables[key] = table.to(self.rank.device)
+        return self._tables[key].index_select(0, self.rank.long()).squeeze(0)
+
+    def extra_repr(self) -> str:
+        return f"world_size={self.world_size}, tensor_model_parallel_size={self.tensor_model_parallel_size}"
+
+
 @dataclass
 class _State:
     layout: ParallelLayout
     rank: int
-    check_group: Any
+    check_group: Any  # None in an SPMD program: one process builds it, there is nothing to compare
     timeout_s: float
-    groups: dict[str, Any] = field(default_factory=dict)  # kind -> this rank's ProcessGroup
+    groups: dict[str, Any] = field(default_factory=dict)  # kind -> this rank's ProcessGroup (SPMD: ReplicaGroups)
     created: list[Any] = field(default_factory=list)
+
+    @property
+    def spmd(self) -> bool:
+        return self.check_group is None
 
 
 _STATE: _State | None = None
@@ -290,6 +368,37 @@ def initialize_model_parallel(
     _STATE = state
 
 
+def initialize_spmd_model_parallel(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    *,
+    rank: int = 0,
+    moe_prefill_tensor_model_parallel_size: int | None = None,
+    moe_prefill_expert_model_parallel_size: int | None = None,
+    moe_decode_tensor_model_parallel_size: int | None = None,
+    moe_decode_expert_model_parallel_size: int | None = None,
+    num_experts: int | None = None,
+) -> None:
+    """The layout of :func:`model_parallel_layout` for one SPMD program (no ``torch.distributed``): the groups are
+    :class:`ReplicaGroups`, whose collectives are XLA ops, and sharded modules built now hold ``rank``'s shard
+    of the weights and an :class:`SPMDRank` set to ``rank``. The program traced from them computes every
+    rank-dependent value from that tensor, so it serves every rank, each with its own shard and rank as inputs
+    (``nxd_moe.trace_spmd`` builds, traces and checks it). Bad sizes raise ``ValueError`` naming the argument."""
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("model parallel is already initialized; call destroy_model_parallel first")
+    layout = model_parallel_layout(
+        world_size, tensor_model_parallel_size, expert_model_parallel_size,
+        moe_prefill_tensor_model_parallel_size=moe_prefill_tensor_model_parallel_size,
+        moe_prefill_expert_model_parallel_size=moe_prefill_expert_model_parallel_size,
+        moe_decode_tensor_model_parallel_size=moe_decode_tensor_model_parallel_size,
+        moe_decode_expert_model_parallel_size=moe_decode_expert_model_parallel_size, num_experts=num_experts)
+    check_int("rank", rank, minimum=0, maximum=world_size - 1)
+    groups = {kind: ReplicaGroups(kind, getattr(layout, kind)) for kind in _GROUP_KINDS}
+    _STATE = _State(layout=layout, rank=rank, check_group=None, timeout_s=DEFAULT_TIMEOUT_S, groups=groups)
+
+
 def model_parallel_is_initialized() -> bool:
     return _STATE is not None
 
@@ -313,12 +422,25 @@ def set_moe_model_parallel_sizes(prefill: tuple[int, int], decode: tuple[int, in
                               timeout_s=state.timeout_s)
 
 
+def is_spmd() -> bool:
+    """Whether the layout is an SPMD program's (:func:`initialize_spmd_model_parallel`)."""
+    return _STATE is not None and _STATE.spmd
+
+
+def spmd_rank() -> SPMDRank | None:
+    """A new :class:`SPMDRank` set to the rank whose shard is being built, in an SPMD layout; None otherwise."""
+    if not is_spmd():
+        return None
+    layout = _STATE.layout
+    return SPMDRank(layout.world_size, layout.tensor_model_parallel_size, _STATE.rank, layout)
+
+
 def destroy_model_parallel() -> None:
     """Destroy the groups :func:`initialize_model_parallel` created (the default group stays)."""
     global _STATE
     if _STATE is None:
         return
-    for group in _STATE.created:
+    for group in _STATE.created:  # none in an SPMD layout
         dist.destroy_process_group(group)
     _STATE = None
 
@@ -354,10 +476,15 @@ def check_configuration(values: dict[str, Any], what: str) -> None:
     """Raise on every rank if the ranks' ``values`` differ (see :func:`initialize_model_parallel`); modules call
     this once at construction so that ranks built differently fail there, not in a later collective."""
     state = _state()
+    if state.spmd:  # one process builds the program for every rank from the same arguments
+        return
     check_same_on_all_ranks(values, what, state.check_group, state.timeout_s)
 
 
 def get_world_group():
+    state = _STATE
+    if state is not None and state.spmd:
+        return ReplicaGroups("world", (tuple(range(state.layout.world_size)),))
     return dist.group.WORLD
 
 

@@ -686,19 +686,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"with --model-layers: KV cache positions (default {DEFAULT_CACHE_LENGTH}, at most the "
                              "model's sliding window)")
 
+    spmd = parser.add_argument_group("parallel layouts (one SPMD program for every rank; runs on --tp x --ep XLA "
+                                     "CPU devices, no torchrun)")
+    spmd.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
+    spmd.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    spmd.add_argument("--sp", action="store_true", help="sequence-parallel prefill (the tokens split over --tp)")
+    spmd.add_argument("--decode-tp", type=_positive_int, default=None,
+                      help="MoE tensor-parallel size in decode (hybrid sharding; default --tp)")
+    spmd.add_argument("--decode-ep", type=_positive_int, default=None,
+                      help="MoE expert-parallel size in decode (hybrid sharding; default --ep)")
+    spmd.add_argument("--dispatch", default="all_gather", choices=("all_gather", "all_to_all", "all_to_all_v"),
+                      help="expert-parallel dispatch: all_gather (default, NxD's) or all_to_all (= all_to_all_v "
+                           "with static splits, the only all-to-all a static graph has)")
+    spmd.add_argument("--lnc", type=int, choices=(1, 2), default=2,
+                      help="logical NeuronCore size in the printed neuronx-cc command (default 2, Trn2)")
 
-def trace(args: argparse.Namespace) -> dict:
-    """Build the layer a config describes and run every check; write the artifacts to ``args.out``."""
-    if args.model_layers is not None:
-        return trace_model(args)
-    from nxd_moe.build import build_moe
+
+class TraceSetup(NamedTuple):
+    """What ``nxd-moe trace``'s arguments resolve to: the config, dtype, scale, tokens per forward and the
+    ``build_moe`` overrides."""
+
+    model: Any
+    dtype: torch.dtype
+    scale: int
+    tokens: int
+    overrides: dict
+
+
+def setup(args: argparse.Namespace) -> TraceSetup:
+    """Resolve and check ``nxd-moe trace``'s layer arguments (``ValueError`` naming a bad one)."""
     from nxd_moe.cli import auto_scale
     from nxd_moe.config import load_model_config, to_torch_dtype
 
     model = load_model_config(args.config)
     dtype = to_torch_dtype(args.dtype, "--dtype")
     scale = auto_scale(model.hidden_size) if args.scale == "auto" else args.scale
-    tokens = args.tokens or DEFAULT_TOKENS[args.mode]
     if args.routings < 2:
         raise ValueError(f"--routings must be >= 2, got {args.routings}")
     overrides: dict[str, Any] = {}
@@ -710,25 +732,25 @@ def trace(args: argparse.Namespace) -> dict:
         on_intermediate, on_block = DYNAMIC_WHILE_FLAGS[args.dynamic_while]
         overrides["block_use_shard_on_intermediate_dynamic_while"] = on_intermediate
         overrides["block_use_shard_on_block_dynamic_while"] = on_block
-    moe = build_moe(model, scale=scale, dtype=dtype, seed=args.seed, **overrides)
-    atol = args.atol if args.atol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 6e-2)
-    make_inputs = moe_inputs(moe, tokens, args.mode, args.padding, args.seed)
-    example = make_inputs(1)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        stats = moe(*example, return_stats=True)[-1].summary()
+    return TraceSetup(model, dtype, scale, args.tokens or DEFAULT_TOKENS[args.mode], overrides)
+
+
+def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stats: dict,
+                 experts: nn.Module | None = None) -> dict[str, Any]:
+    """The report's description of the traced layer ``moe`` (``stats``: its ``ExpertsStats.summary()``);
+    ``experts``: the ``ExpertMLPsV2`` whose stored weights the graph takes (default ``moe``'s)."""
     bcfg = moe.expert_mlps.blockwise_matmul_config
-    report: dict[str, Any] = {
-        "config": model.name,
-        "scale": scale,
-        "dtype": str(dtype).removeprefix("torch."),
+    experts = moe.expert_mlps if experts is None else experts
+    return {
+        "config": run.model.name,
+        "scale": run.scale,
+        "dtype": str(run.dtype).removeprefix("torch."),
         "mode": args.mode,
-        "tokens": tokens,
+        "tokens": run.tokens,
         "padding": args.padding,
         "hidden_size": moe.hidden_size,
-        "num_experts": model.num_experts,
-        "top_k": model.top_k,
+        "num_experts": run.model.num_experts,
+        "top_k": run.model.top_k,
         "router": type(moe.router).__name__,
         "experts_mode": stats["mode"],
         "num_blocks": stats["num_blocks"],
@@ -738,8 +760,27 @@ def trace(args: argparse.Namespace) -> dict:
         "quantization": moe.expert_mlps.routed_experts_mlp_config.quantization,
         # what the graph's weight inputs hold: the stored (8-bit / packed 4-bit) tensors, not dequantized copies
         "expert_weight_dtypes": {k: str(v.dtype).removeprefix("torch.")
-                                 for k, v in moe.expert_mlps.mlp_op.state_dict().items()},
+                                 for k, v in experts.mlp_op.state_dict().items()},
     }
+
+
+def trace(args: argparse.Namespace) -> dict:
+    """Build the layer a config describes and run every check; write the artifacts to ``args.out``."""
+    if args.model_layers is not None:
+        return trace_model(args)
+    from nxd_moe.build import build_moe
+
+    run = setup(args)
+    dtype = run.dtype
+    moe = build_moe(run.model, scale=run.scale, dtype=dtype, seed=args.seed, **run.overrides)
+    atol = args.atol if args.atol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 6e-2)
+    make_inputs = moe_inputs(moe, run.tokens, args.mode, args.padding, args.seed)
+    example = make_inputs(1)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        stats = moe(*example, return_stats=True)[-1].summary()
+    report = layer_report(args, run, moe, stats)
     exported = export_program(moe, example)
     torch.export.save(exported.program, out_dir / "program.pt2")
     report["export"] = {**exported.to_dict(), "file": "program.pt2",
@@ -948,13 +989,22 @@ def format_model_report(report: dict, out_dir: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from nxd_moe import trace_spmd
+
     try:
-        report = trace(args)
+        layout = trace_spmd.spmd_layout_from_args(args)
+        if layout is not None and args.skip_xla:
+            raise ValueError("--skip-xla: a parallel layout (--tp/--ep/--sp/--decode-*) is checked under XLA only")
+        if layout is not None and args.model_layers is not None:
+            raise ValueError("--model-layers traces a whole decoder on one device; it does not combine with a parallel "
+                             "layout (--tp/--ep/--sp/--decode-*)")
+        report = trace(args) if layout is None else trace_spmd.trace(args, layout)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"nxd-moe trace: error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(report, indent=2))
+    if layout is not None:
+        text = trace_spmd.format_report(report, args.out)
     else:
-        print((format_model_report if "model" in report else format_report)(report, args.out))
+        text = (format_model_report if "model" in report else format_report)(report, args.out)
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0 if report["ok"] else 1

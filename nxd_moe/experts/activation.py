@@ -22,6 +22,9 @@ class ExpertActivation:
     ``gate_up_interleaved``: the GLU input's columns are ``g0, u0, g1, u1, ...`` (GPT-OSS's stored order) instead
     of NxD's ``[gate | up]``; the gate/up weight and bias it multiplies have their columns in the same order, so
     the weight is used as stored.
+
+    ``intermediate_size_actual`` may be a 0-d tensor where it depends on the rank of an SPMD program (a
+    tensor-parallel slice of a padded checkpoint).
     """
 
     hidden_act: str
@@ -34,7 +37,7 @@ class ExpertActivation:
     up_lower: float | None = None
     up_upper: float | None = None
     intermediate_size: int | None = None
-    intermediate_size_actual: int | None = None
+    intermediate_size_actual: int | torch.Tensor | None = None
     gate_up_interleaved: bool = False
 
     @classmethod
@@ -72,7 +75,7 @@ class ExpertActivation:
                 out = gate * out
             out = out * (up + self.act_bias if self.act_bias != 0.0 else up)
         actual = self.intermediate_size_actual
-        if actual is not None and actual < out.shape[-1]:
+        if actual is not None and (isinstance(actual, torch.Tensor) or actual < out.shape[-1]):
             keep = torch.arange(out.shape[-1], device=out.device) < actual
             out = torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out

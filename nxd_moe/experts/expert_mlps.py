@@ -272,6 +272,8 @@ class ExpertMLPsV2(nn.Module):
                                routed_experts_mlp_config.activation_quantization)
         dtype = to_torch_dtype(dtype)
         self.weight_shards = self._weight_shards(model_parallel, dtype)
+        # In an SPMD program the rank is an input (NxD's ``expert_mlps.spmd_rank``): the parallel layer reads it.
+        self.spmd_rank = None if self.weight_shards is None else parallel_state.spmd_rank()
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
         self._local_slots: dict[tuple[bool, str], torch.Tensor] = {}
         if self.weight_shards is None:
@@ -375,20 +377,29 @@ class ExpertMLPsV2(nn.Module):
                              self.mlp_op.down_proj.bias, self.activation,
                              activation_quantization_spec(self.routed_experts_mlp_config))
 
-    def shard_weights(self, decode: bool) -> ExpertWeights:
+    def shard_weights(self, decode: bool, intermediate_part: int | torch.Tensor | None = None) -> ExpertWeights:
         """This rank's weights for a phase. The down-projection bias is added on the first intermediate slice only:
         the partial outputs are summed over the slices, so it is counted once and exactly (NxD divides it by TP
-        instead)."""
+        instead). ``intermediate_part`` (default: the held shard's) may be a 0-d tensor (an SPMD program, where
+        the slice is an input): the bias and the padded columns are then selected on the device."""
         shard = self.weight_shard(decode)
         op = self.mlp_op_tkg if decode and hasattr(self, "mlp_op_tkg") else self.mlp_op
         cfg = self.routed_experts_mlp_config
+        part = shard.intermediate_part if intermediate_part is None else intermediate_part
         width = cfg.intermediate_size // shard.intermediate_parts
         actual = cfg.intermediate_size_actual
-        if actual is not None:
-            actual = min(max(actual - shard.intermediate_part * width, 0), width)
-        activation = dataclasses.replace(self.activation, intermediate_size=width,
-                                         intermediate_size_actual=None if actual == width else actual)
-        down_bias = op.down_proj.bias if shard.intermediate_part == 0 else None
+        down_bias = op.down_proj.bias
+        if isinstance(part, torch.Tensor):
+            if actual is not None:
+                actual = (actual - part * width).clamp(0, width)
+            if down_bias is not None:
+                down_bias = down_bias * (part == 0).to(down_bias.dtype)
+        else:
+            if actual is not None:
+                actual = min(max(actual - part * width, 0), width)
+                actual = None if actual == width else actual
+            down_bias = down_bias if part == 0 else None
+        activation = dataclasses.replace(self.activation, intermediate_size=width, intermediate_size_actual=actual)
         return ExpertWeights(op.first_proj.stored_weight(), op.down_proj.stored_weight(), op.first_proj.bias,
                              down_bias, activation, activation_quantization_spec(cfg))
 
@@ -488,7 +499,8 @@ class ExpertMLPsV2(nn.Module):
                                                                            (0, width - hidden_states.shape[1]))
 
     def forward_pairs(self, rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor,
-                      mode: ExpertsMode, capacity: int | None, decode: bool) -> tuple[torch.Tensor, PairsComputed]:
+                      mode: ExpertsMode, capacity: int | None, decode: bool, *, local_slot: torch.Tensor | None = None,
+                      intermediate_part: torch.Tensor | None = None) -> tuple[torch.Tensor, PairsComputed]:
         """The pairs this module is handed, on the rows it is handed, with the weights it holds for the phase.
 
         ``rows (N, H)``; ``pair_expert (N, k)``: the global expert id of each pair to compute here (an expert this
@@ -496,10 +508,17 @@ class ExpertMLPsV2(nn.Module):
         normalised). Returns the ``(N, H)`` sum over the computed pairs of ``weight * expert(row)`` restricted to
         this shard's slice of the intermediate dimension, and what was computed. ``mode`` and ``capacity`` are the
         whole layer's (the caller resolves them from the layer's token count, as on one device).
+
+        ``local_slot (E,)`` (local index of each global expert held, ``-1`` elsewhere) and ``intermediate_part``
+        (0-d) describe the held weights when they are inputs of an SPMD program, where they depend on the rank;
+        by default they come from the held shard.
         """
-        run = experts_forward_pairs(self.backend, rows, pair_expert, pair_weight, self.shard_weights(decode),
-                                    self._local_slot(decode, rows.device), mode, self.blockwise_matmul_config,
-                                    capacity, self.routed_experts_mlp_config.early_expert_affinity_modulation)
+        if local_slot is None:
+            local_slot = self._local_slot(decode, rows.device)
+        run = experts_forward_pairs(self.backend, rows, pair_expert, pair_weight,
+                                    self.shard_weights(decode, intermediate_part), local_slot, mode,
+                                    self.blockwise_matmul_config, capacity,
+                                    self.routed_experts_mlp_config.early_expert_affinity_modulation)
         return run.output, PairsComputed(run.routing.expert_mask.sum(dim=0), run.mapping, run.block_size,
                                          run.num_blocks)
 

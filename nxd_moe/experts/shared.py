@@ -141,6 +141,8 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         dtype = to_torch_dtype(dtype, "SharedExperts.dtype")
         self.intermediate_size = intermediate_size * num_shared_experts
         self.intermediate_shard = self._intermediate_shard(model_parallel)
+        # In an SPMD program the rank is an input (NxD's ``shared_experts.spmd_rank``): the parallel layer reads it.
+        self.spmd_rank = None if self.intermediate_shard is None else parallel_state.spmd_rank()
         fmt = get_format(quantization, "SharedExperts.quantization")
         quantization = fmt.name
         width = self.intermediate_size
@@ -222,9 +224,11 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
             gate, up = self.gate_proj(hidden_states), self.up_proj(hidden_states)
         return self._gated(self.down_proj(ACT2FN[self.hidden_act](gate) * up), hidden_states)
 
-    def partial(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def partial(self, hidden_states: torch.Tensor, part: torch.Tensor | None = None) -> torch.Tensor:
         """``(..., H) -> (..., H)``: the contribution of this rank's slice of the intermediate dimension; the slices'
-        contributions sum to :meth:`forward` (the per-token gate applies to each slice, so it commutes)."""
+        contributions sum to :meth:`forward` (the per-token gate applies to each slice, so it commutes). ``part``
+        (0-d tensor) names the slice of replicated weights where it is an input of an SPMD program (default: the
+        held rank's)."""
         check_hidden_states(hidden_states, self.hidden_size, "SharedExperts: hidden_states")
         if self.intermediate_shard is None:
             return self(hidden_states)
@@ -232,7 +236,7 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         def linear(inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return inp @ weight if self.transpose_weights else F.linear(inp, weight)
 
-        gate_w, up_w, down_w = self._slices()
+        gate_w, up_w, down_w = self._slices(part)
         out = linear(ACT2FN[self.hidden_act](linear(hidden_states, gate_w)) * linear(hidden_states, up_w), down_w)
         return self._gated(out, hidden_states)
 
@@ -241,9 +245,9 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
             return out
         return torch.sigmoid(self.shared_expert_gate(hidden_states)) * out
 
-    def _slices(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _slices(self, part: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's ``gate``, ``up`` and ``down`` weights in the orientation ``transpose_weights`` names (views;
-        dequantized where stored quantized)."""
+        dequantized where stored quantized; gathered on the device for a tensor ``part``)."""
         size, rank = self.intermediate_shard
         inner = 1 if self.transpose_weights else 0
         if self.fused_gate_up_projection:
@@ -253,6 +257,11 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
         down = self.down_proj.matrix()
         if self.sequence_parallel_enabled:  # replicated weights: take this rank's slice
             width = gate.shape[inner] // size
-            gate, up = (w.narrow(inner, rank * width, width) for w in (gate, up))
-            down = down.narrow(1 - inner, rank * width, width)
+            if part is None:
+                gate, up = (w.narrow(inner, rank * width, width) for w in (gate, up))
+                down = down.narrow(1 - inner, rank * width, width)
+            else:
+                columns = part * width + torch.arange(width, device=gate.device)
+                gate, up = (w.index_select(inner, columns) for w in (gate, up))
+                down = down.index_select(1 - inner, columns)
         return gate, up, down

@@ -7,7 +7,8 @@
   block (dispatch, local pairs, combine); :mod:`~nxd_moe.parallel.shared_experts` -- shared experts over TP.
 - :mod:`~nxd_moe.parallel.dispatch` -- the dispatch contract; :mod:`~nxd_moe.parallel.all_gather` (NxD's) and
   :mod:`~nxd_moe.parallel.all_to_all` (static per-destination buffers, or exact counts exchanged first).
-- :mod:`~nxd_moe.parallel.collectives` -- the collectives, each counting the bytes it moves;
+- :mod:`~nxd_moe.parallel.collectives` -- the collectives, each counting the bytes it moves (in an SPMD program,
+  XLA ops over replica groups: :mod:`~nxd_moe.parallel.xla_collectives`);
   :mod:`~nxd_moe.parallel.payload` -- per-token fields packed into one byte row.
 - :mod:`~nxd_moe.parallel.sharding` -- a rank's shard of a full checkpoint.
 - :mod:`~nxd_moe.parallel.eplb` -- expert-parallel load balancing: placements planned from measured loads.

@@ -18,7 +18,7 @@ import torch
 
 from nxd_moe.parallel.collectives import all_gather, all_reduce, reduce_scatter
 from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
-from nxd_moe.parallel.payload import pack, unpack
+from nxd_moe.parallel.payload import exchange_rows
 from nxd_moe.parallel.placement import assign_pairs, needs_positions, pair_positions
 
 
@@ -27,9 +27,11 @@ def all_gather_dispatch(inputs: DispatchInputs) -> DispatchResult:
     hidden, layout, groups, shard, ledger = inputs.hidden, inputs.layout, inputs.groups, inputs.shard, inputs.ledger
     sp = layout.sequence_parallel
     gather_group = groups.block_group if sp else groups.token_dp_group
-    payload, specs = pack([hidden, inputs.pair_expert.to(torch.int32), inputs.pair_weight])
-    gathered = all_gather(payload, gather_group, ledger, "dispatch").reshape(-1, payload.shape[1])
-    rows, experts, weights = unpack(layout.to_token_order(gathered), specs)
+
+    def gather(field: torch.Tensor) -> torch.Tensor:
+        return layout.to_token_order(all_gather(field, gather_group, ledger, "dispatch").reshape(-1, *field.shape[1:]))
+
+    rows, experts, weights = exchange_rows([hidden, inputs.pair_expert.to(torch.int32), inputs.pair_weight], gather)
     experts = experts.long()
     position = pairs_per_expert = None
     if inputs.count_pairs or needs_positions(shard.placement, inputs.capacity):

@@ -41,7 +41,7 @@ from nxd_moe.experts.routing_inputs import expert_mask
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all, all_to_all_v, exchange_counts
 from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
 from nxd_moe.parallel.layout import MoEGroups
-from nxd_moe.parallel.payload import FieldSpec, pack, unpack
+from nxd_moe.parallel.payload import FieldSpec, exchange_rows, pack, unpack
 from nxd_moe.parallel.placement import assign_pairs, needs_positions
 from nxd_moe.parallel.token_layout import TokenLayout
 
@@ -61,10 +61,14 @@ class OwnedPairs(NamedTuple):
 
 
 @functools.lru_cache(maxsize=64)
-def _segment_starts(layout: TokenLayout, block_size: int, device: str) -> torch.Tensor:
-    """``(M * segments,)`` first token id of every segment of every block rank (cached per device: a captured CUDA
-    graph must not copy from the host)."""
+def _cached_segment_starts(layout: TokenLayout, block_size: int, device: str) -> torch.Tensor:
     return torch.tensor([layout.segment_starts(r) for r in range(block_size)], device=device)
+
+
+def _segment_starts(layout: TokenLayout, block_size: int, device: str) -> torch.Tensor:
+    """``(M, segments)`` first token id of every segment of every block rank (cached per device: a captured CUDA
+    graph must not copy from the host). The same for every rank of the block: keyed without this rank's place."""
+    return _cached_segment_starts(layout.without_rank(), block_size, device)
 
 
 def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGroups, num_experts: int,
@@ -74,8 +78,11 @@ def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGrou
     hits = expert_mask(experts, num_experts).to(torch.int64).view(layout.num_segments, layout.segment_len, -1)
     counts = all_gather(hits.sum(dim=1), groups.block_group, ledger, "expert_counts")  # (M, segments, E)
     starts = _segment_starts(layout, groups.block_size, str(experts.device))
+    rank = groups.block_rank
+    # An SPMD rank is a 0-d tensor: indexing with it would read it on the host, a row gather does not.
+    mine = starts[rank] if isinstance(rank, int) else starts.index_select(0, rank.reshape(1)).squeeze(0)
     # A segment's pairs come after those of every segment that starts before it (segments never overlap).
-    before = starts.reshape(1, -1) < starts[groups.block_rank].reshape(-1, 1)  # (segments, M * segments)
+    before = starts.reshape(1, -1) < mine.reshape(-1, 1)  # (segments, M * segments)
     offsets = torch.where(before.unsqueeze(-1), counts.reshape(1, -1, num_experts), 0).sum(dim=1)
     earlier = torch.cumsum(hits, dim=1) - hits + offsets.unsqueeze(1)
     position = earlier.reshape(-1, num_experts).gather(1, experts.clamp(min=0))
@@ -85,13 +92,7 @@ def _block_positions(experts: torch.Tensor, layout: TokenLayout, groups: MoEGrou
 def owned_pairs(inputs: DispatchInputs) -> OwnedPairs:
     """Steps 1 and 2 of the module docstring."""
     layout, shard = inputs.layout, inputs.shard
-    start, stop, _ = layout.chunk()
-    pad = layout.num_segments * layout.segment_len - (stop - start)
-
-    def owned(t: torch.Tensor, value=0) -> torch.Tensor:
-        t = t[start:stop]
-        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad), value=value) if pad else t
-
+    owned = layout.owned_rows
     rows = owned(inputs.hidden)
     experts = owned(inputs.pair_expert.long(), -1)
     weights = owned(inputs.pair_weight)
@@ -112,7 +113,8 @@ def destination_slots(owner: torch.Tensor, num_ranks: int, tensor_parallel: int
     num_rows, device = owner.shape[0], owner.device
     rank_ep = torch.arange(num_ranks, device=device) // tensor_parallel
     sends = (owner.unsqueeze(1) == rank_ep.view(1, num_ranks, 1)).any(dim=2)  # (U, M)
-    place = torch.cumsum(sends, dim=0) - sends.to(torch.int64)
+    counted = sends.to(torch.int64)  # torch_xla's cumsum keeps a bool input's dtype
+    place = torch.cumsum(counted, dim=0) - counted
     at = torch.where(sends, torch.arange(num_ranks, device=device) * num_rows + place, num_ranks * num_rows)
     source = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, num_ranks)
     # Only the dump slot M * U is written twice.
@@ -121,17 +123,23 @@ def destination_slots(owner: torch.Tensor, num_ranks: int, tensor_parallel: int
     return torch.where(sends, place, -1), source_row
 
 
-def pack_for_destinations(rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor,
-                          source_row: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
-    """The ``(M * U, row_bytes)`` send buffer: slot ``s`` holds row ``source_row[s]`` with the ids of the pairs its
-    destination computes (``-1`` elsewhere) and the pair weights; padding slots are zeros with ids ``-1``."""
+def destination_fields(rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor,
+                       source_row: torch.Tensor, tensor_parallel: int) -> list[torch.Tensor]:
+    """The send buffer's fields, ``(M * U, ...)`` each: slot ``s`` holds row ``source_row[s]``, the int32 ids of the
+    pairs its destination computes (``-1`` elsewhere) and the pair weights; padding slots are zeros with ids
+    ``-1``."""
     num_rows = rows.shape[0]
     real = source_row >= 0
     at = torch.where(real, source_row, num_rows)
     slot_ep = (torch.arange(source_row.numel(), device=rows.device) // num_rows // tensor_parallel).unsqueeze(1)
     sent = torch.where(F.pad(owner, (0, 0, 0, 1), value=-1)[at] == slot_ep, F.pad(experts, (0, 0, 0, 1))[at], -1)
-    payload, _ = pack([F.pad(rows, (0, 0, 0, 1))[at], sent.to(torch.int32), F.pad(weights, (0, 0, 0, 1))[at]])
-    return payload
+    return [F.pad(rows, (0, 0, 0, 1))[at], sent.to(torch.int32), F.pad(weights, (0, 0, 0, 1))[at]]
+
+
+def pack_for_destinations(rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor,
+                          source_row: torch.Tensor, tensor_parallel: int) -> torch.Tensor:
+    """The :func:`destination_fields` packed into the ``(M * U, row_bytes)`` send buffer."""
+    return pack(destination_fields(rows, experts, weights, owner, source_row, tensor_parallel))[0]
 
 
 def combine_from_destinations(returned: torch.Tensor, slot: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -170,11 +178,18 @@ def _static_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
     rows, experts, weights, owner = owned.rows, owned.experts, owned.weights, owned.owner
     kernels = _kernels(rows, weights)
     slot, source_row = kernels.destination_slots(owner, groups.block_size, tp)
-    payload = kernels.pack_for_destinations(rows, experts, weights, owner, source_row, tp)
-    specs = (FieldSpec((rows.shape[1],), rows.dtype), FieldSpec((experts.shape[1],), torch.int32),
-             FieldSpec((weights.shape[1],), weights.dtype))
-    received = all_to_all(payload, groups.block_group, inputs.ledger, "dispatch")
-    recv_rows, recv_experts, recv_weights = unpack(received, specs)
+
+    def exchange(field: torch.Tensor) -> torch.Tensor:
+        return all_to_all(field, groups.block_group, inputs.ledger, "dispatch")
+
+    if kernels is TORCH_KERNELS:
+        fields = destination_fields(rows, experts, weights, owner, source_row, tp)
+        recv_rows, recv_experts, recv_weights = exchange_rows(fields, exchange)
+    else:  # the buffer packed by one kernel
+        payload = kernels.pack_for_destinations(rows, experts, weights, owner, source_row, tp)
+        specs = (FieldSpec((rows.shape[1],), rows.dtype), FieldSpec((experts.shape[1],), torch.int32),
+                 FieldSpec((weights.shape[1],), weights.dtype))
+        recv_rows, recv_experts, recv_weights = unpack(exchange(payload), specs)
     partial = inputs.compute(recv_rows, recv_experts.long(), recv_weights)
     returned = all_to_all(partial, groups.block_group, inputs.ledger, "combine")
     return kernels.combine_from_destinations(returned, slot, rows.dtype)

@@ -8,7 +8,10 @@ compare on the traffic they cause rather than on how a backend happens to implem
 - all-reduce of ``n`` bytes: ``2 * (G - 1) / G * n`` (ring: a reduce-scatter then an all-gather);
 - all-to-all-v: the bytes of the rows the other ranks send here (a rank's rows to itself never leave it).
 
-A group of one rank moves nothing and calls nothing.
+A group of one rank moves nothing and calls nothing. A :class:`~nxd_moe.parallel_state.ReplicaGroups` group (an
+SPMD layout) issues the same collective as an XLA op (:mod:`~nxd_moe.parallel.xla_collectives`), counted the
+same way; the exchanges whose sizes are read on the host (``all_to_all_v``, ``exchange_counts``) have no SPMD
+form.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from nxd_moe.parallel import xla_collectives
+from nxd_moe.parallel_state import ReplicaGroups
 
 # torch 2.13 renamed the tensor all-gather and reduce-scatter and deprecated the old names (same signatures);
 # older releases have only the old ones.
@@ -45,7 +51,15 @@ def _nbytes(x: torch.Tensor) -> int:
 
 
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    return group.size if isinstance(group, ReplicaGroups) else dist.get_world_size(group)
+
+
+def _host_sized(group, what: str) -> None:
+    if isinstance(group, ReplicaGroups):
+        raise ValueError(f"{what} reads split sizes on the host, which an SPMD program cannot do; use "
+                         "ExpertParallelConfig(all_to_all_splits='static')")
 
 
 def all_gather(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.Tensor:
@@ -54,8 +68,11 @@ def all_gather(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.T
     if size == 1:
         return x.unsqueeze(0)
     x = x.contiguous()
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the rank chunks concatenated along dim 0
-    _all_gather_into(out, x, group=group)
+    if isinstance(group, ReplicaGroups):
+        out = xla_collectives.all_gather(x, group)
+    else:
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the rank chunks concatenated along dim 0
+        _all_gather_into(out, x, group=group)
     ledger.add(step, (size - 1) * _nbytes(x))
     return out.view(size, *x.shape)
 
@@ -67,8 +84,12 @@ def reduce_scatter(x: torch.Tensor, group, ledger: CommLedger, step: str) -> tor
         raise ValueError(f"reduce_scatter: leading dimension {x.shape[0]} must equal the group size {size}")
     if size == 1:
         return x[0]
-    out = x.new_empty(x.shape[1:])
-    _reduce_scatter_into(out, x.reshape(size * x.shape[1], *x.shape[2:]).contiguous(), group=group)
+    flat = x.reshape(size * x.shape[1], *x.shape[2:]).contiguous()
+    if isinstance(group, ReplicaGroups):
+        out = xla_collectives.reduce_scatter(flat, group)
+    else:
+        out = x.new_empty(x.shape[1:])
+        _reduce_scatter_into(out, flat, group=group)
     ledger.add(step, (size - 1) * _nbytes(out))
     return out
 
@@ -78,8 +99,11 @@ def all_reduce(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.T
     size = group_size(group)
     if size == 1:
         return x
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    if isinstance(group, ReplicaGroups):
+        out = xla_collectives.all_reduce(x.contiguous(), group)
+    else:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
     ledger.add(step, 2 * (size - 1) * _nbytes(out) // size)
     return out
 
@@ -90,6 +114,7 @@ def all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Seque
 
     ``rank`` is this rank's index in ``group`` (its own rows are not counted as traffic).
     """
+    _host_sized(group, "all_to_all_v")
     size = group_size(group)
     if len(send_counts) != size or len(recv_counts) != size:
         raise ValueError(f"all_to_all_v: need {size} send and receive counts, got {len(send_counts)} and "
@@ -114,8 +139,11 @@ def all_to_all(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.T
         raise ValueError(f"all_to_all: {x.shape[0]} rows do not split into {size} equal parts")
     if size == 1:
         return x
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
+    if isinstance(group, ReplicaGroups):
+        out = xla_collectives.all_to_all(x.contiguous(), group)
+    else:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
     ledger.add(step, (size - 1) * _nbytes(x) // size)
     return out
 
@@ -123,6 +151,7 @@ def all_to_all(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.T
 def exchange_counts(send_counts: torch.Tensor, group, rank: int, ledger: CommLedger, step: str) -> list[int]:
     """Each rank tells every other how many rows it will send it: ``(G,)`` int64 -> the ``(G,)`` counts this rank
     receives, as Python ints (a host sync: the next all-to-all-v needs its sizes on the host)."""
+    _host_sized(group, "exchange_counts")
     size = group_size(group)
     if size == 1:
         return send_counts.tolist()

@@ -10,6 +10,10 @@ Everything is static: sizes come from the token shape and the group sizes, never
 ``exact`` all-to-all is asked for), so a CUDA graph captures the whole step and replays it with new routings.
 Ranks agree on the inputs' shapes and dtypes once per new shape (a named error on every rank otherwise); later
 calls with a shape already agreed on cost nothing.
+
+In an SPMD layout the experts hold an :class:`~nxd_moe.parallel_state.SPMDRank`, and every rank-dependent value --
+this rank's place in the groups, its experts' local slots, its slice of the intermediate dimension, the rows it
+dispatches -- is computed from that tensor: the traced program is the same for every rank.
 """
 
 from __future__ import annotations
@@ -45,13 +49,24 @@ class ExpertParallel:
             raise ValueError("ExpertParallel needs an ExpertMLPsV2 that holds a shard (built while "
                              "nxd_moe.parallel_state was initialised, model_parallel not False)")
         cfg = experts.routed_experts_mlp_config
+        spmd = parallel_state.is_spmd()
+        if spmd != (experts.spmd_rank is not None):
+            raise RuntimeError("ExpertParallel: the experts were built for " + ("an SPMD program" if not spmd else
+                               "torch.distributed") + ", not for the layout nxd_moe.parallel_state holds now; "
+                               "build them again")
+        if spmd and experts.expert_parallel_config.all_to_all_splits == "exact":
+            raise ValueError("ExpertParallelConfig.all_to_all_splits='exact' reads the split sizes on the host, "
+                             "which an SPMD program cannot do; use all_to_all_splits='static'")
         shards = {}
         for prefill in (True, False):
             distribution = parallel_state.expert_distribution_for(experts.expert_parallel_config, prefill)
             shard = ExpertShard.from_parallel_state(prefill, cfg.num_experts, distribution)
             held = experts.weight_shard(decode=not prefill)
-            if (shard.local_experts, shard.tensor_parallel_size, shard.tensor_parallel_rank) != \
-                    (held.experts, held.intermediate_parts, held.intermediate_part):
+            # SPMD: the rank is a tensor, so compare what every rank shares (how many experts, which split).
+            expected = ((shard.placement.num_local_experts, shard.tensor_parallel_size) if spmd else
+                        (shard.local_experts, shard.tensor_parallel_size, shard.tensor_parallel_rank))
+            if expected != ((len(held.experts), held.intermediate_parts) if spmd else
+                            (held.experts, held.intermediate_parts, held.intermediate_part)):
                 raise RuntimeError("ExpertParallel: the experts were built under another parallel layout than the "
                                    "one nxd_moe.parallel_state holds now; build them again")
             shards[prefill] = shard
@@ -62,6 +77,15 @@ class ExpertParallel:
     @property
     def groups(self) -> MoEGroups:
         return self.parallelism.groups
+
+    def _parallelism(self) -> ExpertsParallelism:
+        """This rank's groups and shards: in an SPMD layout, with the ranks computed from the experts' rank tensor."""
+        rank = self.experts.spmd_rank
+        return self.parallelism if rank is None else self.parallelism.at(rank)
+
+    def token_layout(self, batch: int, local_seq_len: int, sequence_parallel: bool) -> TokenLayout:
+        """The :class:`TokenLayout` of this rank's ``(batch, local_seq_len)`` tokens."""
+        return self._parallelism().groups.token_layout(batch, local_seq_len, sequence_parallel)
 
     def __call__(
         self,
@@ -82,8 +106,13 @@ class ExpertParallel:
         experts.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, check_index)
         experts.check_addend(addend, hidden_states)
         num_tokens, in_width = hidden_states.shape
+        parallelism = self._parallelism()
+        spmd = experts.spmd_rank is not None
+        if spmd and return_stats:
+            raise ValueError("ExpertParallel: return_stats=True is not available in an SPMD program (the statistics "
+                             "name this rank's experts as Python values); trace without it")
         if token_layout is None:
-            token_layout = self.groups.token_layout(1, num_tokens, sequence_parallel=False)
+            token_layout = parallelism.groups.token_layout(1, num_tokens, sequence_parallel=False)
         if not isinstance(token_layout, TokenLayout) or token_layout.num_local_tokens != num_tokens:
             raise ValueError(f"ExpertParallel: token_layout must be a TokenLayout of {num_tokens} local tokens, got "
                              f"{token_layout!r}")
@@ -92,7 +121,10 @@ class ExpertParallel:
         x = experts.pad_hidden(hidden_states)
         routing = experts.routing(expert_affinities, expert_index, padding_mask)
         decode = seq_len == 1
-        shard = self.parallelism.shard(decode)
+        shard = parallelism.shard(decode)
+        # SPMD: which global experts are held here, and the intermediate slice, come from the rank tensor.
+        held = dict(local_slot=shard.local_slot(x.device), intermediate_part=shard.tensor_parallel_rank) if spmd \
+            else {}
         total = token_layout.num_tokens
         mode = experts.resolve_mode(mode, total, seq_len)
         capacity = (expert_capacity(total, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
@@ -100,7 +132,8 @@ class ExpertParallel:
         computed = {}
 
         def compute(rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor) -> torch.Tensor:
-            out, computed["pairs"] = experts.forward_pairs(rows, pair_expert, pair_weight, mode, capacity, decode)
+            out, computed["pairs"] = experts.forward_pairs(rows, pair_expert, pair_weight, mode, capacity, decode,
+                                                           **held)
             return out
 
         pair_expert = routing.expert_index
@@ -109,9 +142,9 @@ class ExpertParallel:
         pair_weight = routing.affinities.gather(1, routing.expert_index)
         ledger = CommLedger()
         epc = experts.expert_parallel_config
-        result = get_dispatch(epc.dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout, self.groups,
-                                                           shard, capacity, compute, ledger, epc.all_to_all_splits,
-                                                           count_pairs=return_stats))
+        result = get_dispatch(epc.dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout,
+                                                           parallelism.groups, shard, capacity, compute, ledger,
+                                                           epc.all_to_all_splits, count_pairs=return_stats))
         out = result.output
         if in_width != cfg.hidden_size:
             out = out[:, :in_width]

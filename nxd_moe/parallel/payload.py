@@ -2,11 +2,15 @@
 
 A token's row is its fields' bytes side by side (hidden state, top-k weights, top-k expert ids, ...). Both
 dispatch strategies ship the same rows, so their byte counts compare like for like.
+
+:func:`exchange_rows` is how the dispatches use it: one collective on the packed rows, or -- under XLA, where
+``torch_xla`` 2.9 has no lowering for a dtype view (``view(torch.uint8)`` runs on the CPU, a host round trip
+inside the graph) -- one collective per field, moving the same bytes.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
@@ -52,3 +56,18 @@ def unpack(rows: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]
     if start != rows.shape[1]:
         raise ValueError(f"unpack: fields take {start} bytes per row, rows have {rows.shape[1]}")
     return out
+
+
+def packs_bytes(device: torch.device) -> bool:
+    """Whether fields can travel packed as bytes on ``device`` (not under XLA: see the module docstring)."""
+    return device.type != "xla"
+
+
+def exchange_rows(fields: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> list[torch.Tensor]:
+    """``collective`` (any function that moves and reorders whole rows) applied to the per-row ``fields``: packed
+    into one byte row and unpacked after, or field by field where bytes cannot be packed."""
+    if not packs_bytes(fields[0].device):
+        return [collective(f) for f in fields]
+    payload, specs = pack(fields)
+    return unpack(collective(payload), specs)

@@ -76,6 +76,14 @@ class ExpertPlacement:
             self._device_tables[key] = slot.to(device)
         return self._device_tables[key]
 
+    def local_slot_table(self, device=None) -> torch.Tensor:
+        """``(EP, E)`` int64: :meth:`local_slot` of every EP rank (an SPMD program reads its row at its EP rank)."""
+        key = ("slots", str(torch.device(device or "cpu")))
+        if key not in self._device_tables:
+            rows = [self.local_slot(r) for r in range(self.expert_parallel_size)]
+            self._device_tables[key] = torch.stack(rows).to(device)
+        return self._device_tables[key]
+
     def replica_table(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(E, R_max)`` EP rank of each copy (``-1`` past an expert's last copy) and ``(E,)`` copies per expert
         (built once per device: every forward needs them)."""

@@ -8,7 +8,8 @@ activation needs no communication.
 
 Modules that hold sharded weights describe each tensor with a :class:`ShardSpec` (``shard_specs()``); every other
 tensor is replicated and loaded as is. :func:`shard_state_dict` builds a rank's state dict from the full one, so
-each rank loads only its shard (``nxd_moe.hf`` checkpoints included).
+each rank loads only its shard (``nxd_moe.hf`` checkpoints included). The rank tensor of an SPMD program
+(:class:`~nxd_moe.parallel_state.SPMDRank`) is the module's own: a single-device checkpoint has none.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn as nn
 
 from nxd_moe.config import check_int
 from nxd_moe.experts.shard import ShardSpec
+from nxd_moe.parallel_state import SPMDRank
 
 
 def tensor_parallel_slice(full: torch.Tensor, dim: int, tp_size: int, tp_rank: int, stride: int = 1) -> torch.Tensor:
@@ -68,8 +70,10 @@ def shard_state_dict(module: nn.Module, full_state_dict: Mapping[str, Any]) -> d
     of another architecture cannot load half-way.
     """
     specs = shard_specs(module)
-    local_keys = list(module.state_dict().keys())
-    sources = {key: specs[key].source if key in specs else key for key in local_keys}
+    local = module.state_dict()
+    own = {f"{name}.{key}" if name else key: value for name, sub in module.named_modules()
+           if isinstance(sub, SPMDRank) for key, value in sub.state_dict().items()}
+    sources = {key: specs[key].source if key in specs else key for key in local if key not in own}
     missing = sorted({s for s in sources.values() if s not in full_state_dict})
     if missing:
         raise KeyError(f"full state dict is missing {missing[:6]}" + (f" ... ({len(missing)} in all)"
@@ -78,8 +82,8 @@ def shard_state_dict(module: nn.Module, full_state_dict: Mapping[str, Any]) -> d
     if unused:
         raise ValueError(f"full state dict has keys this module does not use: {unused[:6]}"
                          + (f" ... ({len(unused)} in all)" if len(unused) > 6 else ""))
-    return {key: shard_tensor(full_state_dict[src], specs[key]) if key in specs else full_state_dict[src]
-            for key, src in sources.items()}
+    return {key: own[key] if key in own else shard_tensor(full_state_dict[src], specs[key]) if key in specs
+            else full_state_dict[src] for key, src in ((k, sources.get(k)) for k in local)}
 
 
 def load_full_state_dict(module: nn.Module, full_state_dict: Mapping[str, Any]) -> nn.Module:

@@ -27,14 +27,16 @@ def shared_experts_forward(shared: SharedExperts, hidden_states: torch.Tensor, s
         return shared(hidden_states)
     group = parallel_state.get_tensor_model_parallel_group()
     ledger = CommLedger() if ledger is None else ledger
+    # SPMD: the slice of replicated weights is this rank's TP index, computed from its rank tensor.
+    part = None if shared.spmd_rank is None else shared.spmd_rank.index_in_group("tensor_model_parallel_groups")
     if not sequence_parallel:
-        return all_reduce(shared.partial(hidden_states), group, ledger, "shared_reduce")
+        return all_reduce(shared.partial(hidden_states, part), group, ledger, "shared_reduce")
     if hidden_states.dim() != 3:
         raise ValueError(f"SharedExperts: a sequence-parallel input must be (B, S_r, H), got "
                          f"{tuple(hidden_states.shape)}")
     size = shared.intermediate_shard[0]
     gathered = all_gather(hidden_states, group, ledger, "shared_gather")  # (TP, B, S_r, H)
     x = gathered.transpose(0, 1).reshape(hidden_states.shape[0], -1, hidden_states.shape[-1])
-    out = shared.partial(x)
+    out = shared.partial(x, part)
     per_rank = out.reshape(out.shape[0], size, -1, out.shape[-1]).transpose(0, 1)
     return reduce_scatter(per_rank, group, ledger, "shared_reduce")

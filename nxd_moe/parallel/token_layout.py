@@ -16,9 +16,11 @@ which is the token order.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nxd_moe.config import check_bool, check_int
 
@@ -26,7 +28,10 @@ from nxd_moe.config import check_bool, check_int
 @dataclass(frozen=True)
 class TokenLayout:
     """This rank's ``(batch, local_seq_len)`` tokens in a block of ``num_groups`` token groups of ``group_size``
-    ranks; it is rank ``group_rank`` of group ``group_index``."""
+    ranks; it is rank ``group_rank`` of group ``group_index``.
+
+    In an SPMD program (:mod:`nxd_moe.parallel_state`) ``group_rank`` and ``group_index`` are 0-d tensors computed
+    from the rank tensor, and what depends on them is computed on the device (:meth:`owned_rows`)."""
 
     batch: int
     local_seq_len: int
@@ -41,9 +46,15 @@ class TokenLayout:
         check_int("TokenLayout.local_seq_len", self.local_seq_len, minimum=1)
         check_bool("TokenLayout.sequence_parallel", self.sequence_parallel)
         check_int("TokenLayout.group_size", self.group_size, minimum=1)
-        check_int("TokenLayout.group_rank", self.group_rank, minimum=0, maximum=self.group_size - 1)
         check_int("TokenLayout.num_groups", self.num_groups, minimum=1)
-        check_int("TokenLayout.group_index", self.group_index, minimum=0, maximum=self.num_groups - 1)
+        if not isinstance(self.group_rank, torch.Tensor):
+            check_int("TokenLayout.group_rank", self.group_rank, minimum=0, maximum=self.group_size - 1)
+        if not isinstance(self.group_index, torch.Tensor):
+            check_int("TokenLayout.group_index", self.group_index, minimum=0, maximum=self.num_groups - 1)
+
+    def without_rank(self) -> "TokenLayout":
+        """The same layout seen from the block's first rank: a key for what every rank shares."""
+        return dataclasses.replace(self, group_rank=0, group_index=0)
 
     @property
     def seq_len(self) -> int:
@@ -97,9 +108,31 @@ class TokenLayout:
         rank (the last chunks may be short or empty). With sequence parallelism a rank owns all its rows."""
         if self.sequence_parallel:
             return 0, self.num_local_tokens, self.num_local_tokens
-        chunk_len = -(-self.num_local_tokens // self.group_size)
+        chunk_len = self.chunk_len
         start = min(self.group_rank * chunk_len, self.num_local_tokens)
         return start, min(start + chunk_len, self.num_local_tokens), chunk_len
+
+    @property
+    def chunk_len(self) -> int:
+        """Rows of a rank's chunk without sequence parallelism (:meth:`chunk`), the same on every rank."""
+        return -(-self.num_local_tokens // self.group_size)
+
+    def owned_rows(self, rows: torch.Tensor, fill=0) -> torch.Tensor:
+        """``rows (B * S_r, ...)`` of this rank's tokens -> the ``(num_segments * segment_len, ...)`` rows it
+        dispatches in an all-to-all (:meth:`chunk`), padded with ``fill``. With a tensor ``group_rank`` the chunk is
+        selected on the device: every rank runs the same ops."""
+        if self.sequence_parallel:
+            return rows
+        chunk_len = self.segment_len
+        if isinstance(self.group_rank, torch.Tensor):
+            padded = F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, chunk_len * self.group_size - rows.shape[0]),
+                           value=fill)
+            chunks = padded.view(self.group_size, chunk_len, *rows.shape[1:])
+            return chunks.index_select(0, self.group_rank.reshape(1)).squeeze(0)
+        start, stop, _ = self.chunk()
+        pad = chunk_len - (stop - start)
+        rows = rows[start:stop]
+        return F.pad(rows, (0, 0) * (rows.dim() - 1) + (0, pad), value=fill) if pad else rows
 
     @property
     def num_segments(self) -> int:
@@ -109,7 +142,7 @@ class TokenLayout:
 
     @property
     def segment_len(self) -> int:
-        return self.local_seq_len if self.sequence_parallel else self.chunk()[2]
+        return self.local_seq_len if self.sequence_parallel else self.chunk_len
 
     def segment_starts(self, rank: int) -> list[int]:
         """Token id at which each segment of block rank ``rank`` starts (a segment may be empty near the end)."""
