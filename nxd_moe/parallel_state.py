@@ -247,15 +247,17 @@ class SPMDRank(nn.Module):
     :func:`get_parallel_layout`), on the device.
     """
 
-    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None, rank: int = 0,
+    def __init__(self, world_size: int, tensor_model_parallel_size: int | None = None, rank: int | None = None,
                  layout: ParallelLayout | None = None):
         super().__init__()
         self.layout = layout
         self.world_size = check_int("world_size", world_size, minimum=1)
-        self.tensor_model_parallel_size = check_int(
-            "tensor_model_parallel_size",
-            get_tensor_model_parallel_size() if tensor_model_parallel_size is None else tensor_model_parallel_size,
-            minimum=1)
+        if tensor_model_parallel_size is None:  # NxD's default: the initialised layout's (1 without one)
+            tensor_model_parallel_size = get_tensor_model_parallel_size() if model_parallel_is_initialized() else 1
+        self.tensor_model_parallel_size = check_int("tensor_model_parallel_size", tensor_model_parallel_size,
+                                                    minimum=1, maximum=world_size)
+        if rank is None:  # outside an SPMD build: this process's rank, as NxD's checkpoint entry would set it
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         check_int("rank", rank, minimum=0, maximum=world_size - 1)
         self.rank = nn.Parameter(torch.full((1,), rank, dtype=torch.int32), requires_grad=False)
         self._tables: dict[tuple[str, str], torch.Tensor] = {}

@@ -33,7 +33,7 @@ from nxd_moe.config import (
     to_torch_dtype,
 )
 from nxd_moe.nxd_compat import adapters, mappings, parallel_state
-from nxd_moe.nxd_compat.spmd_rank import SPMDRank
+from nxd_moe.parallel_state import SPMDRank
 from nxd_moe.routing import GroupLimitedRouter, RouterBase
 
 
