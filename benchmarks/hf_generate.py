@@ -37,6 +37,12 @@ hit (expected ``E * (1 - (1 - k / E) ** B)`` under uniform routing, which random
 of every sequence. Roofline tokens/s = ``B * copy_bandwidth / bytes_per_step``. Reported per row: ratio to the best
 transformers implementation in the same run and to the roofline.
 
+Expert parallelism: under ``torchrun --nproc-per-node N`` (N > 1) each rank builds the same model, initialises
+``nxd_moe.parallel_state`` with expert parallelism N, patches it (each rank keeps E / N experts, attention stays
+whole: data-parallel attention) and generates its own ``B`` sequences in lockstep (``synced_gpus``); only
+``patch_model`` runs, and rank 0 reports the slowest rank's times and the aggregate decode tokens/s (``N * B`` per
+step). Compare with a one-process run of ``--variants patch_model`` at the same ``B`` per GPU.
+
 Output: one JSON (``--out``) and a table on stdout. Run on the GPU machine; on a CPU it runs as a smoke test
 (``--device cpu``, tiny ``--scale``), not a measurement.
 """
@@ -170,6 +176,37 @@ def layer_graph_us(model, batch: int, device: torch.device) -> float | None:
     return start.elapsed_time(end) * 1e3 / 100
 
 
+def distributed_setup(device: torch.device) -> tuple[int, int, torch.device]:
+    """Under torchrun: the process group (NCCL on GPUs, gloo on CPUs) and expert parallelism over every rank;
+    ``(rank, world size, this rank's device)``. A single process: ``(0, 1, device)``."""
+    import os
+
+    import torch.distributed as dist
+
+    from nxd_moe import parallel_state
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    return dist.get_rank(), world, device
+
+
+def slowest(value: float) -> float:
+    """The largest of every rank's ``value`` (the rank everyone waits for); the value itself on one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [None] * dist.get_world_size()
+    dist.all_gather_object(box, value)
+    return max(box)
+
+
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -178,6 +215,9 @@ def run(args) -> dict:
     from nxd_moe.models.hf_models import build_hf_config
 
     device = torch.device(args.device)
+    rank, world, device = distributed_setup(device)
+    if world > 1:
+        args.variants = ["patch_model"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     try:
@@ -202,15 +242,16 @@ def run(args) -> dict:
     result = {"benchmark": "hf_generate", "model": args.model, "layers": model.config.num_hidden_layers,
               "moe_layers": moe_layers, "scale": args.scale, "parameters": params,
               "vocab_size": model.config.vocab_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "expert_parallel": world,
               "environment": env, "roofline": {"copy_TBps": None if bandwidth is None else bandwidth / 1e12},
               "rows": []}
 
     def save():
-        if args.out:
+        if args.out and rank == 0:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
     prompts = {b: torch.randint(0, model.config.vocab_size, (b, args.prompt_len), device=device,
-                                generator=torch.Generator(device).manual_seed(b)) for b in args.batches}
+                                generator=torch.Generator(device).manual_seed(b + 1000 * rank)) for b in args.batches}
     for b in args.batches:
         bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2)
         result["roofline"][f"B{b}"] = {"bytes_per_step": bytes_step, "decode_tokens_per_s":
@@ -241,6 +282,10 @@ def run(args) -> dict:
                         continue
                     timing = timed_generate(model, prompts[b], args.new_tokens, compiled, args.repeats)
                     timing["tokens"] = timing["tokens"].tolist()
+                    if world > 1:  # the slowest rank's times; every rank's sequences count
+                        timing["prefill_ms"] = slowest(timing["prefill_ms"])
+                        timing["decode_ms_per_step"] = slowest(timing["decode_ms_per_step"])
+                        timing["decode_tokens_per_s"] = round(world * b / timing["decode_ms_per_step"] * 1e3, 1)
                     if args.profile and variant in OURS:
                         timing["moe_kernels_us_per_layer_step"] = moe_kernel_time_per_step(
                             model, prompts[b], args.new_tokens, compiled, moe_layers)
@@ -342,7 +387,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    print(table(result, args.batches))
+    if result["expert_parallel"] == 1 or torch.distributed.get_rank() == 0:
+        print(table(result, args.batches))
     return 0
 
 

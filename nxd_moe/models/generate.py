@@ -48,9 +48,13 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.de
 
 
 def generate_tokens(model, ids: torch.Tensor, new_tokens: int, compiled: bool) -> torch.Tensor:
+    """Greedy ``generate`` of exactly ``new_tokens`` tokens (eager, or transformers' compiled recipe). Under expert
+    parallelism (a sharded patched model) every rank steps together (``synced_gpus``)."""
+    import torch.distributed as dist
     from transformers import CompileConfig
 
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     if compiled:
         kwargs.update(cache_implementation="static",
                       compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
@@ -60,16 +64,23 @@ def generate_tokens(model, ids: torch.Tensor, new_tokens: int, compiled: bool) -
         return model.generate(ids, **kwargs)
 
 
+def _synchronize(ids: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, repeats: int) -> dict:
     """Prefill ms (a one-token generate) and decode tokens/s (the rest of an ``new_tokens`` generate), medians of
     ``repeats`` runs after a warm-up run (which also compiles), and the generated tokens."""
     def timed(n: int) -> tuple[float, torch.Tensor]:
-        if ids.is_cuda:
-            torch.cuda.synchronize(ids.device)
+        _synchronize(ids)
         start = time.perf_counter()
         out = generate_tokens(model, ids, n, compiled)
-        if ids.is_cuda:
-            torch.cuda.synchronize(ids.device)
+        _synchronize(ids)
         return time.perf_counter() - start, out
 
     # Two warm-up runs: the first compiles (Triton kernels; Inductor under --compile), and attention libraries plan
