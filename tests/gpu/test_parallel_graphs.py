@@ -2,7 +2,10 @@
 
 - Two GPUs or more: a 2-rank NCCL world (``parallel_worker.py`` suite ``nccl2``) captures the whole step -- router,
   dispatch, local experts (torch and triton backends), combine, shared experts -- for EP2 and TP2, both dispatches,
-  decode and prefill, and replays it with new inputs: replay == eager, eager == the single-device layer.
+  decode and prefill, and replays it with new inputs: replay == eager, eager == the single-device layer; and
+  (``graph/shape_change/...``) around a captured EP2 step, rank 0 alone changes its batch: both ranks raise the
+  named "inputs differ across ranks" error within seconds, the replays (which run no agreement) and eager calls
+  (which run it with no device sync) still agree afterwards.
 - One GPU: a 1-rank NCCL world with the experts sharded anyway (``model_parallel=True``), so that every step of
   the parallel path runs (collectives of one rank are no-ops): capture and replay with new routings equal eager,
   the eager step makes no host sync (``torch.cuda.set_sync_debug_mode``), an out-of-range expert id trips the
