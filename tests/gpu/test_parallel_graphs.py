@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 
 from parallel_harness import assert_scenario, run_world  # noqa: E402
 from parallel_worker import SUITES  # noqa: E402
-from conftest import PARALLEL_BF16_TOLERANCE, assert_rounding_close  # noqa: E402
+from conftest import PARALLEL_BF16_TOLERANCE, assert_rounding_close, without_device_sync  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -94,11 +94,7 @@ def test_one_rank_parallel_step_in_one_graph(one_rank_world, dispatch, splits, b
     step = capture(lambda x: par(x)[0], xs[0])
     for x in xs:
         with torch.no_grad():
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                eager = par(x)[0]
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+            eager = without_device_sync(lambda x=x: par(x)[0])
             expected = full(x)[0]
         replayed = step(x).clone()
         assert torch.equal(replayed, eager), (replayed - eager).abs().max()

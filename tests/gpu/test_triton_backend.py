@@ -340,7 +340,8 @@ BROKEN = {"gate_up_gemm": _break_gate_up, "down_gemm": _break_down, "combine": _
 
 
 @pytest.mark.parametrize("broken", sorted(BROKEN))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bf16 is where a loose bound hides errors; fp32's is ~1e4 times below these errors (slow: not in the default run).
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_bound_rejects_a_broken_kernel(broken, dtype, monkeypatch):
     config = make_config(8, 32, 16, 2, "glu_silu", normalize_top_k_affinities=True)
     tested, _ = _pair(config, dtype=dtype)
