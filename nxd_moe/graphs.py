@@ -2,10 +2,10 @@
 
 Every forward of the layer -- on one device or across ranks, both dispatches, every mode -- has static shapes and
 never reads device values on the host, so a CUDA graph captures all its kernels and collectives once and replays
-them for any routing. :func:`capture` does the bookkeeping: warm-up calls (kernel compilation, cached device
-tables, the ranks' agreement on input shapes) on a side stream, the capture, and static input buffers that each
-call copies the new inputs into. Under model parallelism every rank of the world must capture (and later replay)
-the same step at the same time, as with any collective.
+them for any routing. :func:`capture` does the bookkeeping: warm-up calls (kernel compilation, cached device tables)
+on a side stream, the capture, and static input buffers that each call copies the new inputs into. Under model
+parallelism every rank of the world must capture (and later replay) the same step at the same time, as with any
+collective.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ layout's rank lists, which the collectives pass to XLA as replica groups), and a
 from __future__ import annotations
 
 import datetime
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -481,6 +483,59 @@ def check_configuration(values: dict[str, Any], what: str) -> None:
     if state.spmd:  # one process builds the program for every rank from the same arguments
         return
     check_same_on_all_ranks(values, what, state.check_group, state.timeout_s)
+
+
+def fingerprint(values: Mapping[str, Any]) -> int:
+    """A 62-bit digest of ``values`` (by ``repr``) that every process computes alike (``hash()`` of a ``str`` is
+    salted per process); 62 bits so that it and its negation fit an int64."""
+    digest = hashlib.blake2b(repr(sorted(values.items())).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+class PendingAgreement:
+    """One call's check that every rank passes the same ``values`` (:func:`start_agreement`); :meth:`wait` before the
+    first collective whose shapes depend on them."""
+
+    def __init__(self, values: Mapping[str, Any], what: str, state: _State):
+        self.values, self.what, self.state = values, what, state
+        digest = fingerprint(values)
+        # max(d) and max(-d) over the ranks: equal fingerprints iff max(d) == -max(-d). The tensor views this host
+        # array, so the result is read from the array: no tensor read, nothing to synchronise with a device.
+        self.extremes = array("q", [digest, -digest])
+        self.work = dist.all_reduce(torch.frombuffer(self.extremes, dtype=torch.int64), op=dist.ReduceOp.MAX,
+                                    group=state.check_group, async_op=True)
+
+    def wait(self) -> None:
+        """Return if every rank passed the same values; otherwise raise on every rank (all see the same reduced
+        fingerprints, so all take the same branch): ``ValueError`` naming each rank's differing values, or
+        ``RuntimeError`` if a rank did not arrive within ``timeout_s``."""
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            raise not_every_rank_arrived(self.what, self.state.timeout_s, e) from e
+        if self.extremes[0] != -self.extremes[1]:
+            check_same_on_all_ranks(self.values, self.what, self.state.check_group, self.state.timeout_s)
+
+
+# Agreeing once per new shape is not enough: a rank only learns that another rank's shape changed by exchanging
+# something, and ranks that skip the check enter the data collectives while the changed rank waits in the check (on
+# NCCL the others then die on an aborted communicator, and nobody names the cause). The data collectives cannot carry
+# the fingerprint: their sizes follow the shapes (mismatched, they hang or abort before anything can be compared),
+# and on a GPU reading a compared value would be a device sync. So every call exchanges a fingerprint of the shapes
+# on the host: one tiny gloo all-reduce -- no device sync, nothing a CUDA graph records -- started before the local
+# routing so that its latency overlaps it; only a mismatch pays for the full comparison. Its price is one host round
+# trip between the ranks per eager call (gloo, world 2, a shared 2-core CPU: +0.3-1.1 ms on a 3.3-4.3 ms step of a
+# small EP2 layer, mostly thread scheduling on an oversubscribed CPU); a step that must not pay it is captured in a
+# CUDA graph, whose replays run no Python.
+def start_agreement(values: Mapping[str, Any], what: str) -> PendingAgreement | None:
+    """Start checking that every rank of the world passes the same ``values`` (texts; see
+    :func:`nxd_moe.config.config_fingerprint`) in this call: an all-reduce of their fingerprint over the gloo check
+    group. Every rank must call it at the same point of the same call. None in a world of one rank, and in an SPMD
+    program (one traced program for every rank: its shapes are the same on every rank by construction)."""
+    state = _state()
+    if state.layout.world_size == 1 or state.spmd:
+        return None
+    return PendingAgreement(values, what, state)
 
 
 def get_world_group():

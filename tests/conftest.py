@@ -55,10 +55,14 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
-# fp32 outputs are O(0.1-1) with the weights below; these are absolute tolerances.
+# Absolute tolerances of the core suite's fp32 / float64 layers, whose weights (randomize_ below) make outputs
+# O(0.1-1) -- tests that compare against a reference refuse a near-zero one. fp32: u = 2**-24 = 6e-8; a layer
+# of depth n <= 256 (H, I, k) rounds a few times and accumulates errors of ~sqrt(n) u each (Higham & Mary's
+# probabilistic bound), ~1e-6 at scale 1: 1e-5 leaves a factor 10 and still rejects any relative error above 1e-5
+# at scale 1 (a 4 % one by 4000x). float64 (u = 1.1e-16): 1e-10 is the same rule with a wide margin. 16-bit
+# layers are compared relative to the reference's scale: rounding_tolerance and assert_rounding_close below.
 FP32_ATOL = 1e-5
 FP64_ATOL = 1e-10
-BF16_ATOL = 6e-2
 
 MODES = ("blockwise", "capacity_factor", "selective_loading", "all_experts")
 DROPLESS_MODES = ("blockwise", "selective_loading", "all_experts")
@@ -230,6 +234,95 @@ def expert_count_dropped(expert_index: torch.Tensor, num_experts: int, capacity:
     return sum(max(0, c - capacity) for c in counts)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# tolerances derived from the rounding of the dtypes involved (docs/gpu.md, "How the GPU tests bound errors")
+
+# Unit roundoff u = 2**-p of a format with a p-bit significand (the implicit bit included): the largest relative
+# error of one rounding to nearest.
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+# A sum of n terms of random signs, accumulated with unit roundoff u: its i-th addition rounds a partial sum of
+# size ~sqrt(i) terms by <= u, so the errors (independent, random signs) add up to ~sqrt(n / 2) u of the result --
+# the probabilistic bound of Higham & Mary (2019), not the worst case n u. lambda = 4 is four such deviations.
+ACCUMULATION_LAMBDA = 4.0
+# How often a value on its way to an MoE layer's output is stored in the layer's dtype. Triton kernels: the
+# activated intermediate, each expert's output row, the combined output (accumulators and the activation are fp32).
+# The torch backend: the gate/up product, the activation, the GLU product, each expert's output, the combined
+# output. Each rounding moves the values it rounds by <= u of their size, which linear maps and the activations
+# (relative condition number ~1 where their outputs matter) carry to ~u of the output's scale.
+TRITON_ROUNDINGS = 3
+TORCH_ROUNDINGS = 5
+# The GPU router's logits come from tf32x3 products: each fp32 operand split into two tf32 parts (11-bit
+# significands), the low x low product dropped, <= 2**-22 = 4 u(fp32) relative per product: 4 more fp32 roundings.
+TF32X3_ROUNDINGS = 4
+# A bf16 parallel layer (dispatch, local experts, shared experts over TP) against the single-device one: both round
+# (each: its backend's roundings, the shared expert's 4 in torch, the fp32 combine's one) -- 8-10 u a side, 6-8 %
+# for both. These GPU comparisons always met 2 % of the reference's scale, which stays (it is not loosened).
+PARALLEL_BF16_TOLERANCE = 2e-2
+# Triton's interpreter (3.7, checked here) converts fp32 to bfloat16 by truncation (round towards zero): up to one ulp
+# (2u) per conversion, every error of the same sign, so they add up instead of averaging out (a bf16 layer's
+# kernels emulated both ways: 2.3u against 0.74u in norm). On a GPU, and for fp16 in the interpreter, conversions
+# round to nearest.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_rounding_unit(dtype: torch.dtype) -> float:
+    """The largest relative error of one fp32 -> ``dtype`` conversion inside a Triton kernel here."""
+    return UNIT_ROUNDOFF[dtype] * (2 if INTERPRETED and dtype == torch.bfloat16 else 1)
+
+
+def rounding_tolerance(dtype: torch.dtype, depth: int = 1, *, triton_roundings: int = 0,
+                       torch_roundings: int = 0) -> float:
+    """Relative error bound of a result whose values were stored in ``dtype`` ``triton_roundings`` times by Triton
+    kernels and ``torch_roundings`` times by torch ops, and whose longest sum has ``depth`` terms accumulated in
+    fp32 (tensor cores, Triton's interpreter, torch's CPU matmuls): ``triton_roundings * triton_rounding_unit +
+    torch_roundings * u(dtype) + ACCUMULATION_LAMBDA * sqrt(depth) * u(fp32)``. For two results that both round
+    (one backend against another, compiled against eager), count both sides' roundings."""
+    return (triton_roundings * triton_rounding_unit(dtype) + torch_roundings * UNIT_ROUNDOFF[dtype]
+            + ACCUMULATION_LAMBDA * math.sqrt(depth) * UNIT_ROUNDOFF[torch.float32])
+
+
+def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, msg: str = "",
+                          max_tolerance: float | None = None):
+    """``actual`` within ``tolerance`` of ``expected`` relative to the reference's own scale, never an absolute
+    one: ``||actual - expected||_2 <= tolerance * ||expected||_2`` (a systematic relative error shows in full:
+    a wrong scale, a dropped or misplaced row) and ``max |actual - expected| <= tolerance * max |expected|`` (one
+    wrong element; ``max_tolerance`` if that one differs). NaN or Inf fails; so does a zero reference (the bound
+    would be empty)."""
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    assert a.shape == e.shape, f"{msg} shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert bool(torch.isfinite(a).all()), f"{msg}: non-finite values"
+    scale, peak = e.norm().item(), e.abs().max().item()
+    assert peak > 0, f"{msg}: the reference is zero, the comparison would be empty"
+    err = a - e
+    norm, worst = err.norm().item() / scale, err.abs().max().item() / peak
+    max_tolerance = tolerance if max_tolerance is None else max_tolerance
+    assert norm <= tolerance and worst <= max_tolerance, (
+        f"{msg}: relative error {norm:.3g} (norm; tolerance {tolerance:.3g}), {worst:.3g} (max, of max |ref| "
+        f"{peak:.3g}; tolerance {max_tolerance:.3g})")
+
+
+def assert_backends_close(triton_out: torch.Tensor, torch_out: torch.Tensor, reference: torch.Tensor,
+                          dtype: torch.dtype, depth: int, msg: str = ""):
+    """A Triton layer's result and the torch backend's for the same weights, each against the float64 reference
+    with its own roundings: in 16 bits this bounds them more tightly than one bound for their difference (which
+    would have to hold both sides' roundings)."""
+    assert_rounding_close(triton_out, reference, rounding_tolerance(dtype, depth, triton_roundings=TRITON_ROUNDINGS),
+                          msg)
+    assert_rounding_close(torch_out, reference, rounding_tolerance(dtype, depth, torch_roundings=TORCH_ROUNDINGS),
+                          f"{msg}: the torch backend")
+
+
+def assert_compiled_close(compiled: torch.Tensor, eager: torch.Tensor, depth: int, msg: str = ""):
+    """A compiled layer's result against eager: fp32 within ``FP32_ATOL``; 16 bits relative to eager's scale with
+    both sides' roundings (eager: the torch backend's; compiled: no more, its fused pointwise ops round once)."""
+    if eager.dtype == torch.float32:
+        assert_close(compiled, eager, FP32_ATOL, msg=msg)
+    else:
+        assert_rounding_close(compiled, eager, rounding_tolerance(eager.dtype, depth,
+                                                                  torch_roundings=2 * TORCH_ROUNDINGS), msg)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0, msg: str = ""):
     """Compare in float64 with an absolute tolerance; reports the worst row (token) on failure."""
     a = actual.detach().to(torch.float64).cpu()
@@ -302,6 +395,16 @@ def capture_cuda_graph(fn):
     with torch.cuda.graph(graph):
         output = fn()
     return graph, output
+
+
+def without_device_sync(call):
+    """``call()`` under ``torch.cuda.set_sync_debug_mode("error")``: anything that waits for the device (a host read
+    of a device value) raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @contextlib.contextmanager

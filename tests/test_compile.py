@@ -22,12 +22,12 @@ import torch
 
 from conftest import (
     ACTIVATIONS,
-    BF16_ATOL,
     FP32_ATOL,
     MODES,
     ROUTER_KINDS,
     HostSyncError,
     assert_close,
+    assert_compiled_close,
     make_config,
     make_experts,
     make_router,
@@ -41,6 +41,10 @@ from nxd_moe import MoE
 from nxd_moe.trace import static_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit")
+
+
+# The longest sum in these layers: H = 16 (I = 8, k <= 2).
+DEPTH = 16
 
 
 def fullgraph(fn, backend="inductor"):
@@ -79,6 +83,16 @@ def small_moe(dtype):
 # inductor: numerics of the compiled graphs (default run)
 
 
+def test_compiled_bound_rejects_a_4_percent_error():
+    """Negative control of assert_compiled_close in bf16: a result 4 % off eager fails (an absolute 6e-2 passed it)."""
+    experts, x, affinities, expert_index, mask = experts_and_inputs(torch.bfloat16)
+    with torch.no_grad():
+        eager = experts(x, affinities, expert_index, padding_mask=mask, mode="blockwise")
+    assert_compiled_close(eager, eager, DEPTH)
+    with pytest.raises(AssertionError):
+        assert_compiled_close(eager.double() * 1.04, eager, DEPTH)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_every_mode_compiles_and_matches_eager(dtype):
     experts, x, affinities, expert_index, mask = experts_and_inputs(dtype)
@@ -89,10 +103,9 @@ def test_every_mode_compiles_and_matches_eager(dtype):
     with torch.no_grad():
         eager = all_modes(x, affinities, expert_index, mask)
         compiled = fullgraph(all_modes)(x, affinities, expert_index, mask)
-    atol = FP32_ATOL if dtype == torch.float32 else BF16_ATOL
     for mode, e, c in zip(MODES, eager, compiled):
         assert c.dtype == dtype
-        assert_close(c, e, atol, msg=mode)
+        assert_compiled_close(c, e, DEPTH, msg=mode)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -117,9 +130,8 @@ def test_moe_with_shared_experts_and_padding_compiles_prefill_and_decode(dtype):
     with torch.no_grad():
         eager = prefill_and_decode(xp, mp, rp, xd, md, x1)
         compiled = fullgraph(prefill_and_decode)(xp, mp, rp, xd, md, x1)
-    atol = FP32_ATOL if dtype == torch.float32 else BF16_ATOL
     for name, e, c in zip(("prefill", "residual", "decode", "decode_1"), eager, compiled):
-        assert_close(c, e, atol, msg=name)
+        assert_compiled_close(c, e, DEPTH, msg=name)
     assert torch.equal(compiled[0][1, 5:], torch.zeros_like(compiled[0][1, 5:]))
     assert torch.equal(compiled[2][1], torch.zeros_like(compiled[2][1]))
 
@@ -156,7 +168,7 @@ def test_fullgraph_capture_matrix(mode, variant, dtype, matmul):
     with torch.no_grad():
         compiled = fullgraph(forward, backend="aot_eager")(x, affinities, expert_index, mask)
         eager = forward(x, affinities, expert_index, mask)
-    assert_close(compiled, eager, FP32_ATOL if dtype == torch.float32 else BF16_ATOL)
+    assert_compiled_close(compiled, eager, DEPTH)
 
 
 @pytest.mark.parametrize("router_kind", ROUTER_KINDS)
@@ -285,7 +297,7 @@ def test_inductor_matrix(mode, dtype, matmul, activation):
     with torch.no_grad():
         compiled = fullgraph(forward)(x, affinities, expert_index, mask)
         eager = forward(x, affinities, expert_index, mask)
-    assert_close(compiled, eager, FP32_ATOL if dtype == torch.float32 else BF16_ATOL)
+    assert_compiled_close(compiled, eager, DEPTH)
 
 
 @pytest.mark.slow
@@ -300,4 +312,4 @@ def test_inductor_moe_every_router(router_kind, dtype):
     mask[0, 3] = False
     with torch.no_grad():
         compiled = fullgraph(lambda x, m: moe(x, padding_mask=m)[0])(x, mask)
-        assert_close(compiled, moe(x, padding_mask=mask)[0], FP32_ATOL if dtype == torch.float32 else BF16_ATOL)
+        assert_compiled_close(compiled, moe(x, padding_mask=mask)[0], DEPTH)

@@ -8,8 +8,8 @@ experts compute, and the partial outputs are summed back onto the ranks that own
 
 Everything is static: sizes come from the token shape and the group sizes, never from the routing (unless an
 ``exact`` all-to-all is asked for), so a CUDA graph captures the whole step and replays it with new routings.
-Ranks agree on the inputs' shapes and dtypes once per new shape (a named error on every rank otherwise); later
-calls with a shape already agreed on cost nothing.
+Ranks agree on the inputs' shapes and dtypes on every call, before any collective: a fingerprint exchanged on the
+host (a named error on every rank otherwise, whichever rank changed; no device sync, nothing in a CUDA graph).
 
 In an SPMD layout the experts hold an :class:`~nxd_moe.parallel_state.SPMDRank`, and every rank-dependent value --
 this rank's place in the groups, its experts' local slots, its slice of the intermediate dimension, the rows it
@@ -72,7 +72,7 @@ class ExpertParallel:
             shards[prefill] = shard
         self.experts = experts
         self.parallelism = ExpertsParallelism(MoEGroups.from_parallel_state(), shards[True], shards[False])
-        self._agreed_inputs: set[tuple] = set()
+        self._described_inputs: dict[tuple, dict[str, str]] = {}
 
     @property
     def groups(self) -> MoEGroups:
@@ -116,8 +116,8 @@ class ExpertParallel:
         if not isinstance(token_layout, TokenLayout) or token_layout.num_local_tokens != num_tokens:
             raise ValueError(f"ExpertParallel: token_layout must be a TokenLayout of {num_tokens} local tokens, got "
                              f"{token_layout!r}")
-        self._agree_on_inputs(hidden_states, token_layout, seq_len, mode, padding_mask is not None, addend,
-                              return_stats)
+        agreement = self._start_agreement(hidden_states, token_layout, seq_len, mode, padding_mask is not None,
+                                          addend, return_stats)
         x = experts.pad_hidden(hidden_states)
         routing = experts.routing(expert_affinities, expert_index, padding_mask)
         decode = seq_len == 1
@@ -142,6 +142,8 @@ class ExpertParallel:
         pair_weight = routing.affinities.gather(1, routing.expert_index)
         ledger = CommLedger()
         epc = experts.expert_parallel_config
+        if agreement is not None:
+            agreement.wait()
         result = get_dispatch(epc.dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout,
                                                            parallelism.groups, shard, capacity, compute, ledger,
                                                            epc.all_to_all_splits, count_pairs=return_stats))
@@ -176,21 +178,21 @@ class ExpertParallel:
         )
         return out, stats
 
-    def _agree_on_inputs(self, hidden_states: torch.Tensor, token_layout: TokenLayout, seq_len: int | None, mode,
-                         padded: bool, addend: torch.Tensor | None, return_stats: bool) -> None:
-        """Every rank of the world passes inputs of the same shapes and dtypes: checked (an all-gather over the
-        gloo check group, with ``parallel_state``'s timeout) the first time this rank sees a combination (statistics
-        included: they change which collectives run), so ranks
-        that disagree all raise one ``ValueError`` naming each rank's values instead of exchanging mismatched
-        buffers. Shapes already agreed on are not checked again (no cost in a replayed step)."""
+    def _start_agreement(self, hidden_states: torch.Tensor, token_layout: TokenLayout, seq_len: int | None, mode,
+                         padded: bool, addend: torch.Tensor | None, return_stats: bool
+                         ) -> parallel_state.PendingAgreement | None:
+        """Start checking that every rank of the world passes inputs of the same shapes and dtypes in this call
+        (statistics included: they change which collectives run), so that ranks that disagree all raise one
+        ``ValueError`` naming each rank's values instead of exchanging mismatched buffers
+        (:func:`~nxd_moe.parallel_state.start_agreement`)."""
         key = (tuple(hidden_states.shape), hidden_states.dtype, token_layout.batch, token_layout.local_seq_len,
                token_layout.sequence_parallel, seq_len, None if mode is None else str(mode), padded,
                addend is not None, return_stats)
-        if key in self._agreed_inputs:
-            return
-        parallel_state.check_configuration(config_fingerprint(
-            hidden_states=(tuple(hidden_states.shape), hidden_states.dtype),
-            token_layout=(token_layout.batch, token_layout.local_seq_len, token_layout.sequence_parallel),
-            seq_len=seq_len, mode=key[6], padding_mask=padded, addend=addend is not None,
-            return_stats=return_stats), "MoE inputs")
-        self._agreed_inputs.add(key)
+        described = self._described_inputs.get(key)
+        if described is None:  # their text form, built once per combination (a steady step reuses it)
+            described = self._described_inputs[key] = config_fingerprint(
+                hidden_states=(tuple(hidden_states.shape), hidden_states.dtype),
+                token_layout=(token_layout.batch, token_layout.local_seq_len, token_layout.sequence_parallel),
+                seq_len=seq_len, mode=key[6], padding_mask=padded, addend=addend is not None,
+                return_stats=return_stats)
+        return parallel_state.start_agreement(described, "MoE inputs")

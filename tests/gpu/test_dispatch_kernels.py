@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import randn  # noqa: E402
+from conftest import randn, triton_rounding_unit  # noqa: E402
 from nxd_moe.parallel import all_to_all as torch_side  # noqa: E402
 from nxd_moe.parallel.payload import FieldSpec, unpack  # noqa: E402
 from nxd_moe.triton_kernels import dispatch as triton_side  # noqa: E402
@@ -63,8 +63,8 @@ def test_slots_pack_combine_match_torch(num_rows, top_k, num_ep, tp, kind):
             assert torch.equal(got_weights[s], weights[u])
 
     returned = randn(ranks * num_rows, hidden, seed=3, dtype=torch.bfloat16).to(DEVICE)
-    # fp32 out: the same sums in the same order, bit for bit (bf16 out: Triton's interpreter rounds its final
-    # conversion differently from the GPU, so that is compared to within one bf16 ulp).
+    # fp32 out: the same sums in the same order, bit for bit (bf16 out: Triton's interpreter truncates its final
+    # conversion where the GPU rounds to nearest, so that is compared to one conversion's error).
     out = triton_side.combine_from_destinations(returned, slot, torch.float32)
     assert torch.equal(out, torch_side.combine_from_destinations(returned, ref_slot, torch.float32))
     expected = torch.zeros(num_rows, hidden, dtype=torch.float32)
@@ -74,7 +74,7 @@ def test_slots_pack_combine_match_torch(num_rows, top_k, num_ep, tp, kind):
                 expected[u] += returned[r * num_rows + int(slot[u, r])].float().cpu()
     assert torch.equal(out.cpu(), expected)
     bf16 = triton_side.combine_from_destinations(returned, slot, torch.bfloat16).float().cpu()
-    assert ((bf16 - expected).abs() <= expected.abs() * 2 ** -7 + 1e-6).all()
+    assert ((bf16 - expected).abs() <= expected.abs() * triton_rounding_unit(torch.bfloat16)).all()
 
 
 def test_pack_refuses_unaligned_rows():
@@ -105,3 +105,26 @@ def test_local_routing_kernel_matches_torch(num_rows, top_k, num_local, num_expe
         got, ref = fused_local_routing(*args, prescale), local_routing(*args, prescale)
         assert torch.equal(got.expert_index, ref.expert_index) and torch.equal(got.expert_mask, ref.expert_mask)
         assert torch.equal(got.affinities, ref.affinities) and got.prescale == ref.prescale and got.has_padding
+
+
+def test_checks_reject_a_dropped_row():
+    """Negative control: the pack with one row's send slot lost differs from the torch pack (compared exactly), and
+    the combine with one (row, destination) slot lost fails the bf16 bound of test_slots_pack_combine_match_torch
+    (the fp32 one is exact)."""
+    num_rows, top_k, ranks = 17, 4, 2
+    owner = owners(num_rows, top_k, ranks, seed=17, kind="random").to(DEVICE)
+    experts = torch.where(owner >= 0, owner * 10 + torch.arange(top_k, device=DEVICE), -1)
+    weights = torch.rand(num_rows, top_k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    rows = randn(num_rows, 24, seed=2, dtype=torch.bfloat16).to(DEVICE)
+    slot, source = triton_side.destination_slots(owner, ranks, 1)
+    u, r = (int(i) for i in torch.nonzero(slot >= 0)[0])
+    lost = source.clone()
+    lost[r * num_rows + int(slot[u, r])] = -1
+    assert not torch.equal(triton_side.pack_for_destinations(rows, experts, weights, owner, lost, 1),
+                           torch_side.pack_for_destinations(rows, experts, weights, owner, source.long(), 1))
+    returned = randn(ranks * num_rows, 24, seed=3, dtype=torch.bfloat16).to(DEVICE)
+    expected = triton_side.combine_from_destinations(returned, slot, torch.float32).cpu()
+    broken = slot.clone()
+    broken[u, r] = -1
+    bf16 = triton_side.combine_from_destinations(returned, broken, torch.bfloat16).float().cpu()
+    assert not ((bf16 - expected).abs() <= expected.abs() * triton_rounding_unit(torch.bfloat16)).all()

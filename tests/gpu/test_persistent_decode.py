@@ -13,7 +13,8 @@ import torch
 
 from nxd_moe import ExpertMLPsV2, GroupLimitedRouter, MoE, RouterTopK, SharedExperts
 from nxd_moe.reference import reference_for_experts, reference_for_moe
-from conftest import capture_cuda_graph, make_config, randn, randomize_, random_routing
+from conftest import (TF32X3_ROUNDINGS, TORCH_ROUNDINGS, TRITON_ROUNDINGS, assert_rounding_close, capture_cuda_graph,
+                      make_config, randn, randomize_, random_routing, rounding_tolerance)
 
 triton = pytest.importorskip("triton")
 from nxd_moe.triton_kernels import persistent_decode  # noqa: E402
@@ -21,15 +22,24 @@ from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# The longest sum here: H <= 1024 terms. Tolerances: conftest.rounding_tolerance.
+DEPTH = 1024
+
+
+def _tolerance(dtype, triton_roundings=TRITON_ROUNDINGS, torch_roundings=0):
+    return rounding_tolerance(dtype, DEPTH, triton_roundings=triton_roundings, torch_roundings=torch_roundings)
 
 
 def _check(out, ref64, dtype, what=""):
-    assert out.dtype == dtype and torch.isfinite(out).all(), what
-    scale = max(1.0, ref64.abs().max().item())
-    err = (out.double().cpu() - ref64.cpu()).abs().max().item()
-    assert err < TOL[dtype] * scale, f"{what}: max error {err:.3g} vs tolerance {TOL[dtype] * scale:.3g}"
+    assert out.dtype == dtype, what
+    assert_rounding_close(out, ref64, _tolerance(dtype), what)
     assert not persistent_decode.timed_out(out.device), what
+
+
+def _check_logits(logits, theirs, hidden):
+    """The fused router's fp32 logits (tf32x3 on a GPU) against the torch router's (fp32, H-term sums)."""
+    tolerance = rounding_tolerance(torch.float32, hidden, triton_roundings=2 + TF32X3_ROUNDINGS)
+    assert_rounding_close(logits, theirs, tolerance, "logits")
 
 
 def _experts(config, one_launch=True, dtype=torch.float32, seed=0):
@@ -51,7 +61,8 @@ def test_seam_matches_reference_and_multi_kernel_path(shape, activation):
     with torch.no_grad():
         out = tested(x, affinities, index, seq_len=1)
         _check(out, reference_for_experts(tested, x, affinities, index), torch.float32, str(shape))
-        torch.testing.assert_close(out, separate(x, affinities, index, seq_len=1), rtol=1e-5, atol=1e-5)
+        assert_rounding_close(out, separate(x, affinities, index, seq_len=1), _tolerance(torch.float32,
+                                                                                        2 * TRITON_ROUNDINGS))
 
 
 def test_seam_slice_with_gate_up_bias_and_no_down_bias():
@@ -72,8 +83,8 @@ def test_seam_slice_with_gate_up_bias_and_no_down_bias():
         sliced = ExpertWeights(weights.gate_up_proj, weights.down_proj, weights.gate_up_bias, None, activation)
         with torch.no_grad():
             expected = TorchBackend().selective_loading(x, routing, sliced)
-            torch.testing.assert_close(TritonBackend().selective_loading(x, routing, sliced), expected,
-                                       rtol=1e-5, atol=1e-5)
+            assert_rounding_close(TritonBackend().selective_loading(x, routing, sliced), expected,
+                                  _tolerance(torch.float32, torch_roundings=TORCH_ROUNDINGS), f"actual={actual}")
 
 
 @pytest.mark.parametrize("case", ["all_to_one", "empty_experts", "padding_rows", "prescale"])
@@ -158,7 +169,7 @@ def test_moe_decode_in_one_launch(router, shared):
         out, logits, index = moe(x, padding)
         theirs_logits, _, theirs_index = moe.router(x.reshape(-1, hidden))
     assert calls and calls[0] is not None  # the one-launch form ran
-    torch.testing.assert_close(logits, theirs_logits, rtol=1e-5, atol=1e-5)
+    _check_logits(logits, theirs_logits, hidden)
     assert torch.equal(index, theirs_index)
     _check(out, reference_for_moe(moe, x, padding), torch.float32, f"{router} {shared}")
     assert (out[~padding] == 0).all()
@@ -174,7 +185,7 @@ def test_moe_decode_routes_in_several_items():
     with torch.no_grad():
         out, logits, index = moe(x)
         theirs_logits, _, theirs_index = moe.router(x.reshape(-1, hidden))
-    torch.testing.assert_close(logits, theirs_logits, rtol=1e-5, atol=1e-5)
+    _check_logits(logits, theirs_logits, hidden)
     assert torch.equal(index, theirs_index)
     _check(out, reference_for_moe(moe, x), torch.float32, "40 tokens")
 
@@ -257,3 +268,30 @@ def test_cuda_graph_replays_new_routings(shared):
                 _check(static_out, reference_for_moe(moe, static_x), torch.bfloat16, f"T={tokens} replay {seed}")
                 assert torch.equal(static_out, moe(static_x)[0])
             moe.router.linear_router.weight.data.copy_(weight)
+
+
+@pytest.mark.parametrize("broken", ["affinities_4_percent", "dropped_token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_rejects_a_broken_one_launch_decode(broken, dtype, monkeypatch):
+    """Negative control: the one-launch kernel given affinities 4 % too large (the whole output 4 % off) or one
+    token's row zeroed must fail _check."""
+    config = make_config(8, 32, 16, 2, "glu_silu", normalize_top_k_affinities=True)
+    tested = _experts(config, dtype=dtype)
+    x = randn(7, 32, seed=50).to(DEVICE, dtype)
+    affinities, index = (t.to(DEVICE) for t in random_routing(7, 8, 2, seed=51))
+    reference = reference_for_experts(tested, x, affinities, index)
+    original = persistent_decode.selective_loading
+
+    def broken_launch(hidden_states, routing, *args):
+        if broken == "affinities_4_percent":
+            routing = routing._replace(affinities=routing.affinities * 1.04)
+        else:
+            hidden_states = hidden_states.clone()
+            hidden_states[3] = 0
+        return original(hidden_states, routing, *args)
+    with torch.no_grad():
+        _check(tested(x, affinities, index, seq_len=1), reference, dtype, "unbroken")
+        monkeypatch.setattr(persistent_decode, "selective_loading", broken_launch)
+        out = tested(x, affinities, index, seq_len=1)
+    with pytest.raises(AssertionError):
+        _check(out, reference, dtype, broken)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK
-from conftest import capture_cuda_graph, make_config, make_router, randn, randomize_
+from conftest import (TF32X3_ROUNDINGS, UNIT_ROUNDOFF, assert_rounding_close, capture_cuda_graph, make_config,
+                      make_router, randn, randomize_, rounding_tolerance)
 
 triton = pytest.importorskip("triton")
 from nxd_moe.triton_kernels import router as router_kernel  # noqa: E402
@@ -23,6 +24,23 @@ SHAPES = [(37, 8, 2, 64), (5, 32, 4, 48), (300, 128, 8, 96), (17, 256, 8, 40)]
 if CUDA:
     SHAPES.append((4096, 128, 8, 2048))
 VARIANTS = [("softmax", False, False), ("softmax", True, True), ("sigmoid", False, True), ("sigmoid", True, False)]
+
+
+def _logit_tolerance(hidden: int) -> float:
+    """The kernel's fp32 logits against float64 or the torch router's fp32 ones: H-term sums (tf32x3 products on a
+    GPU), the bias added (conftest.rounding_tolerance)."""
+    return rounding_tolerance(torch.float32, hidden, triton_roundings=2 + TF32X3_ROUNDINGS)
+
+
+def _logit_error(logits, reference) -> float:
+    return (logits.double().cpu() - reference.double().cpu()).abs().max().item()
+
+
+def _affinity_tolerance(logit_error: float, num_experts: int) -> float:
+    """Affinities from logits off by at most ``logit_error``: a softmax moves by <= 2 * s_i * max |d logit| <=
+    2 * logit_error, a sigmoid by <= logit_error / 4; plus their own fp32 roundings (exp, a sum over the
+    experts, a division)."""
+    return 2 * logit_error + rounding_tolerance(torch.float32, num_experts, triton_roundings=3)
 
 
 def _reference(x, weight, bias, top_k, act, over_topk, chosen):
@@ -62,9 +80,12 @@ def test_router_matches_float64(shape, dtype, act, over_topk, bias):
     assert logits.shape == affinities.shape == (num_tokens, num_experts) and index.shape == (num_tokens, top_k)
     assert logits.dtype == affinities.dtype == torch.float32
     ref_logits, ref_affinities = _reference(x, weight, b, top_k, act, over_topk, index.cpu())
-    assert (logits.double().cpu() - ref_logits).abs().max() < 1e-5 * max(1.0, ref_logits.abs().max().item())
-    _check_top_k(index, ref_logits, 1e-5)
-    assert (affinities.double().cpu() - ref_affinities).abs().max() < 1e-5
+    assert_rounding_close(logits, ref_logits, _logit_tolerance(hidden), "logits")
+    error = _logit_error(logits, ref_logits)
+    # Two experts may trade places only where the kernel's logits (its choice) err by more than their gap.
+    _check_top_k(index, ref_logits, 2 * error)
+    bound = _affinity_tolerance(error, num_experts)
+    assert _logit_error(affinities, ref_affinities) <= bound, bound
 
 
 def test_ties_go_to_the_lower_expert_and_a_nan_token_keeps_to_its_row():
@@ -72,7 +93,8 @@ def test_ties_go_to_the_lower_expert_and_a_nan_token_keeps_to_its_row():
     x = randn(num_tokens, hidden, seed=1).to(DEVICE)
     tied = router_kernel.router_top_k(x, torch.zeros(num_experts, hidden, device=DEVICE), None, top_k, False, False)
     assert (tied[2].cpu() == torch.arange(top_k)).all()
-    assert torch.allclose(tied[1].cpu(), torch.full((num_tokens, num_experts), 1 / num_experts))
+    uniform = torch.full((num_tokens, num_experts), 1 / num_experts)
+    assert_rounding_close(tied[1], uniform, rounding_tolerance(torch.float32, num_experts, triton_roundings=3), "ties")
     weight = randn(num_experts, hidden, seed=2, scale=hidden ** -0.5).to(DEVICE)
     clean = router_kernel.router_top_k(x, weight, None, top_k, False, True)
     x[4] = float("nan")
@@ -123,11 +145,13 @@ def test_moe_prefill_takes_the_fused_router_and_equals_the_torch_router(kind, dt
         assert len(calls) == 1, "the layer did not take the fused router"
         want_out, want_logits, want_index = plain(x)
     assert len(calls) == 1, "fuse_router=False took it"
-    assert (logits - want_logits).abs().max() < 1e-5 * max(1.0, want_logits.abs().max().item())
-    _check_top_k(index, want_logits.double().cpu(), 1e-5)
+    assert_rounding_close(logits, want_logits, _logit_tolerance(hidden), "logits vs the torch router")
+    error = _logit_error(logits, want_logits)
+    _check_top_k(index, want_logits.double().cpu(), 2 * error)
     if torch.equal(index, want_index):  # the same experts (no near tie): the same layer output
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        assert (out.double() - want_out.double()).abs().max() < tol * max(1.0, want_out.abs().max().item())
+        # The same expert rows, combined with affinities that differ as above; each output rounded once.
+        tolerance = _affinity_tolerance(error, num_experts) + 2 * UNIT_ROUNDOFF[dtype]
+        assert_rounding_close(out, want_out, tolerance, "layer output")
 
 
 def test_by_default_the_fused_router_takes_prefills_of_min_tokens_and_more(monkeypatch):
@@ -143,7 +167,7 @@ def test_by_default_the_fused_router_takes_prefills_of_min_tokens_and_more(monke
         out, logits, index = layer(randn(1, router_kernel.MIN_TOKENS, hidden, seed=4).to(DEVICE))
     assert calls == [router_kernel.MIN_TOKENS]
     want = router(randn(1, router_kernel.MIN_TOKENS, hidden, seed=4).to(DEVICE).view(-1, hidden))[0]
-    assert (logits - want).abs().max() < 1e-5 * max(1.0, want.abs().max().item())
+    assert_rounding_close(logits, want, _logit_tolerance(hidden), "logits vs the torch router")
 
 
 def test_other_routers_and_training_jitter_run_the_torch_router():
@@ -171,3 +195,22 @@ def test_cuda_graph_replays_new_tokens():
             eager = layer(x)
             for a, b in zip(captured, eager):
                 assert torch.equal(a, b)
+
+
+def test_bounds_reject_a_broken_router():
+    """Negative control: logits from a weight 4 % too large fail the logit bound; a top-k that swapped its last
+    choice for the best expert it left out fails the top-k check."""
+    num_tokens, num_experts, top_k, hidden = SHAPES[0]
+    x = randn(num_tokens, hidden, seed=1).to(DEVICE)
+    weight = randn(num_experts, hidden, seed=2, scale=hidden ** -0.5).to(DEVICE)
+    logits, _, index = router_kernel.router_top_k(x, weight * 1.04, None, top_k, False, False)
+    ref_logits, _ = _reference(x, weight, None, top_k, "softmax", False, index.cpu())
+    with pytest.raises(AssertionError):
+        assert_rounding_close(logits, ref_logits, _logit_tolerance(hidden), "logits")
+    logits, _, index = router_kernel.router_top_k(x, weight, None, top_k, False, False)
+    error = _logit_error(logits, ref_logits)
+    left_out = ref_logits.scatter(1, index.cpu(), float("-inf")).argmax(dim=1)
+    swapped = index.cpu().clone()
+    swapped[:, -1] = left_out
+    with pytest.raises(AssertionError):
+        _check_top_k(swapped, ref_logits, 2 * error)

@@ -19,7 +19,9 @@ from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.grouped_gemm import down_projection
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels.launch_configs import default_config
-from conftest import MODES, make_config, quantized_pair, randn, random_routing
+from nxd_moe.reference import first_come_first_served, reference_for_experts
+from conftest import (MODES, TORCH_ROUNDINGS, TRITON_ROUNDINGS, assert_backends_close, assert_rounding_close,
+                      make_config, quantized_pair, randn, random_routing, rounding_tolerance)
 
 
 CUDA = torch.cuda.is_available()
@@ -27,6 +29,11 @@ DEVICE = "cuda" if CUDA else "cpu"
 FORMATS = ("fp8", "fp8_block", "mxfp4")
 # (T, E, k, H, I): H and I multiples of 128 (FP8 blocks), I not a multiple of the column tiles on the GPU.
 SHAPES = [(13, 4, 2, 128, 128)] + ([(1, 64, 8, 256, 384), (300, 16, 4, 512, 384)] if CUDA else [])
+# The longest sum here: H or I <= 512 terms. Tolerances: conftest.rounding_tolerance. The weights are the same
+# values on both sides (the torch layer holds the dequantized ones): only the computation's roundings differ.
+DEPTH = 512
+# fp32: the triton layer against the torch one, both rounding.
+FP32_PAIR = rounding_tolerance(torch.float32, DEPTH, triton_roundings=TRITON_ROUNDINGS, torch_roundings=TORCH_ROUNDINGS)
 
 
 def _layers(name, shape, dtype, edit_scales=None, configs=None):
@@ -57,9 +64,7 @@ def test_quantized_triton_equals_dequantized_torch_in_every_mode(name, mode):
     with torch.no_grad():
         out = tested(x, affinities, index, mode=mode)
         expected = holding(x, affinities, index, mode=mode)
-    scale = max(1.0, expected.abs().max().item())
-    assert torch.isfinite(out).all()
-    assert (out - expected).abs().max().item() < 2e-5 * scale, name
+    assert_rounding_close(out, expected, FP32_PAIR, name)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -72,21 +77,27 @@ def test_quantized_triton_in_bfloat16(name, shape):
     affinities, index = affinities.to(DEVICE), index.to(DEVICE)
     with torch.no_grad():
         for seq_len in (1, None):
-            out = tested(x, affinities, index, seq_len=seq_len)
-            expected = holding(x, affinities, index, seq_len=seq_len)
-            scale = max(1.0, expected.abs().max().item())
-            assert (out.float() - expected.float()).abs().max().item() < 3e-2 * scale, (name, seq_len)
+            out, stats = tested(x, affinities, index, seq_len=seq_len, return_stats=True)
+            assert_backends_close(out, holding(x, affinities, index, seq_len=seq_len),
+                                  _reference(tested, x, affinities, index, stats), torch.bfloat16, DEPTH,
+                                  f"{name} seq_len={seq_len}")
 
 
-def _fp32_matches(tested, holding, shape, seed):
+def _reference(tested, x, affinities, index, stats):
+    """The float64 layer, capacity drops included (the layers here have a capacity factor, which prefill takes)."""
+    keep = None if stats.capacity is None else first_come_first_served(index.cpu(), tested.num_experts,
+                                                                       stats.capacity)
+    return reference_for_experts(tested, x, affinities, index, keep=keep)
+
+
+def _check_fp32(tested, holding, shape, seed):
     num_tokens, num_experts, top_k, hidden, _ = shape
     x = randn(num_tokens, hidden, seed=seed).to(DEVICE)
     affinities, index = random_routing(num_tokens, num_experts, top_k, seed=seed + 1)
     with torch.no_grad():
         out = tested(x, affinities.to(DEVICE), index.to(DEVICE))
         expected = holding(x, affinities.to(DEVICE), index.to(DEVICE))
-    assert torch.isfinite(out).all()
-    return (out - expected).abs().max().item() <= 2e-5 * max(1.0, expected.abs().max().item())
+    assert_rounding_close(out, expected, FP32_PAIR, "fp32")
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -97,7 +108,7 @@ def test_prefill_tiles_scale_the_weight_tile(name):
     num_tokens, num_experts, top_k, hidden, inter = shape
     prefill = default_config(num_experts, hidden, inter, top_k, 4096)
     assert prefill["block_m"] >= 64
-    assert _fp32_matches(*_layers(name, shape, torch.float32, configs=prefill), shape, seed=6)
+    _check_fp32(*_layers(name, shape, torch.float32, configs=prefill), shape, seed=6)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -113,7 +124,7 @@ def test_mxfp4_extreme_scales_stay_exact(block_m):
 
     num_tokens, num_experts, top_k, hidden, inter = shape
     configs = {**default_config(num_experts, hidden, inter, top_k, num_tokens), "block_m": block_m}
-    assert _fp32_matches(*_layers("mxfp4", shape, torch.float32, edit_scales=edit, configs=configs), shape, seed=8)
+    _check_fp32(*_layers("mxfp4", shape, torch.float32, edit_scales=edit, configs=configs), shape, seed=8)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -132,10 +143,10 @@ def test_mxfp4_in_bfloat16_applies_each_groups_scale_to_its_columns(block_m):
     x = randn(num_tokens, hidden, seed=10).to(DEVICE, torch.bfloat16)
     affinities, index = random_routing(num_tokens, num_experts, top_k, seed=11)
     with torch.no_grad():
-        out = tested(x, affinities.to(DEVICE), index.to(DEVICE)).float()
-        expected = holding(x, affinities.to(DEVICE), index.to(DEVICE)).float()
-    assert torch.isfinite(out).all()
-    assert (out - expected).norm() <= 3e-2 * expected.norm(), ((out - expected).norm() / expected.norm()).item()
+        out, stats = tested(x, affinities.to(DEVICE), index.to(DEVICE), return_stats=True)
+        expected = holding(x, affinities.to(DEVICE), index.to(DEVICE))
+    assert_backends_close(out, expected, _reference(tested, x, affinities, index, stats), torch.bfloat16, DEPTH,
+                          f"block_m={block_m}")
 
 
 def _one_hot_rows_through_down(stored: QuantizedWeight, dtype: torch.dtype, block_m: int) -> torch.Tensor:
@@ -207,4 +218,24 @@ def test_quantized_shared_experts_join_the_triton_combine(name):
     x = randn(1, 5, layers[0].expert_mlps.routed_experts_mlp_config.hidden_size, seed=3).to(DEVICE)
     with torch.no_grad():
         got, expected = (layer(x)[0] for layer in layers)
-    torch.testing.assert_close(got, expected, atol=2e-4, rtol=2e-4)
+    assert_rounding_close(got, expected, FP32_PAIR, name)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("broken", ["columns_scale_shifted", pytest.param("scale_4_percent", marks=pytest.mark.slow)])
+def test_bound_rejects_a_broken_dequantization(name, broken):
+    """Negative control: the triton layer's gate/up weight dequantized with its scales shifted by one column
+    (block) -- a mis-indexed scale -- or 4 % too large (FP8 scales are fp32; an E8M0 one can only double) must fail
+    the bound of the fp32 comparisons."""
+    if broken == "scale_4_percent" and name == "mxfp4":
+        pytest.skip("E8M0 scales are powers of two")
+    tested, holding = _layers(name, SHAPES[0], torch.float32)
+    _check_fp32(tested, holding, SHAPES[0], seed=70)
+    scale = tested.mlp_op.gate_up_proj.scale
+    with torch.no_grad():
+        if broken == "columns_scale_shifted":
+            scale.copy_(scale.roll(1, dims=-1))
+        else:
+            scale.mul_(1.04)
+    with pytest.raises(AssertionError):
+        _check_fp32(tested, holding, SHAPES[0], seed=70)

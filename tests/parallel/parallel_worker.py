@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -24,16 +25,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from conftest import (  # noqa: E402
-    BF16_ATOL,
     FP32_ATOL,
+    PARALLEL_BF16_TOLERANCE,
     MODES,
     assert_close,
+    assert_rounding_close,
     make_config,
     make_router,
     no_host_sync,
     random_routing,
     randn,
     randomize_,
+    without_device_sync,
 )
 from nxd_moe import (  # noqa: E402
     BlockwiseMatmulConfig,
@@ -475,7 +478,48 @@ def cuda_graph_replay(tp: int, ep: int, dispatch: str, backend: str) -> Callable
                     eager = par(local_view(x, batch, False))[0]
                 replayed = step(local_view(x, batch, False)).clone()
                 assert torch.equal(replayed, eager), (replayed - eager).abs().max()
-                assert_close(eager.float(), expected.float(), BF16_ATOL, msg=f"{dispatch} B={batch} S={seq}")
+                assert_rounding_close(eager, expected, PARALLEL_BF16_TOLERANCE, f"{dispatch} B={batch} S={seq}")
+    return run
+
+
+def graph_and_one_rank_changing_shape(dispatch: str, backend: str) -> Callable[[], None]:
+    """NCCL: the per-call agreement on input shapes is host work only. A captured step replays without it (no
+    exchange during replays) and equals eager; an eager step, exchange included, makes no device sync; then rank 0
+    alone passes another batch: every rank raises the named error within seconds (no NCCL collective was entered
+    with mismatched buffers, so no communicator is aborted), and the graph and eager calls still work after it."""
+    def run():
+        from nxd_moe.graphs import capture
+
+        init(1, 2, timeout_s=AGREEMENT_TIMEOUT_S, collective_timeout_s=AGREEMENT_TIMEOUT_S)
+        device = torch.device("cuda", torch.cuda.current_device())
+        full, par = pair(variant="qwen", sp=False, shared="tp", dispatch=dispatch, backend=backend)
+        par = par.to(device, torch.bfloat16)
+        exchanges = []
+        original = parallel_state.start_agreement
+        parallel_state.start_agreement = lambda *a: exchanges.append(1) or original(*a)
+        try:
+            batch, seq = 4, 1
+            xs = [randn(batch, seq, full.hidden_size, seed=140 + i).to(device, torch.bfloat16) for i in range(4)]
+            step = capture(lambda x: par(x)[0], xs[0])
+
+            def replays_equal_eager(x):
+                before = len(exchanges)
+                replayed = step(x).clone()
+                assert len(exchanges) == before, "a replay ran the agreement"
+                with torch.no_grad():
+                    eager = without_device_sync(lambda: par(x)[0])
+                assert len(exchanges) == before + 1, "an eager call skipped the agreement"
+                assert torch.equal(replayed, eager), (replayed - eager).abs().max()
+
+            replays_equal_eager(xs[1])
+            changed = randn(3 if dist.get_rank() == 0 else batch, seq, full.hidden_size, seed=150).to(
+                device, torch.bfloat16)
+            with torch.no_grad():
+                expect_disagreement(lambda: par(changed), 0, 3 * seq, batch * seq)
+            replays_equal_eager(xs[2])
+            replays_equal_eager(xs[3])
+        finally:
+            parallel_state.start_agreement = original
     return run
 
 
@@ -533,7 +577,7 @@ def distribution_missing_expert() -> None:
 
 def shapes_disagree() -> None:
     """Ranks that pass different token counts, or different dtypes, fail together (a named error on every rank,
-    within seconds) instead of exchanging mismatched buffers; inputs agreed on once are not checked again."""
+    within seconds) instead of exchanging mismatched buffers."""
     init(1, dist.get_world_size())
     full = full_experts(make_config(num_experts=4), seed=9)
     experts = parallel_experts(full, "all_to_all_v")
@@ -548,6 +592,47 @@ def shapes_disagree() -> None:
         x, affinities = x.double(), affinities.double()
     expect_error(ValueError, "MoE inputs differ across ranks", "torch.float64",
                  call=lambda: experts(x, affinities, index))
+
+
+# A rank's inputs disagree with the others' after they had agreed: the check must name it on every rank well
+# within this (the check group's and the MoE groups' timeout), not only on the rank whose shape is new to it.
+AGREEMENT_TIMEOUT_S = 20.0
+PROMPT_S = AGREEMENT_TIMEOUT_S / 4
+
+
+def expect_disagreement(call: Callable[[], object], changer: int, tokens: int, usual_tokens: int) -> None:
+    """``call()`` raises the named error on this rank, naming both ranks' token counts, within ``PROMPT_S``."""
+    others = [r for r in range(dist.get_world_size()) if r != changer]
+    start = time.perf_counter()
+    expect_error(ValueError, "MoE inputs differ across ranks", f"rank {changer}='(({tokens}, ",
+                 f"rank {others[0]}='(({usual_tokens}, ", call=call)
+    elapsed = time.perf_counter() - start
+    assert elapsed < PROMPT_S, f"the named error took {elapsed:.1f} s (timeouts {AGREEMENT_TIMEOUT_S:g} s)"
+
+
+def one_rank_changes_shape(changer: int | None, dispatch: str) -> Callable[[], None]:
+    """EP over the world, the ranks having agreed on two batch sizes; then rank ``changer`` alone passes another
+    one -- first a size the ranks agreed on before, then one no rank has seen -- while the others keep theirs: every
+    rank raises the named error within seconds, whichever rank changed (the unchanged ranks too, which used to skip
+    the check and die in a mismatched collective), and the layer still computes the single-device result after it
+    (no collective ran with mismatched buffers). ``changer=None``: every rank changes to the new size together,
+    which just works."""
+    def run():
+        init(1, dist.get_world_size(), timeout_s=AGREEMENT_TIMEOUT_S, collective_timeout_s=AGREEMENT_TIMEOUT_S)
+        full, par = pair(variant="qwen", dispatch=dispatch)
+        seq = 4
+        check_moe(full, par, 2, seq, seed=120)
+        check_moe(full, par, 3, seq, seed=121)
+        if changer is None:
+            check_moe(full, par, 5, seq, seed=122)
+            return
+        me = dist.get_rank()
+        for batch in (3, 5):
+            x = randn(batch if me == changer else 2, seq, full.hidden_size, seed=123)
+            with torch.no_grad():  # called as check_moe calls it: only the shape differs from agreed calls
+                expect_disagreement(lambda x=x: par(x, return_stats=True), changer, batch * seq, 2 * seq)
+        check_moe(full, par, 2, seq, seed=124)
+    return run
 
 
 def rank_never_arrives() -> None:
@@ -717,6 +802,8 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
         "errors/intermediate_not_dividing": intermediate_not_dividing,
         "errors/distribution_missing_expert": distribution_missing_expert,
         "errors/shapes_disagree": shapes_disagree,
+        **{f"errors/shape_change/{who}/{dispatch}": one_rank_changes_shape(changer, dispatch)
+           for who, changer in (("rank0", 0), ("rank1", 1), ("both", None)) for dispatch in DISPATCHES},
         "errors/rank_never_arrives": rank_never_arrives,
     },
     "world4": {
@@ -764,6 +851,8 @@ SUITES["nccl2"] = {
     for dispatch in DISPATCHES
     for backend in ("torch", "triton")
 }
+SUITES["nccl2"].update({f"graph/shape_change/ep2/{dispatch}/{backend}": graph_and_one_rank_changing_shape(
+    dispatch, backend) for dispatch in DISPATCHES for backend in ("torch", "triton")})
 
 
 def main() -> None:

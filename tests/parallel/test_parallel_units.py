@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,6 +351,22 @@ def test_collectives_on_one_rank_move_nothing():
     assert ledger.total == 0 and ledger.steps == {}
 
 
+def test_input_fingerprint_is_the_same_in_every_process():
+    """Ranks compare a fingerprint of their inputs' description on every call: it must not depend on the process
+    (``hash()`` of a str is salted per process: equal inputs would then always look different and pay the full
+    comparison), and must tell descriptions apart."""
+    from nxd_moe.parallel_state import fingerprint
+
+    values = {"hidden_states": "((6, 16), torch.float32)", "seq_len": "None", "return_stats": "False"}
+    code = f"from nxd_moe.parallel_state import fingerprint; print(fingerprint({values!r}))"
+    root = str(Path(__file__).resolve().parents[2])
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": root}).stdout.strip()
+    assert other == str(fingerprint(values))
+    assert fingerprint({**values, "seq_len": "1"}) != fingerprint(values)
+    assert 0 <= fingerprint(values) < 2 ** 62
+
+
 @pytest.fixture
 def single_rank_world():
     from parallel_harness import free_port
@@ -378,5 +398,6 @@ def test_world_of_one(single_rank_world, dispatch, splits):
     out, stats = ExpertParallel(forced)(hidden, affinities, index, return_stats=True)
     assert_close(out, plain(hidden, affinities, index), 1e-6)
     assert stats.communication == {} and stats.summary()["bytes_moved"] == 0
+    assert parallel_state.start_agreement({"a": "1"}, "inputs") is None  # nothing to agree with: no exchange
     with pytest.raises(RuntimeError, match="already initialized"):
         parallel_state.initialize_model_parallel(1, 1)
