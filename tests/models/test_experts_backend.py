@@ -136,7 +136,8 @@ def test_negative_control_wrong_interleave_breaks_model_logits(monkeypatch):
 
 @use_experts_implementation(is_transposed=True, has_bias=True)
 class TransposedBiasExperts(nn.Module):
-    """Stored (E, H, 2I) / (E, I, H) with biases, [gate | up] halves, GELU: flags no decorated family has."""
+    """Stored (E, H, 2I) / (E, I, H) with biases, [gate | up] halves, GELU: a combination none of the five families
+    tested on whole models has."""
 
     def __init__(self, config):
         super().__init__()
@@ -259,6 +260,19 @@ def test_experts_function_matches_float64_reference(kind, mode, case, monkeypatc
     out = run(module, x, index, weight, backend="torch")
     assert spy.modes == [mode] and out.dtype == x.dtype and out.shape == x.shape
     assert_matches64(out, reference64(module, x, index, weight), f"{kind} {mode} {case}")
+
+
+@pytest.mark.parametrize("mode", list(MODE_TOKENS))
+@pytest.mark.parametrize("kind", ["mixtral", "transposed_bias"])
+def test_gather_matmul_takes_the_weight_views(kind, mode):
+    """The torch backend's other grouped matmul (per-group weights gathered, what XLA and fp32 compiles run) on
+    transposed views (Mixtral) and on weights as stored."""
+    module = make_experts(kind)
+    num_tokens = MODE_TOKENS[mode]
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(30))
+    index, weight = routing(num_tokens, seed=31)
+    out = run(module, x, index, weight, backend=TorchBackend(matmul="gather"))
+    assert_matches64(out, reference64(module, x, index, weight), f"{kind} {mode} gather")
 
 
 @pytest.mark.parametrize("mode", list(MODE_TOKENS))
