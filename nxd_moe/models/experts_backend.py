@@ -161,8 +161,8 @@ def _activation(module: nn.Module, has_gate: bool, inter: int, refuse) -> Expert
                                                up_upper=float(limit))
         return ExpertActivation("sigmoid", True, GLUType.SWIGLU, scaling_factor=float(alpha), act_bias=1.0,
                                 intermediate_size=inter, gate_up_interleaved=True, **clamps)
-    refuse(f"its _apply_gate ({getattr(gate, '__module__', None)}.{getattr(gate, '__name__', gate)}) is not one "
-           "nxd_moe computes: supported are transformers' default (act_fn(gate) * up) and GPT-OSS's clamped SwiGLU")
+    refuse(f"its _apply_gate (from {getattr(gate, '__module__', None)}) is not one nxd_moe computes: supported are "
+           "transformers' default (act_fn(gate) * up) and GPT-OSS's clamped SwiGLU")
 
 
 def _loaded(module_name: str, *path: str):
@@ -178,8 +178,11 @@ def _activation_name(module: nn.Module, refuse) -> str:
     act_fn = getattr(module, "act_fn", None)
     # Exact classes (a subclass may compute something else) and functions.
     names = {**{fn: name for name, fn in ACT2FN.items()}, nn.SiLU: "silu", nn.ReLU: "relu", nn.Sigmoid: "sigmoid",
-             nn.Tanh: "tanh", _loaded("transformers.activations", "SiLUActivation"): "silu",
-             _loaded("transformers.activations", "GELUActivation"): "gelu"}  # erf GELU, in C or in Python
+             nn.Tanh: "tanh"}
+    for cls_name, name in (("SiLUActivation", "silu"), ("GELUActivation", "gelu")):  # GELU: erf, in C or Python
+        cls = _loaded("transformers.activations", cls_name)
+        if cls is not None:
+            names[cls] = name
     name = names.get(type(act_fn) if isinstance(act_fn, nn.Module) else act_fn)
     if name is None and isinstance(act_fn, nn.GELU) and act_fn.approximate == "none":
         name = "gelu"
