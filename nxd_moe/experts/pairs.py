@@ -76,5 +76,7 @@ def experts_forward_pairs(backend: ExpertsBackend, hidden_states: torch.Tensor, 
     expert (``-1`` where not held; ``arange(E)`` on one device). The mode, its capacity and the blockwise layout are
     the caller's (from the token count: see ``ExpertsBackend.select_mode_from_tokens``). No host sync, static
     shapes."""
-    routing = backend.build_local_routing(pair_expert, pair_weight, local_slot, weights.num_experts, prescale)
+    # The weight's shape, not ExpertWeights.num_experts: Dynamo 2.9 cannot compute with a NamedTuple's property.
+    num_local = weights.gate_up_proj.shape[0]
+    routing = backend.build_local_routing(pair_expert, pair_weight, local_slot, num_local, prescale)
     return run_experts(backend, hidden_states, routing, weights, mode, blockwise_config, capacity)

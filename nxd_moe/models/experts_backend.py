@@ -23,6 +23,7 @@ it when the implementation is set, so :func:`check_experts_support` does it for 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -142,17 +143,13 @@ def _activation(module: nn.Module, has_gate: bool, inter: int, refuse) -> Expert
     if "_apply_gate" in module.__dict__:
         refuse("_apply_gate is overridden on the instance; only the class's default gate or GPT-OSS's is known")
     gate = getattr(type(module), "_apply_gate", None)
-    from transformers.integrations.moe import _default_apply_gate
-
     concatenated = getattr(module, "is_concatenated", None)
-    if gate is _default_apply_gate:
+    if gate is _loaded("transformers.integrations.moe", "_default_apply_gate"):
         if concatenated is False:
             refuse("is_concatenated=False (interleaved gate/up) but the default _apply_gate splits [gate | up] "
                    "halves: which layout the weights hold is ambiguous")
         return ExpertActivation(_activation_name(module, refuse), True, GLUType.GLU, intermediate_size=inter)
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-
-    if gate is GptOssExperts._apply_gate:
+    if gate is _loaded("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts", "_apply_gate"):
         if concatenated is True:
             refuse("GPT-OSS's _apply_gate reads interleaved gate/up columns but is_concatenated=True")
         alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
@@ -164,23 +161,29 @@ def _activation(module: nn.Module, has_gate: bool, inter: int, refuse) -> Expert
                                                up_upper=float(limit))
         return ExpertActivation("sigmoid", True, GLUType.SWIGLU, scaling_factor=float(alpha), act_bias=1.0,
                                 intermediate_size=inter, gate_up_interleaved=True, **clamps)
-    refuse(f"its _apply_gate ({getattr(gate, '__qualname__', gate)!r}) is not one nxd_moe computes: supported are "
+    refuse(f"its _apply_gate (from {getattr(gate, '__module__', None)}) is not one nxd_moe computes: supported are "
            "transformers' default (act_fn(gate) * up) and GPT-OSS's clamped SwiGLU")
 
 
-def _activation_names() -> dict:
-    """Activation classes (exact types: a subclass may compute something else) and functions -> our names."""
-    from transformers import activations
-
-    names = {fn: name for name, fn in ACT2FN.items()}
-    names.update({activations.SiLUActivation: "silu", nn.SiLU: "silu", activations.GELUActivation: "gelu",
-                  nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"})
-    return names
+def _loaded(module_name: str, *path: str):
+    """``module_name.path`` if that transformers module is loaded, else None (then no module of a model can hold
+    it). Looked up, not imported: a first call inside ``torch.compile`` derives its layout in the traced code."""
+    found = sys.modules.get(module_name)
+    for name in path:
+        found = getattr(found, name, None)
+    return found
 
 
 def _activation_name(module: nn.Module, refuse) -> str:
     act_fn = getattr(module, "act_fn", None)
-    name = _activation_names().get(type(act_fn) if isinstance(act_fn, nn.Module) else act_fn)
+    # Exact classes (a subclass may compute something else) and functions.
+    names = {**{fn: name for name, fn in ACT2FN.items()}, nn.SiLU: "silu", nn.ReLU: "relu", nn.Sigmoid: "sigmoid",
+             nn.Tanh: "tanh"}
+    for cls_name, name in (("SiLUActivation", "silu"), ("GELUActivation", "gelu")):  # GELU: erf, in C or Python
+        cls = _loaded("transformers.activations", cls_name)
+        if cls is not None:
+            names[cls] = name
+    name = names.get(type(act_fn) if isinstance(act_fn, nn.Module) else act_fn)
     if name is None and isinstance(act_fn, nn.GELU) and act_fn.approximate == "none":
         name = "gelu"
     if name is None and isinstance(act_fn, nn.LeakyReLU) and act_fn.negative_slope == 0.01:
