@@ -160,12 +160,34 @@ def _qwen(cfg: Any, model_type: str) -> dict[str, Any]:
     return out
 
 
+def gpt_oss_swiglu(cfg: Any) -> tuple[float, float | None]:
+    """``(alpha, limit)`` of GPT-OSS's clamped SwiGLU as the installed transformers computes it for ``cfg``.
+
+    Where they live depends on the release: later transformers 5 releases read ``config.swiglu_alpha`` /
+    ``config.swiglu_limit`` in ``GptOssExperts.__init__``; earlier ones (5.17) hard-code 1.702 / 7.0 there and
+    ignore those config keys. So both are read from a ``GptOssExperts`` built for ``cfg`` on the meta device (no
+    memory): what the model's own experts will use, whichever shape the config has.
+    """
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    t = "gpt_oss"
+    for name in ("num_local_experts", "hidden_size", "intermediate_size"):
+        _field(cfg, name, t)
+    with torch.device("meta"):
+        experts = GptOssExperts(cfg)
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"from_hf_config({t}): config.swiglu_alpha must be a number, got {alpha!r}")
+    if limit is not None and (not isinstance(limit, (int, float)) or isinstance(limit, bool)):
+        raise ValueError(f"from_hf_config({t}): config.swiglu_limit must be a number or None, got {limit!r}")
+    return float(alpha), None if limit is None else float(limit)
+
+
 def _gpt_oss(cfg: Any) -> dict[str, Any]:
     t = "gpt_oss"
-    limit = cfg.swiglu_limit
-    experts = dict(hidden_act="sigmoid", glu_mlp=True, glu_type="swiglu",
-                   hidden_act_scaling_factor=_field(cfg, "swiglu_alpha", t), hidden_act_bias=1.0, bias=True,
-                   normalize_top_k_affinities=False)
+    alpha, limit = gpt_oss_swiglu(cfg)
+    experts = dict(hidden_act="sigmoid", glu_mlp=True, glu_type="swiglu", hidden_act_scaling_factor=alpha,
+                   hidden_act_bias=1.0, bias=True, normalize_top_k_affinities=False)
     if limit is not None:
         # HF clamps the gate from above only and the up projection on both sides.
         experts.update(gate_clamp_upper_limit=limit, up_clamp_lower_limit=-limit, up_clamp_upper_limit=limit)

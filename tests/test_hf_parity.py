@@ -9,9 +9,11 @@ are load-bearing, i.e. that these comparisons can fail.
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,6 +42,12 @@ from nxd_moe.experts.backends import TorchBackend  # noqa: E402
 from nxd_moe.hf import from_hf_config, from_hf_moe_block  # noqa: E402
 
 
+# The GPT-OSS variants' swiglu_limit. transformers 5.17 ignores it (GptOssExperts hard-codes 7.0): there the gate/up
+# projection is scaled by limit / GPT_OSS_LIMIT and the down projection by its inverse squared (the SwiGLU is about
+# quadratic in it), so the clamps stay as active and the outputs O(1) whichever limit the installed release uses.
+GPT_OSS_LIMIT = 1.0
+
+
 # name -> (config factory, transformers block class). Sizes keep E*k small so every mode is reachable; the
 # GPT-OSS limit is low enough that its clamps are active on these activations.
 VARIANTS = {
@@ -55,7 +63,8 @@ VARIANTS = {
                                          num_experts_per_tok=2, shared_expert_intermediate_size=40, **LAYERS),
                   Qwen2MoeSparseMoeBlock),
     "gpt_oss": (lambda: GptOssConfig(hidden_size=HIDDEN, intermediate_size=24, num_local_experts=8,
-                                     num_experts_per_tok=2, swiglu_limit=1.0, head_dim=16, **LAYERS), GptOssMLP),
+                                     num_experts_per_tok=2, swiglu_limit=GPT_OSS_LIMIT, head_dim=16, **LAYERS),
+                GptOssMLP),
     "deepseek_v3": (lambda: DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=16, intermediate_size=48,
                                              n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
                                              n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True,
@@ -109,6 +118,12 @@ def make_block(variant: str, impl: str | None = "eager", seed: int = 0, dtype: t
     config = factory()
     config._experts_implementation = impl or "eager"
     block = randomize_hf_(block_cls(config), seed)
+    if isinstance(block, GptOssMLP):
+        stretch = block.experts.limit / GPT_OSS_LIMIT
+        with torch.no_grad():
+            block.experts.gate_up_proj.mul_(stretch)
+            block.experts.gate_up_proj_bias.mul_(stretch)
+            block.experts.down_proj.div_(stretch ** 2)
     return config, block.to(dtype).eval()
 
 
@@ -224,7 +239,7 @@ def test_gpt_oss_clamps_are_exercised():
     x = inputs(2, 20, seed=6).reshape(-1, HIDDEN)
     with torch.no_grad():
         pre = torch.einsum("th,ehi->eti", x, block.experts.gate_up_proj) + block.experts.gate_up_proj_bias[:, None]
-    assert (pre.abs() > config.swiglu_limit).float().mean().item() > 0.05
+    assert (pre.abs() > block.experts.limit).float().mean().item() > 0.05
 
 
 def test_from_hf_moe_block_copies_weights_and_checks_them():
@@ -328,6 +343,59 @@ def test_config_gpt_oss():
     assert (rc.up_clamp_lower_limit, rc.up_clamp_upper_limit) == (-7.0, 7.0)
     assert rc.bias and not rc.normalize_top_k_affinities
     assert cfg.name == "hf:gpt-oss-20b" and cfg.num_moe_layers == 24
+
+
+# Later transformers 5 releases keep GPT-OSS's SwiGLU constants in the config; 5.17's GptOssExperts hard-codes them.
+CONFIG_HOLDS_SWIGLU = hasattr(GptOssConfig, "swiglu_alpha")
+
+
+def _swiglu_of(config) -> tuple:
+    rc = from_hf_config(config).routed_experts_config()
+    return (rc.hidden_act_scaling_factor, rc.gate_clamp_lower_limit, rc.gate_clamp_upper_limit,
+            rc.up_clamp_lower_limit, rc.up_clamp_upper_limit)
+
+
+@pytest.mark.skipif(not CONFIG_HOLDS_SWIGLU, reason="this transformers' GptOssConfig has no swiglu_alpha")
+def test_config_gpt_oss_swiglu_from_the_config_fields():
+    assert _swiglu_of(GptOssConfig(swiglu_alpha=1.5, swiglu_limit=3.0)) == (1.5, None, 3.0, -3.0, 3.0)
+
+
+@pytest.mark.skipif(CONFIG_HOLDS_SWIGLU, reason="this transformers' GptOssConfig has swiglu_alpha")
+def test_config_gpt_oss_swiglu_hard_coded_by_the_experts_module():
+    """transformers 5.17: the model computes 1.702 / 7.0 whatever the config says, and so must we."""
+    assert _swiglu_of(GptOssConfig()) == (1.702, None, 7.0, -7.0, 7.0)
+    assert _swiglu_of(GptOssConfig(swiglu_alpha=1.5, swiglu_limit=3.0)) == (1.702, None, 7.0, -7.0, 7.0)
+
+
+def _gpt_oss_fields(**swiglu) -> SimpleNamespace:
+    return SimpleNamespace(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, hidden_size=HIDDEN,
+                           intermediate_size=24, num_hidden_layers=2, **swiglu)
+
+
+def test_config_gpt_oss_swiglu_from_either_config_shape(monkeypatch):
+    """Both shapes on any installed release: a config without the fields read by an experts class that hard-codes
+    the constants (5.17's), and one with them read by a class that takes them from the config (later releases)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    class HardCoded(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.alpha, self.limit = 1.702, 7.0
+
+    class FromConfig(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+    monkeypatch.setattr(modeling_gpt_oss, "GptOssExperts", HardCoded)
+    assert _swiglu_of(_gpt_oss_fields()) == (1.702, None, 7.0, -7.0, 7.0)
+    monkeypatch.setattr(modeling_gpt_oss, "GptOssExperts", FromConfig)
+    assert _swiglu_of(_gpt_oss_fields(swiglu_alpha=1.25, swiglu_limit=2.0)) == (1.25, None, 2.0, -2.0, 2.0)
+    assert _swiglu_of(_gpt_oss_fields(swiglu_alpha=1.25, swiglu_limit=None))[0] == 1.25
+    with pytest.raises(ValueError, match=r"config\.swiglu_alpha must be a number, got None"):
+        _swiglu_of(_gpt_oss_fields(swiglu_alpha=None, swiglu_limit=2.0))
+    with pytest.raises(ValueError, match=r"config\.swiglu_limit must be a number or None, got '7'"):
+        _swiglu_of(_gpt_oss_fields(swiglu_alpha=1.0, swiglu_limit="7"))
 
 
 def test_config_deepseek_v3():
