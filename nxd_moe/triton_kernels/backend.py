@@ -134,7 +134,8 @@ class TritonBackend(ExpertsBackend):
             return self.configs
         num_experts, hidden, _ = weights.gate_up_proj.shape
         w8a8 = weights.activation_quantization is not None
-        key = (decode, w8a8, num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
+        # int(): a compiled graph with a dynamic token count specializes on it here (tiles and launch follow T).
+        key = (decode, w8a8, num_experts, hidden, weights.down_proj.shape[1], top_k, int(hidden_states.shape[0]),
                hidden_states.device, hidden_states.dtype, weights.format)
         config = self._configs.get(key)
         if config is None:
