@@ -20,7 +20,6 @@ from conftest import FP32_ATOL, assert_close, make_config, make_shared, randn, r
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.quantization.quantizer import quantize_experts
-from nxd_moe.reference import reference_for_moe
 from nxd_moe.trace import static_backend
 
 triton = pytest.importorskip("triton")
@@ -291,31 +290,36 @@ class LaunchCount:
         monkeypatch.setattr(TritonBackend, name, counted)
 
 
+# the eager backend method each phase's op runs
+OP_METHODS = {"prefill": "blockwise", "decode": "moe_decode", "prefill_capacity_factor": "capacity_factor"}
+
+
 @needs_cuda
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("phase", ["prefill", "decode", "prefill_capacity_factor"])
+@pytest.mark.parametrize("phase", list(OP_METHODS))
 def test_reduce_overhead_equals_eager_and_replays_new_routings(backend, phase, monkeypatch):
+    """Every call equals eager on its own input; on the triton backend the op's Python ran only for the CUDA-graph
+    trees' warm-up and recording, and every later call -- new routings, all tokens to one expert -- was a replay."""
     from torch._dynamo.utils import counters
 
     moe = cuda_layer(backend, capacity_factor=1.0 if phase == "prefill_capacity_factor" else None)
     shape = (16, 1) if phase == "decode" else (2, 150)
-    count = LaunchCount(monkeypatch, "moe_decode" if phase == "decode" else "blockwise")
-    if phase == "prefill_capacity_factor":
-        count = LaunchCount(monkeypatch, "capacity_factor")
+    count = LaunchCount(monkeypatch, OP_METHODS[phase])
     compiled_layer = torch.compile(lambda x: moe(x)[0], fullgraph=True, mode="reduce-overhead")
     counters.clear()
+    compiled_runs = calls = 0
     with torch.no_grad():
         for what, x in routings(moe, shape):
-            for _ in range(2):  # the first calls warm up and record, later ones replay
+            for _ in range(2):
+                before = count.calls
                 torch.compiler.cudagraph_mark_step_begin()
                 out = compiled_layer(x).clone()
-            eager = moe(x)[0]
-            assert_bf16_close(out, eager, f"{backend} {phase} {what}")
-            assert_bf16_close(out, reference_for_moe(moe, x).to(out.dtype), f"{backend} {phase} {what} vs float64")
+                compiled_runs += count.calls - before
+                calls += 1
+            assert_bf16_close(out, moe(x)[0], f"{backend} {phase} {what}")
     assert counters["inductor"]["cudagraph_skips"] == 0
     if backend == "triton":
-        # warm-up and recording ran the op's Python; the 6 replays did not (an op that ran eagerly would count 8+)
-        assert count.calls == 2 + 4  # + the 4 eager calls of the comparison
+        assert 1 <= compiled_runs <= 2 < calls, (compiled_runs, calls)
 
 
 @needs_cuda
@@ -323,8 +327,9 @@ def test_reduce_overhead_equals_eager_and_replays_new_routings(backend, phase, m
                                                 ("fp8_block", True)])
 @pytest.mark.parametrize("tokens", [1, 16, 300])
 def test_reduce_overhead_quantized_triton(quantization, w8a8, tokens):
-    """Quantized weights through the ops; decode reads the stored layout until an eager decode call has built the
-    repacked copy (inside a compiled graph none is built), then the copy -- both equal eager."""
+    """Quantized weights (and W8A8) through the ops, decode sizes in one launch and as separate kernels. The graph,
+    recorded before any eager call, reads the stored layout (no repacked copy is built inside a compiled graph);
+    eager reads the copy its first call built: the same values, equal within bf16 rounding."""
     moe = cuda_layer("triton", num_experts=16, top_k=4, hidden=256, inter=256)
     quantize_experts(moe, quantization, activation_quantization="fp8" if w8a8 else "none")
     compiled_layer = torch.compile(lambda x: moe(x)[0], fullgraph=True, mode="reduce-overhead")
@@ -337,18 +342,20 @@ def test_reduce_overhead_quantized_triton(quantization, w8a8, tokens):
 
 
 @needs_cuda
-def test_negative_control_bf16_tolerance_rejects_a_dropped_expert():
-    """The bf16 bound is tight enough to see a real error: dropping each token's last expert fails it."""
+def test_negative_control_bf16_tolerance_rejects_broken_layers():
+    """The bf16 bound sees real errors: a replay of the previous input (a stale CUDA graph) and an expert whose tiles
+    were skipped (its down projection zeroed: on this layer 2-3x the bound) both fail it."""
     moe = cuda_layer("triton")
     x = randn(16, 1, moe.hidden_size, seed=300).to("cuda", torch.bfloat16)
     with torch.no_grad():
         eager = moe(x)[0]
-        moe.router.top_k -= 1
-        moe.expert_mlps.routed_experts_mlp_config = moe.expert_mlps.routed_experts_mlp_config.replace(
-            top_k=moe.router.top_k)
-        broken = moe(x)[0]
-    with pytest.raises(AssertionError, match="max"):
-        assert_bf16_close(broken, eager)
+        stale = moe(randn(16, 1, moe.hidden_size, seed=301).to("cuda", torch.bfloat16))[0]
+        expert = int(moe.router(x.reshape(16, -1))[2][0, 0])
+        moe.expert_mlps.mlp_op.down_proj.weight[expert] = 0
+        skipped = moe(x)[0]
+    for broken in (stale, skipped):
+        with pytest.raises(AssertionError, match="max"):
+            assert_bf16_close(broken, eager)
 
 
 @needs_cuda
