@@ -360,6 +360,27 @@ def test_negative_control_bf16_tolerance_rejects_broken_layers():
 
 @needs_cuda
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_eager_decode_never_waits_for_the_gpu(backend, tokens):
+    """An eager decode step (what uncompiled ``generate`` runs) makes no synchronizing CUDA call after its first
+    call (which compiles kernels and builds device tables): ``torch.cuda.set_sync_debug_mode("error")`` raises on
+    any -- as it does on the ``.item()`` of the negative control."""
+    moe = cuda_layer(backend)
+    x = randn(tokens, 1, moe.hidden_size, seed=400).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        moe(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe(x)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                x.sum().item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_qwen3_moe_generate_compiled_equals_eager(backend, monkeypatch):
     """``generate(..., cache_implementation="static")`` with transformers' compiled decode (fullgraph,
     reduce-overhead) over a Qwen3-MoE whose sparse blocks are our layer: the same 12 greedy tokens as eager
