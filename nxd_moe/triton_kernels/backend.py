@@ -12,7 +12,8 @@ then runs gate/up GEMM (token gather + activation fused) -> down GEMM -> determi
 
 Mode choice differs from NxD's rule where the GPU wants it (:meth:`TritonBackend.select_mode`). Supports fp32,
 bf16 and fp16 on CUDA; on a CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
-is how CI tests them.
+is how CI tests them. Under ``torch.compile`` every seam method that launches kernels calls one opaque custom op
+instead, whose implementation is the same method run eagerly (:mod:`~nxd_moe.triton_kernels.compiled`).
 """
 
 from __future__ import annotations
