@@ -26,8 +26,8 @@ tests_of() {
     quantized) echo tests/gpu/test_triton_quantized.py tests/gpu/test_triton_w8a8.py tests/gpu/test_launch_configs.py \
                     tests/gpu/test_dispatch_kernels.py ;;
     backend) echo tests/gpu/test_triton_backend.py tests/gpu/test_prefill_gemm.py tests/gpu/test_router_kernel.py \
-                  tests/gpu/test_hf_experts_backend.py tests/gpu/test_patch_model_gpu.py tests/test_cuda.py \
-                  tests/test_device_and_backend.py \
+                  tests/gpu/test_hf_experts_backend.py tests/gpu/test_patch_model_gpu.py tests/gpu/test_compiled_models.py \
+                  tests/test_cuda.py tests/test_device_and_backend.py \
                   tests/test_cli.py::test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays ;;
     # NCCL process groups and CUDA-graph captures: one process
     graphs) echo tests/gpu/test_parallel_graphs.py ;;

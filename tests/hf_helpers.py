@@ -172,3 +172,43 @@ class ExpertsModeSpy:
             return original(*args, **kwargs)
 
         monkeypatch.setattr(backend_module, "experts_forward_pairs", spy)
+
+# ----------------------------------------------------------------------------------------------------------------
+# a small transformers model whose sparse-MoE blocks are our layer
+
+@torch.no_grad()
+def tiny_qwen3_moe(backend: str = "torch", *, hidden: int = HIDDEN, num_experts: int = 8, top_k: int = 2,
+                   moe_intermediate: int = 24, vocab: int = 64, dtype: torch.dtype = torch.float32, device="cpu",
+                   seed: int = 0):
+    """A 2-layer ``Qwen3MoeForCausalLM`` with random weights, patched (``nxd_moe.hf.patch_model``, ``backend``).
+    Weights are N(0, 4 / fan_in) (norms stay 1): larger than transformers' init, so that greedy decoding does not
+    settle into repeating one token and a wrong layer changes the tokens."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from nxd_moe.hf import patch_model
+
+    config = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=moe_intermediate, num_experts=num_experts,
+                            num_experts_per_tok=top_k, norm_topk_prob=True, head_dim=16, intermediate_size=2 * hidden,
+                            max_position_embeddings=64, **LAYERS | dict(vocab_size=vocab))
+    model = Qwen3MoeForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" not in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 2 / p.shape[-1] ** 0.5)
+    model = model.to(device=device, dtype=dtype).eval()
+    return patch_model(model, backend=backend)
+
+
+@torch.no_grad()
+def generate_tokens(model, prompt: torch.Tensor, *, compiled: bool, new_tokens: int = 12, mode: str | None = None,
+                    backend="inductor") -> torch.Tensor:
+    """``new_tokens`` greedy tokens after ``prompt`` with a static cache; ``compiled``: transformers' compiled decode
+    (prefill eager, every decode step through ``torch.compile(model, fullgraph=True, ...)``), on any device."""
+    from transformers.generation import CompileConfig
+
+    options = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+    if not compiled:
+        return model.generate(prompt, disable_compile=True, **options)[:, prompt.shape[1]:]
+    config = CompileConfig(fullgraph=True, mode=mode, backend=backend)
+    config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+    return model.generate(prompt, compile_config=config, **options)[:, prompt.shape[1]:]

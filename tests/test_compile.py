@@ -313,3 +313,85 @@ def test_inductor_moe_every_router(router_kind, dtype):
     with torch.no_grad():
         compiled = fullgraph(lambda x, m: moe(x, padding_mask=m)[0])(x, mask)
         assert_compiled_close(compiled, moe(x, padding_mask=mask)[0], DEPTH)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a whole model: transformers' compiled static-cache generate over our layer
+
+
+@pytest.mark.parametrize("backend", [
+    "aot_eager",  # the fullgraph capture of the whole decode step (cheap)
+    pytest.param("inductor", marks=pytest.mark.slow),  # ~1 min of Inductor compiles on a 2-core CPU
+])
+def test_qwen3_moe_generate_compiled_equals_eager(backend):
+    """A Qwen3-MoE whose sparse blocks are our layer (torch backend): ``generate(..., cache_implementation="static")``
+    with every decode step under ``torch.compile(fullgraph=True)`` gives the eager tokens, and the compiled step
+    traced our layer. Tokens are compared exactly: logits are fp32, and the negative control below shows that a
+    layer off by much less than its outputs' scale already changes them."""
+    from hf_helpers import generate_tokens, tiny_qwen3_moe
+
+    model = tiny_qwen3_moe()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = generate_tokens(model, prompt, compiled=False)
+    assert eager.shape == (2, 12) and len(set(eager.flatten().tolist())) > 6  # not one repeated token
+    assert generate_tokens(model, prompt, compiled=True, backend=recording).tolist() == eager.tolist()
+    # one graph for every decode step, and it holds both of our layers
+    assert len(graphs) == 1
+    layers = {path for node in graphs[0].graph.nodes for path, kind in node.meta.get("nn_module_stack", {}).values()
+              if kind is MoE or getattr(kind, "__name__", kind) == "MoE" or str(kind).endswith(".MoE")}
+    assert len(layers) == 2, layers
+
+
+def test_negative_control_generate_tokens_see_a_wrong_layer():
+    """Swapping two experts' weights in one layer (a routing bug's effect) changes the greedy tokens."""
+    from hf_helpers import generate_tokens, tiny_qwen3_moe
+
+    model = tiny_qwen3_moe()
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    eager = generate_tokens(model, prompt, compiled=False)
+    weight = model.model.layers[1].mlp.moe.expert_mlps.mlp_op.down_proj.weight
+    with torch.no_grad():
+        weight[[0, 1]] = weight[[1, 0]].clone()
+    assert generate_tokens(model, prompt, compiled=False).tolist() != eager.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# quantized experts and W8A8 through Inductor (torch backend)
+
+
+# Inductor compiles of these layers take about a minute each on a 2-core CPU; aot_eager captures the same graph.
+QUANTIZED = [pytest.param(fmt, w8a8, compiler, id=f"{fmt}{'-w8a8' if w8a8 else ''}-{compiler}",
+                          marks=[pytest.mark.slow] if compiler == "inductor" else [])
+             for fmt, w8a8 in (("fp8", False), ("fp8_block", False), ("mxfp4", False), ("fp8_block", True))
+             for compiler in ("aot_eager", "inductor") if compiler == "inductor" or w8a8]
+
+
+@pytest.mark.parametrize("quantization, w8a8, compiler", QUANTIZED)
+def test_quantized_moe_compiles(quantization, w8a8, compiler):
+    """A bf16 layer with quantized routed and shared experts, prefill and decode, compiled: equal to eager within
+    the rounding of its lowest-precision step. Inductor fuses what eager rounds to bf16 step by step (a few bf16
+    ulps, u = 2^-8, relative to the outputs' scale: assert_compiled_close); with FP8 activations (W8A8) such a
+    difference can move an input to the neighbouring FP8 E4M3 value, up to 2^-3 of its magnitude (3 mantissa bits),
+    and with weights N(0, 1/fan_in) the output by at most that fraction of its scale."""
+    from nxd_moe.quantization.quantizer import quantize_experts
+
+    experts = make_experts(make_config(num_experts=4, top_k=2, hidden_size=128, intermediate_size=128),
+                           block_size=4, dtype=torch.bfloat16, seed=20)
+    moe = MoE(make_router("topk_softmax", 4, 2, 128, seed=21), experts,
+              make_shared(128, 128, dtype=torch.bfloat16)).eval()
+    quantize_experts(moe, quantization, shared_experts=True, activation_quantization="fp8" if w8a8 else "none")
+    xp, xd = randn(2, 8, 128, seed=22, dtype=torch.bfloat16), randn(3, 1, 128, seed=23, dtype=torch.bfloat16)
+    with torch.no_grad():
+        compiled = fullgraph(lambda xp, xd: (moe(xp)[0], moe(xd)[0]), compiler)(xp, xd)
+        for name, c, x in zip(("prefill", "decode"), compiled, (xp, xd)):
+            eager = moe(x)[0]
+            if w8a8:
+                assert_close(c, eager, 2 ** -3 * max(1.0, eager.abs().max().item()), msg=name)
+            else:  # the longest sum: H = I = 128 terms
+                assert_compiled_close(c, eager, 128, msg=name)

@@ -12,7 +12,8 @@ then runs gate/up GEMM (token gather + activation fused) -> down GEMM -> determi
 
 Mode choice differs from NxD's rule where the GPU wants it (:meth:`TritonBackend.select_mode`). Supports fp32,
 bf16 and fp16 on CUDA; on a CPU the kernels run only under Triton's interpreter (``TRITON_INTERPRET=1``), which
-is how CI tests them.
+is how CI tests them. Under ``torch.compile`` every seam method that launches kernels calls one opaque custom op
+instead, whose implementation is the same method run eagerly (:mod:`~nxd_moe.triton_kernels.compiled`).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ class TritonBackend(ExpertsBackend):
             return self.configs
         num_experts, hidden, _ = weights.gate_up_proj.shape
         w8a8 = weights.activation_quantization is not None
-        key = (decode, w8a8, num_experts, hidden, weights.down_proj.shape[1], top_k, hidden_states.shape[0],
+        # int(): a compiled graph with a dynamic token count specializes on it here (tiles and launch follow T).
+        key = (decode, w8a8, num_experts, hidden, weights.down_proj.shape[1], top_k, int(hidden_states.shape[0]),
                hidden_states.device, hidden_states.dtype, weights.format)
         config = self._configs.get(key)
         if config is None:

@@ -78,8 +78,8 @@ def _backend(handle: int):
 ACTIVATION_FIELDS = (("hidden_act", "str"), ("glu_mlp", "bool"), ("glu_type", "str"), ("scaling_factor", "float"),
                      ("act_bias", "float"), ("gate_lower", "float?"), ("gate_upper", "float?"), ("up_lower", "float?"),
                      ("up_upper", "float?"), ("intermediate_size", "int?"), ("intermediate_size_actual", "int?"))
-_WEIGHTS_FIELDS = (["Tensor[] weights", "str gate_up_format", "str down_format", "ScalarType? compute_dtype",
-                    "bool has_gate_up_bias", "bool has_down_bias"]
+_WEIGHTS_FIELDS = (["Tensor[] weights", "str gate_up_format", "ScalarType? gate_up_dtype", "str down_format",
+                    "ScalarType? down_dtype", "bool has_gate_up_bias", "bool has_down_bias"]
                    + [f"{kind} {name}" for name, kind in ACTIVATION_FIELDS]
                    + ["bool w8a8", "int? activation_group_size"])
 _WEIGHTS_SCHEMA = ", ".join(_WEIGHTS_FIELDS)
@@ -93,31 +93,35 @@ def _field(value, kind: str):
     return value.value if isinstance(value, GLUType) else value
 
 
+def _projection_arguments(layout: WeightLayout) -> tuple:
+    return ("bf16", None) if layout.format is None else (layout.format.name, layout.dtype)
+
+
 def weights_arguments(weights: ExpertWeights) -> tuple:
     """``weights`` as the tail of an op's arguments: its stored tensors (:meth:`ExpertWeights.flatten`), then the
     tensor-free rest as schema scalars. Traced by Dynamo: attribute reads only."""
     tensors, layout = weights.flatten()
     activation = layout.activation
     quantization = layout.activation_quantization
-    return (tensors, layout.gate_up_proj.format.name if layout.gate_up_proj.format is not None else "bf16",
-            layout.down_proj.format.name if layout.down_proj.format is not None else "bf16",
-            layout.gate_up_proj.dtype, layout.has_gate_up_bias, layout.has_down_bias,
+    return (tensors, *_projection_arguments(layout.gate_up_proj), *_projection_arguments(layout.down_proj),
+            layout.has_gate_up_bias, layout.has_down_bias,
             *(_field(getattr(activation, name), kind) for name, kind in ACTIVATION_FIELDS),
             quantization is not None, None if quantization is None else quantization.group_size)
 
 
+def _projection(name: str, dtype) -> WeightLayout:
+    return WeightLayout(None, None, 1) if name == "bf16" else WeightLayout(FORMATS[name], dtype, 2)
+
+
 @functools.lru_cache(maxsize=None)
-def _layout(gate_up_format: str, down_format: str, compute_dtype, has_gate_up_bias: bool, has_down_bias: bool,
-            *rest) -> ExpertWeightsLayout:
+def _layout(gate_up_format: str, gate_up_dtype, down_format: str, down_dtype, has_gate_up_bias: bool,
+            has_down_bias: bool, *rest) -> ExpertWeightsLayout:
     *fields, w8a8, group_size = rest
     activation = dict(zip((name for name, _ in ACTIVATION_FIELDS), fields))
     activation["glu_type"] = GLUType(activation["glu_type"])
-
-    def projection(name: str) -> WeightLayout:
-        return WeightLayout(None, None, 1) if name == "bf16" else WeightLayout(FORMATS[name], compute_dtype, 2)
-
-    return ExpertWeightsLayout(projection(gate_up_format), projection(down_format), has_gate_up_bias, has_down_bias,
-                               ExpertActivation(**activation), ActivationQuantization(group_size) if w8a8 else None)
+    return ExpertWeightsLayout(_projection(gate_up_format, gate_up_dtype), _projection(down_format, down_dtype),
+                               has_gate_up_bias, has_down_bias, ExpertActivation(**activation),
+                               ActivationQuantization(group_size) if w8a8 else None)
 
 
 def weights_from_arguments(tensors, *statics) -> ExpertWeights:
