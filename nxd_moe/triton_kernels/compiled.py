@@ -77,7 +77,8 @@ def _backend(handle: int):
 # ExpertActivation's fields in the op schema (tests check that this names every field).
 ACTIVATION_FIELDS = (("hidden_act", "str"), ("glu_mlp", "bool"), ("glu_type", "str"), ("scaling_factor", "float"),
                      ("act_bias", "float"), ("gate_lower", "float?"), ("gate_upper", "float?"), ("up_lower", "float?"),
-                     ("up_upper", "float?"), ("intermediate_size", "int?"), ("intermediate_size_actual", "int?"))
+                     ("up_upper", "float?"), ("intermediate_size", "int?"), ("intermediate_size_actual", "int?"),
+                     ("gate_up_interleaved", "bool"))
 _WEIGHTS_FIELDS = (["Tensor[] weights", "str gate_up_format", "ScalarType? gate_up_dtype", "str down_format",
                     "ScalarType? down_dtype", "bool has_gate_up_bias", "bool has_down_bias"]
                    + [f"{kind} {name}" for name, kind in ACTIVATION_FIELDS]
