@@ -170,11 +170,12 @@ def _activation(module: nn.Module, has_gate: bool, inter: int, refuse) -> Expert
 
 def _activation_names() -> dict:
     """Activation classes (exact types: a subclass may compute something else) and functions -> our names."""
-    from transformers import activations
+    # From the submodule: torch 2.11's dynamo refuses ``from transformers import ...`` (a lazy module) in a trace.
+    from transformers.activations import GELUActivation, SiLUActivation
 
     names = {fn: name for name, fn in ACT2FN.items()}
-    names.update({activations.SiLUActivation: "silu", nn.SiLU: "silu", activations.GELUActivation: "gelu",
-                  nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"})
+    names.update({SiLUActivation: "silu", nn.SiLU: "silu", GELUActivation: "gelu", nn.ReLU: "relu",
+                  nn.Sigmoid: "sigmoid", nn.Tanh: "tanh"})
     return names
 
 
