@@ -84,7 +84,9 @@ def dense_expert_mlp(x: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
     h = torch.matmul(weights.quantized_input(x), dequantized(weights.gate_up_proj))
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias.unsqueeze(1)
-    y = torch.matmul(weights.quantized_input(weights.activation(h)), dequantized(weights.down_proj))
+    # ``activation.__call__``, not ``activation(...)``: torch 2.11's dynamo hashes an object it is asked to call,
+    # which fails for one built inside the trace (a layout derived on a compiled first call).
+    y = torch.matmul(weights.quantized_input(weights.activation.__call__(h)), dequantized(weights.down_proj))
     if weights.down_bias is not None:
         y = y + weights.down_bias.unsqueeze(1)
     return y
@@ -106,7 +108,7 @@ def grouped_expert_mlp(
     h = grouped_matmul(weights.quantized_input(x), weights.gate_up_proj, plan)
     if weights.gate_up_bias is not None:
         h = h + weights.gate_up_bias.index_select(0, group_expert).unsqueeze(1)
-    y = grouped_matmul(weights.quantized_input(weights.activation(h)), weights.down_proj, plan)
+    y = grouped_matmul(weights.quantized_input(weights.activation.__call__(h)), weights.down_proj, plan)  # see above
     if weights.down_bias is not None:
         y = y + weights.down_bias.index_select(0, group_expert).unsqueeze(1)
     return y

@@ -233,11 +233,14 @@ def build_hf_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any
     (``num_layers=2`` builds 3 dense + 2 MoE layers), Llama 4 Maverick's dense layer before each MoE layer
     (``interleave_moe_layer_step=2``: 4 layers). So ``from_hf_config(model.config).num_moe_layers == num_layers``.
 
-    Weights are drawn on the CPU from ``seed`` (the same weights on every device; the caller's random state is
-    left as it was), then moved to ``device`` in ``dtype``. ``attn_implementation``: transformers' name
-    (``"eager"``, ``"sdpa"``...; default transformers' choice). ``quantization``: the expert weight format the
-    model's MoE layers will be quantized to (``nxd_moe.hf.patch_model(model, quantization=...)``): the scaled MoE
-    widths are rounded to its blocks too (:func:`nxd_moe.build.scaled_model`); the weights built are unquantized.
+    Weights are drawn on the CPU from ``seed`` directly in ``dtype``, then moved to ``device``: the same ``seed``
+    and ``dtype`` give the same weights on every device (the caller's random state is left as it was). Another
+    ``dtype`` draws other values -- transformers initialises each tensor in its own dtype -- so a bfloat16 build is
+    not the float32 build rounded (drawing in float32 first would take twice the host memory of the model).
+    ``attn_implementation``: transformers' name (``"eager"``, ``"sdpa"``...; default transformers' choice).
+    ``quantization``: the expert weight format the model's MoE layers will be quantized to
+    (``nxd_moe.hf.patch_model(model, quantization=...)``): the scaled MoE widths are rounded to its blocks too
+    (:func:`nxd_moe.build.scaled_model`); the weights built are unquantized.
     """
     dtype = to_torch_dtype(dtype, "dtype")
     hf_config = build_hf_config(config, num_layers=num_layers, scale=scale, quantization=quantization)

@@ -1,6 +1,6 @@
-"""``build_hf_model`` and ``StaticCacheStep`` on a CUDA device: the weights are the CPU build's (drawn on the CPU
-from the seed, then moved), and a prefill plus a decode step over the static cache give the uncached forward's
-logits on the GPU. Skipped without CUDA."""
+"""``build_hf_model`` and ``StaticCacheStep`` on a CUDA device: the weights are the CPU build's of the same dtype
+(drawn on the CPU from the seed, then moved), and a prefill plus a decode step over the static cache give the
+uncached forward's logits on the GPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -24,11 +24,13 @@ REL_TOL = 1e-5
 
 @pytest.mark.parametrize("name", builtin_config_names())
 def test_cuda_build_holds_the_cpu_builds_weights(name):
-    cpu = build_hf_model(name, num_layers=1, scale=SCALE, seed=3)
+    """Same seed and dtype, same weights on either device (another dtype draws other values: not compared)."""
+    cpu = build_hf_model(name, num_layers=1, scale=SCALE, seed=3, dtype=torch.bfloat16)
     gpu = build_hf_model(name, num_layers=1, scale=SCALE, seed=3, device="cuda", dtype=torch.bfloat16)
+    assert cpu.state_dict().keys() == gpu.state_dict().keys()
     for (key, a), b in zip(cpu.state_dict().items(), gpu.state_dict().values()):
-        assert b.device.type == "cuda" and b.dtype == (torch.bfloat16 if a.is_floating_point() else a.dtype), key
-        assert torch.equal(a.to(b.dtype), b.cpu()), key
+        assert b.device.type == "cuda" and a.device.type == "cpu" and b.dtype == a.dtype, key
+        assert torch.equal(a, b.cpu()), key
     ids = torch.randint(0, gpu.config.vocab_size, (2, 5), device="cuda")
     with torch.no_grad():
         assert torch.isfinite(gpu(ids).logits).all()
