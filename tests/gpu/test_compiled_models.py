@@ -129,6 +129,26 @@ def test_all_experts_and_explain_finds_no_graph_break():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
+def test_local_routing_is_one_op():
+    """``build_local_routing`` (the pairs a module holding some experts computes: expert-parallel ranks, and on one
+    device the transformers experts seam's pairs) compiles to its op, equal to eager."""
+    backend = TritonBackend()
+    pair_expert = torch.tensor([[3, -1], [0, 5], [5, 3], [-1, -1]], device=DEVICE)
+    pair_weight = randn(4, 2, seed=10).to(DEVICE)
+    local_slot = torch.tensor([-1, -1, -1, 0, -1, 1, -1, -1], device=DEVICE)  # this module holds experts 3 and 5
+    recorder = Recorder()
+
+    def local(pair_expert, pair_weight):
+        routing = backend.build_local_routing(pair_expert, pair_weight, local_slot, 2, False)
+        return routing.expert_index, routing.expert_mask, routing.affinities
+
+    with torch.no_grad():
+        compiled_out = torch.compile(local, fullgraph=True, backend=recorder)(pair_expert, pair_weight)
+    assert recorder.ops == [["triton_local_routing"]]
+    for c, e in zip(compiled_out, local(pair_expert, pair_weight), strict=True):
+        assert torch.equal(c, e)
+
+
 def test_inductor_compiles_the_graph_around_the_ops():
     """Inductor (the default backend) lowers the ops as opaque calls and compiles the rest; prefill and decode
     equal eager bitwise (everything the layer computes is inside the ops)."""
