@@ -16,7 +16,8 @@ Why opaque ops rather than letting Dynamo capture each ``kernel[grid](...)`` as 
   direct relaunch of the compiled kernel (``CompiledKernel.run``);
 - the one-launch decode keeps state across launches by design: its counters are zeroed by the last program of
   the previous launch. Functionalization has no such notion: a kernel argument it sees written (and every argument,
-  when its TTIR analysis fails: "assuming every input is mutated") is cloned before the launch;
+  when its TTIR analysis fails: "assuming every input is mutated") is cloned before the launch unless Inductor
+  proves the write can stay in place;
 - Triton's interpreter (CPU) cannot be compiled into a graph; an op runs it like any other implementation.
 
 An op keeps what CUDA-graph capture needs: its kernels are launched on the current stream with no host sync, so
