@@ -210,5 +210,6 @@ def generate_tokens(model, prompt: torch.Tensor, *, compiled: bool, new_tokens: 
     if not compiled:
         return model.generate(prompt, disable_compile=True, **options)[:, prompt.shape[1]:]
     config = CompileConfig(fullgraph=True, mode=mode, backend=backend)
-    config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+    if model.device.type == "cpu":
+        config._compile_all_devices = True  # transformers compiles on its own only on accelerators
     return model.generate(prompt, compile_config=config, **options)[:, prompt.shape[1]:]

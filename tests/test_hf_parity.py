@@ -446,9 +446,14 @@ def test_config_dbrx():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_from_dict_equals_from_object(variant):
     config = VARIANTS[variant][0]()
-    assert from_hf_config(config.to_dict()) == from_hf_config(config)
     # save_pretrained writes only the keys that differ from the defaults; the defaults must come back.
     assert from_hf_config(config.to_diff_dict()) == from_hf_config(config)
+    full = config.to_dict()
+    try:
+        type(config).from_dict(full)
+    except ValueError as e:  # transformers 5.17's DBRX: to_dict() nests keys its DbrxFFNConfig refuses
+        pytest.skip(f"this transformers cannot read its own {type(config).__name__}.to_dict() back: {e}")
+    assert from_hf_config(full) == from_hf_config(config)
 
 
 def test_config_blockwise_override():

@@ -196,6 +196,8 @@ class TritonBackend(ExpertsBackend):
 
     def build_local_routing(self, pair_expert, pair_weight, local_slot, num_local, prescale):
         """One kernel instead of the torch version's dozen (the local compute of an expert-parallel step)."""
+        if torch.compiler.is_compiling():
+            return compiled.build_local_routing(self, pair_expert, pair_weight, local_slot, num_local, prescale)
         _check_device(pair_weight)
         return fused_local_routing(pair_expert, pair_weight, local_slot, num_local, prescale)
 

@@ -2,9 +2,10 @@
 
 Under ``torch.compile`` (Dynamo tracing, see :meth:`~nxd_moe.triton_kernels.backend.TritonBackend`'s seam methods)
 the backend does not launch its kernels itself: it calls one op of the ``nxd_moe`` library per seam step --
-``triton_routing``, ``triton_block_mapping``, ``triton_experts`` (the four algorithms), ``triton_router_top_k``
-and ``triton_moe_decode`` (the one-launch decode of a whole layer) -- whose implementation is the eager backend
-method, run when the compiled graph runs, and whose fake implementation gives the output shapes at trace time.
+``triton_routing``, ``triton_local_routing``, ``triton_block_mapping``, ``triton_experts`` (the four algorithms),
+``triton_router_top_k`` and ``triton_moe_decode`` (the one-launch decode of a whole layer) -- whose implementation
+is the eager backend method, run when the compiled graph runs, and whose fake implementation gives the output shapes
+at trace time.
 
 Why opaque ops rather than letting Dynamo capture each ``kernel[grid](...)`` as a user-defined Triton kernel
 (``torch._higher_order_ops.triton_kernel_wrap``, torch 2.11 and 2.13 alike):
@@ -15,7 +16,8 @@ Why opaque ops rather than letting Dynamo capture each ``kernel[grid](...)`` as 
   direct relaunch of the compiled kernel (``CompiledKernel.run``);
 - the one-launch decode keeps state across launches by design: its counters are zeroed by the last program of
   the previous launch. Functionalization has no such notion: a kernel argument it sees written (and every argument,
-  when its TTIR analysis fails: "assuming every input is mutated") is cloned before the launch;
+  when its TTIR analysis fails: "assuming every input is mutated") is cloned before the launch unless Inductor
+  proves the write can stay in place;
 - Triton's interpreter (CPU) cannot be compiled into a graph; an op runs it like any other implementation.
 
 An op keeps what CUDA-graph capture needs: its kernels are launched on the current stream with no host sync, so
@@ -136,11 +138,12 @@ def _split_weights(args: tuple) -> tuple[tuple, ExpertWeights]:
 
 
 def _op(name: str, schema: str, impl, fake):
-    """A ``nxd_moe::name`` custom op (exact strides: the kernels take the views they are given)."""
+    """Registers the ``nxd_moe::name`` custom op (exact strides: the kernels take the views they are given) and
+    returns ``torch.ops.nxd_moe.name``, which is what the traced code calls."""
     op = torch.library.custom_op(f"nxd_moe::{name}", impl, mutates_args=(), schema=schema,
                                  tags=(torch.Tag.needs_exact_strides,))
     op.register_fake(fake)
-    return op
+    return getattr(torch.ops.nxd_moe, name)
 
 
 def _in_graph(fn):
@@ -177,6 +180,31 @@ def build_routing(backend, expert_affinities, expert_index, num_experts: int, no
     mask, affinities = _routing_op(backend.handle, expert_affinities, expert_index, padding_mask, num_experts,
                                    normalize)
     return Routing(expert_index, mask, affinities, prescale, padding_mask is not None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a module's pairs as a routing over its experts: TritonBackend.build_local_routing
+
+
+def _local_routing_impl(handle, pair_expert, pair_weight, local_slot, num_local):
+    routing = _backend(handle).build_local_routing(pair_expert, pair_weight, local_slot, num_local, False)
+    return routing.expert_index, routing.expert_mask, routing.affinities
+
+
+def _local_routing_fake(handle, pair_expert, pair_weight, local_slot, num_local):
+    rows, top_k = pair_expert.shape
+    return (pair_expert.new_empty((rows, min(top_k, num_local)), dtype=torch.int64),
+            pair_expert.new_empty((rows, num_local), dtype=torch.bool), pair_weight.new_empty((rows, num_local)))
+
+
+_local_routing_op = _op("triton_local_routing", "(int backend, Tensor pair_expert, Tensor pair_weight, "
+                        "Tensor local_slot, int num_local) -> (Tensor, Tensor, Tensor)", _in_graph(_local_routing_impl),
+                        _local_routing_fake)
+
+
+def build_local_routing(backend, pair_expert, pair_weight, local_slot, num_local: int, prescale: bool) -> Routing:
+    index, mask, affinities = _local_routing_op(backend.handle, pair_expert, pair_weight, local_slot, num_local)
+    return Routing(index, mask, affinities, prescale, has_padding=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -129,6 +129,26 @@ def test_all_experts_and_explain_finds_no_graph_break():
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
+def test_local_routing_is_one_op():
+    """``build_local_routing`` (the pairs a module holding some experts computes: expert-parallel ranks, and on one
+    device the transformers experts seam's pairs) compiles to its op, equal to eager."""
+    backend = TritonBackend()
+    pair_expert = torch.tensor([[3, -1], [0, 5], [5, 3], [-1, -1]], device=DEVICE)
+    pair_weight = randn(4, 2, seed=10).to(DEVICE)
+    local_slot = torch.tensor([-1, -1, -1, 0, -1, 1, -1, -1], device=DEVICE)  # this module holds experts 3 and 5
+    recorder = Recorder()
+
+    def local(pair_expert, pair_weight):
+        routing = backend.build_local_routing(pair_expert, pair_weight, local_slot, 2, False)
+        return routing.expert_index, routing.expert_mask, routing.affinities
+
+    with torch.no_grad():
+        compiled_out = torch.compile(local, fullgraph=True, backend=recorder)(pair_expert, pair_weight)
+    assert recorder.ops == [["triton_local_routing"]]
+    for c, e in zip(compiled_out, local(pair_expert, pair_weight), strict=True):
+        assert torch.equal(c, e)
+
+
 def test_inductor_compiles_the_graph_around_the_ops():
     """Inductor (the default backend) lowers the ops as opaque calls and compiles the rest; prefill and decode
     equal eager bitwise (everything the layer computes is inside the ops)."""
@@ -248,12 +268,16 @@ def assert_bf16_close(actual, expected, what=""):
     assert err <= tol, f"{what}: max |compiled - eager| {err:.3g} > {tol:.3g}"
 
 
-def cuda_layer(backend, num_experts=64, top_k=8, hidden=256, inter=192, shared=True, **config):
+def cuda_layer(backend, num_experts=64, top_k=8, hidden=256, inter=192, shared=True, quantization=None, w8a8=False,
+               **config):
     cfg = make_config(num_experts, hidden, inter, top_k, "glu_silu", normalize_top_k_affinities=True, **config)
     experts = ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=128), backend=backend, dtype=torch.bfloat16)
     moe = MoE(RouterTopK(num_experts, top_k, hidden), experts,
               make_shared(hidden, inter, dtype=torch.bfloat16) if shared else None)
-    return randomize_(moe, seed=13).eval().to("cuda")
+    moe = randomize_(moe, seed=13).eval()
+    if quantization is not None:
+        quantize_experts(moe, quantization, activation_quantization="fp8" if w8a8 else "none")
+    return moe.to(DEVICE)
 
 
 def routings(moe, shape):
@@ -263,8 +287,8 @@ def routings(moe, shape):
     weight = moe.router.linear_router.weight
     saved = weight.detach().clone()
     for seed in range(3):
-        yield f"random {seed}", randn(*shape, moe.hidden_size, seed=100 + seed).to("cuda", torch.bfloat16)
-    x = randn(*shape, moe.hidden_size, seed=200).to("cuda", torch.bfloat16)
+        yield f"random {seed}", randn(*shape, moe.hidden_size, seed=100 + seed).to(DEVICE, torch.bfloat16)
+    x = randn(*shape, moe.hidden_size, seed=200).to(DEVICE, torch.bfloat16)
     x[..., 0] = 4.0
     with torch.no_grad():
         weight[:, 0] = -1.0
@@ -332,8 +356,7 @@ def test_reduce_overhead_quantized_triton(quantization, w8a8, tokens):
     """Quantized weights (and W8A8) through the ops, decode sizes in one launch and as separate kernels. The graph,
     recorded before any eager call, reads the stored layout (no repacked copy is built inside a compiled graph);
     eager reads the copy its first call built: the same values, equal within bf16 rounding."""
-    moe = cuda_layer("triton", num_experts=16, top_k=4, hidden=256, inter=256)
-    quantize_experts(moe, quantization, activation_quantization="fp8" if w8a8 else "none")
+    moe = cuda_layer("triton", num_experts=16, top_k=4, hidden=256, inter=256, quantization=quantization, w8a8=w8a8)
     compiled_layer = torch.compile(lambda x: moe(x)[0], fullgraph=True, mode="reduce-overhead")
     with torch.no_grad():
         for what, x in routings(moe, (tokens, 1)):
@@ -348,10 +371,10 @@ def test_negative_control_bf16_tolerance_rejects_broken_layers():
     """The bf16 bound sees real errors: a replay of the previous input (a stale CUDA graph) and an expert whose tiles
     were skipped (its down projection zeroed: on this layer 2-3x the bound) both fail it."""
     moe = cuda_layer("triton")
-    x = randn(16, 1, moe.hidden_size, seed=300).to("cuda", torch.bfloat16)
+    x = randn(16, 1, moe.hidden_size, seed=300).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         eager = moe(x)[0]
-        stale = moe(randn(16, 1, moe.hidden_size, seed=301).to("cuda", torch.bfloat16))[0]
+        stale = moe(randn(16, 1, moe.hidden_size, seed=301).to(DEVICE, torch.bfloat16))[0]
         expert = int(moe.router(x.reshape(16, -1))[2][0, 0])
         moe.expert_mlps.mlp_op.down_proj.weight[expert] = 0
         skipped = moe(x)[0]
@@ -368,7 +391,7 @@ def test_eager_decode_never_waits_for_the_gpu(backend, tokens):
     call (which compiles kernels and builds device tables): ``torch.cuda.set_sync_debug_mode("error")`` raises on
     any -- as it does on the ``.item()`` of the negative control."""
     moe = cuda_layer(backend)
-    x = randn(tokens, 1, moe.hidden_size, seed=400).to("cuda", torch.bfloat16)
+    x = randn(tokens, 1, moe.hidden_size, seed=400).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         moe(x)
         torch.cuda.synchronize()
@@ -391,8 +414,8 @@ def test_qwen3_moe_generate_compiled_equals_eager(backend, monkeypatch):
     from hf_helpers import generate_tokens, tiny_qwen3_moe
 
     model = tiny_qwen3_moe(backend, hidden=256, num_experts=16, top_k=4, moe_intermediate=128, vocab=512,
-                           device="cuda")
-    prompt = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(0)).to("cuda")
+                           device=DEVICE)
+    prompt = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     count = LaunchCount(monkeypatch, "moe_decode")
     eager = generate_tokens(model, prompt, compiled=False)
     eager_decodes = count.calls
