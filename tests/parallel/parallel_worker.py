@@ -690,10 +690,11 @@ def _greedy(model, prompts: torch.Tensor, new_tokens: int, **kwargs) -> torch.Te
                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
 
 
-def patched_generate(name: str, quantization: str | None = None, **sizes) -> Callable[[], None]:
+def patched_generate(name: str, quantization: str | None = None, device: str = "cpu", **sizes) -> Callable[[], None]:
     """Each rank generates its own two sequences with its half of the experts; rank 0 asks for fewer tokens, so it
     finishes first and keeps stepping (``synced_gpus=True``) while rank 1 finishes. The tokens equal one process
-    running every rank's sequences: the unpatched transformers model, or (quantized) the model patched whole."""
+    running every rank's sequences: the unpatched transformers model, or (quantized) the model patched whole.
+    ``device="cuda"`` (an NCCL world): fp32 on this rank's GPU, the patched layers on the triton backend."""
     def run():
         import copy
 
@@ -701,8 +702,9 @@ def patched_generate(name: str, quantization: str | None = None, **sizes) -> Cal
 
         init(1, dist.get_world_size())
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = _tiny_model(name, **sizes)
-        prompts, mine = _prompts(world), slice(2 * rank, 2 * rank + 2)
+        target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+        model = _tiny_model(name, **sizes).to(target)
+        prompts, mine = _prompts(world).to(target), slice(2 * rank, 2 * rank + 2)
         single = model if quantization is None else patch_model(copy.deepcopy(model), quantization=quantization,
                                                                 model_parallel=False)
         expected = _greedy(single, prompts, 12)
@@ -851,6 +853,9 @@ SUITES["nccl2"] = {
     for dispatch in DISPATCHES
     for backend in ("torch", "triton")
 }
+# Whole models over NCCL: data-parallel attention, expert-parallel MoE on the triton backend, lockstep generate.
+SUITES["nccl2"].update({f"patch_model/ep2/{name}": patched_generate(name, device="cuda")
+                        for name in ("qwen3_moe", "gpt_oss", "deepseek_v3")})
 SUITES["nccl2"].update({f"graph/shape_change/ep2/{dispatch}/{backend}": graph_and_one_rank_changing_shape(
     dispatch, backend) for dispatch in DISPATCHES for backend in ("torch", "triton")})
 
