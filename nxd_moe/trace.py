@@ -875,8 +875,6 @@ def trace_model(args: argparse.Namespace) -> dict:
     (torch backend), and check one ``args.mode`` step over a static KV cache under XLA; write the HLO and reports
     to ``args.out``."""
     from nxd_moe.build import scaled_model
-    from nxd_moe.cli import auto_scale
-    from nxd_moe.config import load_model_config, to_torch_dtype
     from nxd_moe.hf import patch_model
     from nxd_moe.models.decoder_step import StaticCacheStep, check_cache_length, replace_polar_rotary_embeddings
     from nxd_moe.models.hf_models import build_hf_config, build_hf_model
@@ -884,11 +882,8 @@ def trace_model(args: argparse.Namespace) -> dict:
     given = [flag for name, flag in _LAYER_ONLY_FLAGS.items() if getattr(args, name) not in (None, False)]
     if given:
         raise ValueError(f"{', '.join(given)}: one-layer trace options, not taken with --model-layers")
-    if args.routings < 2:
-        raise ValueError(f"--routings must be >= 2, got {args.routings}")
-    config = load_model_config(args.config)
-    dtype = to_torch_dtype(args.dtype, "--dtype")
-    scale = auto_scale(config.hidden_size) if args.scale == "auto" else args.scale
+    run = setup(args)
+    config, dtype, scale = run.model, run.dtype, run.scale
     tokens = args.tokens or DEFAULT_MODEL_TOKENS[args.mode]
     cache_length = args.cache_length or DEFAULT_CACHE_LENGTH
     hf_config = build_hf_config(config, num_layers=args.model_layers, scale=scale, quantization=args.quantization)
