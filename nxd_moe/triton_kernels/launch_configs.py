@@ -14,7 +14,9 @@ default_prefill_config` is the rule without it).
 
 The one-launch decode (:mod:`~nxd_moe.triton_kernels.persistent_decode`) has its own entries, keyed
 ``decode:<shape key>``: ``block_m``, ``gate_up`` (``BLOCK_N``, ``BLOCK_K``), ``down`` (``BLOCK_N``, ``BLOCK_K``,
-``SPLIT_K``), and for the whole launch ``num_warps``, ``num_stages`` and ``programs_per_sm``.
+``SPLIT_K``), and for the whole launch ``num_warps``, ``num_stages`` and ``programs_per_sm``; optional
+``pair_tiles`` (bool: one tile per (token, expert) pair, no sort, see ``persistent_decode``) and ``router_chunk``
+(the fused router's ``H`` per item, a power of two; default ``min(512, H)``).
 """
 
 from __future__ import annotations
@@ -99,9 +101,30 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
     gu_n = 128 if tiles * -(-inter // 128) >= multiprocessors else 64
     split = max(1, min(inter // 256, -(-multiprocessors // (tiles * -(-hidden // 128)))))
     deeper = 2 if quantization == "mxfp4" else 1
-    return {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": deeper * 8192 // gu_n},
-            "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
-            "programs_per_sm": 1}
+    config = {"block_m": block_m, "gate_up": {"BLOCK_N": gu_n, "BLOCK_K": deeper * 8192 // gu_n},
+              "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
+              "programs_per_sm": 1}
+    if pairs <= SMALL_DECODE_PAIRS:
+        config.update(_small_decode(num_experts, hidden, num_tokens, multiprocessors))
+    return config
+
+
+# Up to this many (token, expert) pairs a decode's five phases are latency, not bytes (Qwen3-30B-A3B T=1: router
+# 9 us, routing + layout 6 us of a 62 us step, H100): the small-T settings of _small_decode apply.
+SMALL_DECODE_PAIRS = 32
+
+
+def _small_decode(num_experts: int, hidden: int, num_tokens: int, multiprocessors: int) -> dict:
+    """Pair tiles at ``T = 1`` (a token's k experts are distinct, so no weight is read twice; at ``T > 1`` two
+    tokens on one expert would each read it); the fused router's ``H`` cut finer while its items would cover fewer
+    than half the multiprocessors (its 1 MB fp32 weight at Qwen3's size took 9 us on 32 items) -- not below 128
+    columns (512-byte rows), and kept where even that would not reach half (a small router: nothing to spread)."""
+    blocks = -(-num_experts // 16)
+    chunks = [c for c in (512, 256, 128) if blocks * -(-hidden // c) >= multiprocessors // 2]
+    out = {"router_chunk": min(chunks[0] if chunks else 512, triton.next_power_of_2(hidden))}
+    if num_tokens == 1:
+        out["pair_tiles"] = True
+    return out
 
 
 def for_dtype(config: dict, dtype: torch.dtype) -> dict:

@@ -182,6 +182,30 @@ def _route(t0, part_ptr, bias_ptr, padding_ptr, logits_ptr, index_ptr, mask_ptr,
 
 
 @triton.jit
+def _real_pairs(index_ptr, mask_ptr, num_pairs, top_k: tl.constexpr, num_experts: tl.constexpr,
+                BLOCK_P: tl.constexpr):
+    """``(pairs, in_range, expert, real)`` of the ``(T, k)`` pairs: ``real`` where the routing's mask keeps the pair
+    (not a padding token's, not dropped)."""
+    pairs = tl.arange(0, BLOCK_P)
+    in_range = pairs < num_pairs
+    expert = tl.load(index_ptr + pairs, mask=in_range, other=0, cache_modifier=".cg").to(tl.int32)
+    token = pairs // top_k
+    real = in_range & (tl.load(mask_ptr + token * num_experts + expert, mask=in_range, other=0,
+                               cache_modifier=".cg") != 0)
+    return pairs, in_range, expert, real
+
+
+@triton.jit
+def _pair_layout(index_ptr, mask_ptr, pair_row_ptr, sync_ptr, num_pairs, num_rows, top_k: tl.constexpr,
+                 num_experts: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The layout of pair tiles (tile ``p`` is pair ``p``, its one row ``p * BLOCK_M``; see ``pair_row_tokens``):
+    only which pairs are real follows the routing, so only the combine waits for this."""
+    pairs, in_range, _, real = _real_pairs(index_ptr, mask_ptr, num_pairs, top_k, num_experts, BLOCK_P)
+    tl.store(pair_row_ptr + pairs, tl.where(real, pairs * BLOCK_M, num_rows).to(tl.int64), mask=in_range)
+    tl.store(sync_ptr + NUM_TILES, num_pairs)
+
+
+@triton.jit
 def _layout(index_ptr, mask_ptr, sort_ptr, row_token_ptr, tile_expert_ptr, pair_row_ptr, sync_ptr,
             num_pairs, num_rows, top_k: tl.constexpr, num_experts: tl.constexpr, BLOCK_P: tl.constexpr,
             BLOCK_M: tl.constexpr):
@@ -191,12 +215,7 @@ def _layout(index_ptr, mask_ptr, sort_ptr, row_token_ptr, tile_expert_ptr, pair_
     for r0 in range(0, num_rows, BLOCK_P):
         rows = r0 + tl.arange(0, BLOCK_P)
         tl.store(row_token_ptr + rows, tl.full((BLOCK_P,), -1, tl.int64), mask=rows < num_rows)
-    pairs = tl.arange(0, BLOCK_P)
-    in_range = pairs < num_pairs
-    expert = tl.load(index_ptr + pairs, mask=in_range, other=0, cache_modifier=".cg").to(tl.int32)
-    token = pairs // top_k
-    real = in_range & (tl.load(mask_ptr + token * num_experts + expert, mask=in_range, other=0,
-                               cache_modifier=".cg") != 0)
+    pairs, in_range, expert, real = _real_pairs(index_ptr, mask_ptr, num_pairs, top_k, num_experts, BLOCK_P)
     key = tl.sort(tl.where(real, expert, num_experts) * BLOCK_P + pairs)
     tl.store(sort_ptr + pairs, key)
     tl.debug_barrier()
@@ -239,7 +258,7 @@ def _decode_kernel(
     ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     ACT_OVER_TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, SHARED: tl.constexpr, SHARED_ACT: tl.constexpr,
-    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr,
+    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PAIR_TILES: tl.constexpr,
     BLOCK_M: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr, DN_K: tl.constexpr,
     ROUTE_T: tl.constexpr, ROUTE_E: tl.constexpr, ROUTE_H: tl.constexpr, ROUTE_CHUNK: tl.constexpr,
     ROUTE_PARTS: tl.constexpr, ROUTE_TOKENS: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -261,14 +280,21 @@ def _decode_kernel(
         route_items = num_tokens * 0
     layout_item = num_router_items + route_items
     first_routed = layout_item + 1 + shared_tiles * shared_gu_cols
+    if PAIR_TILES:  # tile p is pair p: its expert is the routing's own index, no tile layout to wait for
+        tile_expert = index_ptr
+    else:
+        tile_expert = tile_expert_ptr
     item = tl.atomic_add(sync_ptr + NEXT_ITEM, 1)
     running = item < max_items
     while running:
         fetched = _now(item, INTERPRET)
         tiles = item * 0
         if item >= first_routed:
-            _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
-            tiles = tl.load(sync_ptr + NUM_TILES, volatile=True)
+            if PAIR_TILES:
+                tiles = num_tokens * top_k
+            else:
+                _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
+                tiles = tl.load(sync_ptr + NUM_TILES, volatile=True)
         routed_gu = tiles * gu_cols
         routed_dn = tiles * dn_cols * split
         if item < first_routed + routed_gu + shared_dn + routed_dn + num_tokens * combine_cols:
@@ -294,8 +320,12 @@ def _decode_kernel(
                 if ROUTER:
                     _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
                     started = _now(item, INTERPRET)
-                _layout(index_ptr, mask_ptr, sort_ptr, row_token_ptr, tile_expert_ptr, pair_row_ptr, sync_ptr,
-                        num_tokens * top_k, num_rows, top_k, num_experts, BLOCK_P, BLOCK_M)
+                if PAIR_TILES:
+                    _pair_layout(index_ptr, mask_ptr, pair_row_ptr, sync_ptr, num_tokens * top_k, num_rows, top_k,
+                                 num_experts, BLOCK_P, BLOCK_M)
+                else:
+                    _layout(index_ptr, mask_ptr, sort_ptr, row_token_ptr, tile_expert_ptr, pair_row_ptr, sync_ptr,
+                            num_tokens * top_k, num_rows, top_k, num_experts, BLOCK_P, BLOCK_M)
                 _signal(sync_ptr, LAYOUT_READY)
             elif item < first_routed:
                 # (only with SHARED: otherwise first_routed is the layout item's successor)
@@ -314,9 +344,12 @@ def _decode_kernel(
                 if j < routed_gu:
                     kind = 3
                     tile = j // gu_cols
+                    if PAIR_TILES and ROUTER:  # the pair's expert (and affinity) from the routing items
+                        _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
+                        started = _now(item, INTERPRET)
                     gu_up_ptr = gu_ptr + (s_gu_n if GATE_UP_INTERLEAVED else inter * s_gu_n)
                     _gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr, gu_scale_ptr,
-                                  gu_bias_ptr, affinity_ptr, act_ptr, row_token_ptr, tile_expert_ptr, 0,
+                                  gu_bias_ptr, affinity_ptr, act_ptr, row_token_ptr, tile_expert, 0,
                                   hidden, inter, inter_actual, num_experts, hidden, s_gu_e, s_gu_k, s_gu_n,
                                   s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter, scaling, act_bias, gate_lower,
                                   gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER,
@@ -343,13 +376,15 @@ def _decode_kernel(
                     _wait_at_least(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE, gu_cols, INTERPRET)
                     started = _now(item, INTERPRET)
                     _down_tile(tile, part % dn_cols, j % split, act_ptr, dn_ptr, dn_ptr, dn_scale_ptr, dn_bias_ptr,
-                               y_ptr, row_token_ptr, tile_expert_ptr, 0, inter, hidden, k_per_split, inter,
+                               y_ptr, row_token_ptr, tile_expert, 0, inter, hidden, k_per_split, inter,
                                s_dn_e, s_dn_k, s_dn_n, s_dns_e, s_dns_k, s_dns_n, s_dnb_e, num_rows * hidden,
                                hidden, DOWN_BIAS, PRECISION, INTERPRET, False, FORMAT, BLOCK_M, DN_N, DN_K, False)
                     _signal(sync_ptr, DOWN_DONE)
                 else:
                     kind = 6
                     j -= routed_gu + shared_dn + routed_dn
+                    if PAIR_TILES:  # which pairs are real (pair_row)
+                        _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
                     _wait_at_least(sync_ptr, DOWN_DONE, routed_dn + shared_dn, INTERPRET)
                     started = _now(item, INTERPRET)
                     _combine_token(j // combine_cols, j % combine_cols, y_ptr, pair_row_ptr, index_ptr,
@@ -454,6 +489,15 @@ def applies(num_tokens: int, top_k: int) -> bool:
     return num_tokens * top_k <= MAX_PAIRS
 
 
+def pair_row_tokens(num_tokens: int, top_k: int, block_m: int, device: torch.device) -> torch.Tensor:
+    """``row_token (T*k*BLOCK_M,)`` of pair tiles: tile ``p`` holds pair ``p`` (token ``p // k``) in its first row,
+    the other rows are padding (-1). Static: pair tiles need no sort, so their gate/up items start streaming the
+    expert's weights as soon as the pair's expert is known."""
+    rows = torch.full((num_tokens * top_k, block_m), -1, dtype=torch.int64, device=device)
+    rows[:, 0] = torch.arange(num_tokens * top_k, device=device) // top_k
+    return rows.view(-1)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -483,7 +527,8 @@ class _Plan:
         dn, dn_scale, dn_scale_strides, _, dn_k = _stored(weights.down_proj, down["BLOCK_K"])
         inter = weights.down_proj.shape[1]
         scalars, epilogue = epilogue_arguments(weights.activation, inter, weights.gate_up_bias is not None, prescale)
-        tile_bound = max_tiles(num_tokens * top_k, num_experts, block_m)
+        pair_tiles = bool(config.get("pair_tiles", False))
+        tile_bound = num_tokens * top_k if pair_tiles else max_tiles(num_tokens * top_k, num_experts, block_m)
         num_rows = tile_bound * block_m
         k_per_split = _cdiv(_cdiv(inter, down["SPLIT_K"]), dn_k) * dn_k
         split = _cdiv(inter, k_per_split)
@@ -491,7 +536,9 @@ class _Plan:
         shared_inter = shared.gate.shape[1] if shared is not None else 0
         shared_tiles = _cdiv(num_tokens, block_m) if shared is not None else 0
         combine_h = max(min(256, _pow2(hidden)), combine_width(num_tokens, hidden, top_k))
-        route_e, route_chunk = 16, min(512, _pow2(hidden))
+        route_e, route_chunk = 16, config.get("router_chunk", min(512, _pow2(hidden)))
+        if not (isinstance(route_chunk, int) and route_chunk >= 16 and route_chunk == _pow2(route_chunk)):
+            raise ValueError(f"decode config: router_chunk must be a power of two >= 16, got {route_chunk!r}")
         route_parts = _cdiv(hidden, route_chunk) if router is not None else 0
         num_router_items = route_parts * _cdiv(num_experts, route_e)
         dn_cols = _cdiv(hidden, dn_n)
@@ -539,11 +586,13 @@ class _Plan:
             NORMALIZE=router is not None and router.normalize,
             HAS_PADDING=router is not None and router.padding is not None, SHARED=shared is not None,
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
-            TRACE=trace, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k, ROUTE_T=route_t,
+            TRACE=trace, PAIR_TILES=pair_tiles, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
+            ROUTE_T=route_t,
             ROUTE_E=route_e, ROUTE_H=min(128, route_chunk), ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
             ROUTE_TOKENS=route_tokens, BLOCK_E=block_e,
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+        self.pair_row_token = (num_tokens, top_k, block_m) if pair_tiles else None
         self.config = config  # held: ``id(config)`` is part of the plan's key and must not be reused by another dict
         self.compiled = None
 
@@ -565,6 +614,8 @@ class _Plan:
                    for name, (shape, dtype) in self.scratch_shapes.items()}
         if "trace" in scratch:
             scratch["trace"].zero_()  # the rows of items a launch does not run stay 0
+        if self.pair_row_token is not None:
+            scratch["row_token"].copy_(pair_row_tokens(*self.pair_row_token, device))
         return scratch
 
     def launch(self, tensors: dict) -> None:
