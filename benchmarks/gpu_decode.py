@@ -43,6 +43,14 @@ VARIANTS = {
     "dn256": {"down": {"BLOCK_N": 256, "BLOCK_K": 64}},
     "split1": {"down": {"SPLIT_K": 1}},
     "split2x": {"down": {"SPLIT_K": "2x"}},
+    # small-T dataflow (persistent_decode's pair tiles, the fused router's H per item)
+    "pairs": {"pair_tiles": True},
+    "nopairs": {"pair_tiles": False},
+    "rc64": {"router_chunk": 64},
+    "rc256": {"router_chunk": 256},
+    "rc512": {"router_chunk": 512},
+    "gu32": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}},
+    "dn64": {"down": {"BLOCK_N": 64, "BLOCK_K": 128}},
 }
 KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route")
 

@@ -26,6 +26,13 @@ the combine sums in a fixed order (no atomics on outputs: bitwise reproducible).
 per-device buffer that the last program out resets, so the next launch -- or the next replay of a captured CUDA
 graph -- starts from zero; shapes are static and nothing is read on the host.
 
+Small decodes (launch config ``pair_tiles``; the rule's choice at ``T = 1``) skip the sort: tile ``p`` is pair
+``p`` -- its one row the token ``p // k`` (static, written once with the scratch), its expert the routing's own
+``expert_index[p]`` -- so gate/up items wait only for the routing items (not at all through the seam) and the
+layout item merely marks which pairs are real, for the combine. A token's k experts are distinct, so at ``T = 1``
+no weight is read twice. ``router_chunk`` (``H`` per router item) spreads the fused router's weight read over more
+items.
+
 Triton's interpreter runs programs one after another; the first takes every item in order, so the same kernel
 runs (and is tested) on a CPU.
 """

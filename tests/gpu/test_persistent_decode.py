@@ -295,3 +295,132 @@ def test_bound_rejects_a_broken_one_launch_decode(broken, dtype, monkeypatch):
         out = tested(x, affinities, index, seq_len=1)
     with pytest.raises(AssertionError):
         _check(out, reference, dtype, broken)
+
+
+# Small-T dataflow (T*k <= launch_configs.SMALL_DECODE_PAIRS): pair tiles -- tile p is pair p, so gate/up items wait
+# only for the routing, never for a sort -- and a fused router split finely over H. Qwen3-30B-A3B's E=128, k=8 at
+# laptop widths; the settings are forced (the rule turns pair tiles on at T=1 only).
+SMALL_E, SMALL_K, SMALL_H, SMALL_I = 128, 8, 64, 32
+
+
+def _small_settings(num_tokens, **overrides):
+    from nxd_moe.triton_kernels.launch_configs import default_decode_config
+    config = default_decode_config(SMALL_E, SMALL_H, SMALL_I, SMALL_K, num_tokens)
+    # router_chunk 16: 4 partial sums per expert block (32 router items), summed by the routing items in order; 2
+    # gate/up column slices, the down projection in 2 K splits of 16
+    return {**config, "pair_tiles": True, "router_chunk": 16, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32},
+            "down": {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, **overrides}
+
+
+def _small_moe(num_tokens, dtype, **overrides):
+    moe = _moe(RouterTopK(SMALL_E, SMALL_K, SMALL_H), num_experts=SMALL_E, top_k=SMALL_K, hidden=SMALL_H,
+               inter=SMALL_I, dtype=dtype, normalize_top_k_affinities=True)
+    moe.expert_mlps.backend = TritonBackend(decode_configs=_small_settings(num_tokens, **overrides))
+    return moe
+
+
+def _small_decode(moe, x):
+    """The layer's fused one-launch decode (asserted to have run) -> (out, logits, index)."""
+    calls = []
+    original = moe.expert_mlps.backend.fused_decode
+    moe.expert_mlps.backend.fused_decode = lambda *a: calls.append(original(*a)) or calls[-1]
+    with torch.no_grad():
+        out = moe(x)
+    assert calls and calls[0] is not None
+    return out
+
+
+def test_small_decode_rule():
+    """The rule: pair tiles at T=1 only (at T>1 two tokens on one expert would each read it), the router split while
+    that reaches half the multiprocessors; larger decodes keep the sorted tiles and today's router split."""
+    from nxd_moe.triton_kernels.launch_configs import default_decode_config
+    qwen3 = default_decode_config(128, 2048, 768, 8, 1, 132)
+    assert qwen3["pair_tiles"] and qwen3["router_chunk"] == 128  # 8 expert blocks x 16 H chunks = 128 items
+    assert "pair_tiles" not in default_decode_config(128, 2048, 768, 8, 4, 132)
+    assert default_decode_config(8, 4096, 14336, 2, 1, 132)["router_chunk"] == 512  # a 128 KB router: as before
+    for large in ((128, 2048, 768, 8, 32), (16, 5120, 1024, 1, 64), (256, 7168, 2048, 8, 16)):
+        assert not {"pair_tiles", "router_chunk"} & set(default_decode_config(*large, 132)), large
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_decode_pair_tiles(num_tokens, dtype):
+    """Router, routing, pair tiles and combine in one launch against the float64 reference and the torch backend
+    (each with its own roundings: conftest.assert_backends_close), logits and expert choice against the router's."""
+    from nxd_moe.experts.backends import TorchBackend
+    from conftest import assert_backends_close
+
+    moe = _small_moe(num_tokens, dtype)
+    x = randn(num_tokens, 1, SMALL_H, seed=60 + num_tokens).to(DEVICE, dtype)
+    out, logits, index = _small_decode(moe, x)
+    with torch.no_grad():
+        theirs_logits, _, theirs_index = moe.router(x.reshape(-1, SMALL_H))
+        moe.expert_mlps.backend = TorchBackend()
+        torch_out = moe(x)[0]
+    _check_logits(logits, theirs_logits, SMALL_H)
+    assert torch.equal(index, theirs_index)
+    assert_backends_close(out, torch_out, reference_for_moe(moe, x), dtype, DEPTH, f"T={num_tokens}")
+    assert not persistent_decode.timed_out(out.device)
+
+
+def test_small_decode_ties_go_to_the_lower_expert():
+    """A zero router: every logit ties, so each token takes experts 0..k-1 (the kernel's rule), each weighing 1/k."""
+    moe = _small_moe(4, torch.float32)
+    moe.router.linear_router.weight.data.zero_()
+    x = randn(4, 1, SMALL_H, seed=70).to(DEVICE)
+    out, _, index = _small_decode(moe, x)
+    assert torch.equal(index.cpu(), torch.arange(SMALL_K).expand(4, -1))
+    affinities = torch.zeros(4, SMALL_E, dtype=torch.float64)
+    affinities[:, :SMALL_K] = 1.0 / SMALL_K
+    _check(out.reshape(4, SMALL_H), reference_for_experts(moe.expert_mlps, x.reshape(4, SMALL_H), affinities,
+                                                          index.cpu()),
+           torch.float32, "ties")
+
+
+def test_small_decode_all_tokens_on_the_same_experts_and_a_nan_token():
+    """Pair tiles through the backend seam: all four tokens on the same 8 experts (each expert in four tiles), with a
+    padding token; then one NaN token leaves every other token's output bitwise unchanged."""
+    config = make_config(SMALL_E, SMALL_H, SMALL_I, SMALL_K, "glu_silu", normalize_top_k_affinities=True)
+    experts = randomize_(ExpertMLPsV2(config, backend=TritonBackend(decode_configs=_small_settings(4)),
+                                      device=DEVICE), seed=71)
+    x = randn(4, SMALL_H, seed=72).to(DEVICE)
+    affinities, _ = random_routing(4, SMALL_E, SMALL_K, seed=73)
+    index = torch.tensor([5, 9, 17, 33, 64, 100, 120, 127]).expand(4, -1).contiguous()
+    affinities, index = affinities.to(DEVICE), index.to(DEVICE)
+    padding = torch.tensor([True, True, False, True], device=DEVICE)
+    with torch.no_grad():
+        clean = experts(x, affinities, index, seq_len=1, padding_mask=padding)
+        poisoned = x.clone()
+        poisoned[1] = float("nan")
+        bad = experts(poisoned, affinities, index, seq_len=1, padding_mask=padding)
+    keep = padding.cpu().unsqueeze(1).expand(-1, SMALL_K)
+    _check(clean, reference_for_experts(experts, x, affinities, index, keep=keep), torch.float32, "same experts")
+    assert (clean[2] == 0).all()
+    assert torch.isnan(bad[1]).any()
+    others = torch.tensor([True, False, True, True], device=DEVICE)
+    assert torch.equal(bad[others], clean[others])
+
+
+@pytest.mark.parametrize("broken", ["wrong_token_rows", "half_of_each_k_split"])
+def test_bound_rejects_broken_pair_tiles(broken, monkeypatch):
+    """Negative control: pair tiles whose rows name the next pair's token, or down items that read only the first
+    half of their K split, must fail the bound the unbroken launch meets."""
+    moe = _small_moe(4, torch.bfloat16)
+    x = randn(4, 1, SMALL_H, seed=74).to(DEVICE, torch.bfloat16)
+    reference = reference_for_moe(moe, x)
+    _check(_small_decode(moe, x)[0], reference, torch.bfloat16, "unbroken")
+    if broken == "wrong_token_rows":
+        rows = persistent_decode.pair_row_tokens
+        monkeypatch.setattr(persistent_decode, "pair_row_tokens",
+                            lambda *a: torch.where((r := rows(*a)) >= 0, (r + 1) % 4, r))
+    else:
+        init = persistent_decode._Plan.__init__
+
+        def halved(self, *args):
+            init(self, *args)
+            self.constexprs["k_per_split"] //= 2  # 8 of each split's 16
+        monkeypatch.setattr(persistent_decode._Plan, "__init__", halved)
+    moe = _small_moe(4, torch.bfloat16)  # the same weights (seeded), a new config object: a new plan
+    out = _small_decode(moe, x)[0]
+    with pytest.raises(AssertionError):
+        _check(out, reference, torch.bfloat16, broken)
