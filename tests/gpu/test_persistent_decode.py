@@ -361,6 +361,7 @@ def test_small_decode_pair_tiles(num_tokens, dtype):
     assert torch.equal(index, theirs_index)
     assert_backends_close(out, torch_out, reference_for_moe(moe, x), dtype, DEPTH, f"T={num_tokens}")
     assert not persistent_decode.timed_out(out.device)
+    assert int(persistent_decode.counters(out.device).abs().sum()) == 0  # reset for the next launch / replay
 
 
 def test_small_decode_ties_go_to_the_lower_expert():
