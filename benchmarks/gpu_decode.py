@@ -46,6 +46,7 @@ VARIANTS = {
     # small-T dataflow (persistent_decode's pair tiles, the fused router's H per item)
     "pairs": {"pair_tiles": True},
     "nopairs": {"pair_tiles": False},
+    "smalloff": {"pair_tiles": False, "router_chunk": 512},  # the T=1 path before pair tiles and router_chunk
     "rc64": {"router_chunk": 64},
     "rc256": {"router_chunk": 256},
     "rc512": {"router_chunk": 512},
