@@ -192,8 +192,9 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         shared = side = None
         if self.shared_experts is not None and self.shared_experts.intermediate_shard is None \
                 and flat.dtype == self.expert_mlps.dtype:
-            if self.expert_parallel is not None and flat.is_cuda:
-                # Across GPUs the shared expert runs on a side stream, beside the dispatch and the remote experts.
+            if self.expert_parallel is not None and flat.is_cuda and not torch.compiler.is_compiling():
+                # Across GPUs the shared expert runs on a side stream, beside the dispatch and the remote experts
+                # (eager and nxd_moe.graphs.capture; under torch.compile, Inductor orders the graph's work itself).
                 shared, side = self._on_side_stream(lambda: self.shared_experts(flat, seq_len))
             else:
                 shared = self.shared_experts(flat, seq_len)

@@ -117,18 +117,22 @@ def _checked_inner(gm, example_inputs):
 
 def static_backend(inner: str = "aot_eager"):
     """A Dynamo backend that checks the captured graph (torch level, then aten level for ``aot_eager``) and runs
-    it with ``inner``: ``"aot_eager"`` (cheap) or ``"inductor"``."""
+    it with ``inner``: ``"aot_eager"`` (cheap) or ``"inductor"`` (in the ``mode`` ``torch.compile`` passes,
+    ``"reduce-overhead"`` included)."""
     from torch._dynamo.backends.common import aot_autograd
 
     if inner not in ("aot_eager", "inductor"):
         raise ValueError(f"inner must be 'aot_eager' or 'inductor', got {inner!r}")
 
-    def backend(gm, example_inputs):
+    def backend(gm, example_inputs, mode: str | None = None):
         assert_static_graph(gm)  # the Dynamo-level graph
         if inner == "inductor":
+            from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=list_mode_options(mode) if mode else None)
+        if mode is not None:
+            raise ValueError(f"static_backend('aot_eager') has no modes, got mode={mode!r}")
         return aot_autograd(fw_compiler=_checked_inner)(gm, example_inputs)
 
     return backend

@@ -201,12 +201,14 @@ def tiny_qwen3_moe(backend: str = "torch", *, hidden: int = HIDDEN, num_experts:
 
 @torch.no_grad()
 def generate_tokens(model, prompt: torch.Tensor, *, compiled: bool, new_tokens: int = 12, mode: str | None = None,
-                    backend="inductor") -> torch.Tensor:
+                    backend="inductor", **generate_options) -> torch.Tensor:
     """``new_tokens`` greedy tokens after ``prompt`` with a static cache; ``compiled``: transformers' compiled decode
-    (prefill eager, every decode step through ``torch.compile(model, fullgraph=True, ...)``), on any device."""
+    (prefill eager, every decode step through ``torch.compile(model, fullgraph=True, ...)``), on any device.
+    ``generate_options`` go to ``generate`` (``synced_gpus``; ``past_key_values``: a ``StaticCache`` of one's own)."""
     from transformers.generation import CompileConfig
 
-    options = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+    static = None if "past_key_values" in generate_options else "static"  # transformers takes only one of them
+    options = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation=static, **generate_options)
     if not compiled:
         return model.generate(prompt, disable_compile=True, **options)[:, prompt.shape[1]:]
     config = CompileConfig(fullgraph=True, mode=mode, backend=backend)

@@ -49,15 +49,20 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.de
 
 def generate_tokens(model, ids: torch.Tensor, new_tokens: int, compiled: bool) -> torch.Tensor:
     """Greedy ``generate`` of exactly ``new_tokens`` tokens (eager, or transformers' compiled recipe). Under expert
-    parallelism (a sharded patched model) every rank steps together (``synced_gpus``)."""
+    parallelism (a sharded patched model) every rank steps together (``synced_gpus``); compiled, each rank's decode
+    step is one graph with the expert-parallel collectives in it. Off CUDA the compiled recipe runs without CUDA
+    graphs (Inductor's default mode), which transformers leaves to the caller to ask for."""
     import torch.distributed as dist
     from transformers import CompileConfig
 
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     if compiled:
-        kwargs.update(cache_implementation="static",
-                      compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+        cuda = ids.device.type == "cuda"
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead" if cuda else "default")
+        if not cuda:
+            config._compile_all_devices = True  # transformers compiles on its own only on accelerators
+        kwargs.update(cache_implementation="static", compile_config=config)
     else:
         kwargs.update(disable_compile=True)
     with torch.inference_mode():
@@ -119,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=_positive_int, default=16, help="generated tokens (default 16, >= 2)")
     parser.add_argument("--compile", action="store_true",
                         help="transformers' compiled recipe: static cache, decode step under torch.compile("
-                             "mode='reduce-overhead', fullgraph=True)")
+                             "mode='reduce-overhead', fullgraph=True) (on a CPU: mode='default')")
     parser.add_argument("--path", default="patch", choices=PATHS,
                         help="patch (default): nxd_moe.hf.patch_model replaces each sparse-MoE block; experts: "
                              "transformers' blocks with experts_implementation='nxd_moe'")

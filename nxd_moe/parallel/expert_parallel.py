@@ -184,7 +184,13 @@ class ExpertParallel:
         """Start checking that every rank of the world passes inputs of the same shapes and dtypes in this call
         (statistics included: they change which collectives run), so that ranks that disagree all raise one
         ``ValueError`` naming each rank's values instead of exchanging mismatched buffers
-        (:func:`~nxd_moe.parallel_state.start_agreement`)."""
+        (:func:`~nxd_moe.parallel_state.start_agreement`).
+
+        Not while ``torch.compile`` traces the call: the check is a host exchange (a graph break), and a compiled
+        graph's shapes are fixed when it is traced, so there is nothing to compare from call to call. The eager
+        calls of the same program (a prefill) still check."""
+        if torch.compiler.is_compiling():
+            return None
         key = (tuple(hidden_states.shape), hidden_states.dtype, token_layout.batch, token_layout.local_seq_len,
                token_layout.sequence_parallel, seq_len, None if mode is None else str(mode), padded,
                addend is not None, return_stats)

@@ -49,7 +49,8 @@ def unpack(rows: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]
     for spec in specs:
         chunk = rows[:, start:start + spec.nbytes]
         item = torch.empty((), dtype=spec.dtype).element_size()
-        if start % item or rows.stride(0) % item or rows.storage_offset() % item:
+        # Traced by torch.compile, a tensor's storage offset is not known: copy (the compiler fuses the copy).
+        if torch.compiler.is_compiling() or start % item or rows.stride(0) % item or rows.storage_offset() % item:
             chunk = rows.new_empty((rows.shape[0], spec.nbytes)).copy_(chunk)
         out.append(chunk.view(spec.dtype).view(rows.shape[0], *spec.shape))
         start += spec.nbytes

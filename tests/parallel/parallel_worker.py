@@ -720,6 +720,84 @@ def patched_generate(name: str, quantization: str | None = None, device: str = "
     return run
 
 
+class _GraphRecorder:
+    """A Dynamo backend that keeps the functional collectives of every graph it is given and runs the graph through
+    :func:`~nxd_moe.trace.static_backend` (which refuses host-sync ops and data-dependent sizes) with ``inner``."""
+
+    def __init__(self, inner: str):
+        from nxd_moe.trace import static_backend
+
+        self.backend = static_backend(inner)
+        self.collectives: list[list[str]] = []
+
+    def __call__(self, gm, example_inputs, **mode):
+        self.collectives.append([str(node.target).split(".")[1] for node in gm.graph.nodes
+                                 if node.op == "call_function" and str(node.target).startswith("_c10d_functional.")
+                                 and "wait" not in str(node.target)])
+        return self.backend(gm, example_inputs, **mode)
+
+    def __deepcopy__(self, memo):  # transformers' CompileConfig copies its backend; the records must stay here
+        return self
+
+
+def patched_generate_compiled(name: str, dispatch: str, inner: str = "aot_eager", device: str = "cpu",
+                              mode: str | None = None) -> Callable[[], None]:
+    """transformers' compiled recipe on an expert-parallel patched model: static cache, every decode step through
+    ``torch.compile(fullgraph=True)`` (Dynamo, then ``inner``), rank 0 asking for fewer tokens and stepping on in
+    lockstep. The decode step is one graph with the dispatch's collectives in it as functional collectives, no host
+    sync in it, compiled once; its tokens equal eager EP's and one process running every rank's sequences. Negative
+    control: rank 1's experts scaled by -10 in place (the same compiled graph runs) change rank 0's tokens -- so the
+    graph does exchange the ranks' partial outputs, and the comparison can fail. ``device="cuda"``: an NCCL world, fp32,
+    triton backend, ``mode`` (``"reduce-overhead"``: Inductor's CUDA graphs)."""
+    def run():
+        import copy
+
+        from hf_helpers import generate_tokens
+        from transformers import StaticCache
+
+        from nxd_moe.hf import patch_model
+
+        torch._dynamo.reset()
+        init(1, dist.get_world_size())
+        rank, world = dist.get_rank(), dist.get_world_size()
+        target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+        model = _tiny_model(name).to(target)
+        prompts, mine = _prompts(world).to(target), slice(2 * rank, 2 * rank + 2)
+        longest = 12
+        expected = _greedy(model, prompts, longest)[:, prompts.shape[1]:]
+        parallel = patch_model(copy.deepcopy(model), expert_parallel_config=ExpertParallelConfig(dispatch=dispatch))
+        new_tokens = 5 if rank == 0 else longest
+        # Every rank steps until the longest generate ends (synced_gpus), so every static cache must hold that many
+        # steps: generate sizes its own for this rank's tokens only.
+        options = dict(synced_gpus=True, min_new_tokens=new_tokens, pad_token_id=0,
+                       attention_mask=torch.ones_like(prompts[mine]))
+
+        def generate(compiled: bool, **kwargs) -> torch.Tensor:
+            cache = StaticCache(config=parallel.config, max_cache_len=prompts.shape[1] + longest)
+            return generate_tokens(parallel, prompts[mine], compiled=compiled, new_tokens=new_tokens,
+                                   past_key_values=cache, **options, **kwargs)
+
+        assert torch.equal(generate(False), expected[mine, :new_tokens])
+        recorder = _GraphRecorder(inner)
+        tokens = generate(True, backend=recorder, mode=mode)
+        assert torch.equal(tokens, expected[mine, :new_tokens]), (tokens, expected[mine])
+        assert expected[mine].unique().numel() > 1  # a varied continuation
+        layers = len(parallel.nxd_moe_patched.patched)
+        per_layer = {"all_gather": ["all_gather_into_tensor", "reduce_scatter_tensor"],
+                     "all_to_all_v": ["all_to_all_single", "all_to_all_single"]}[dispatch]
+        assert len(recorder.collectives) == 1, recorder.collectives  # one decode graph, never recompiled
+        assert sorted(recorder.collectives[0]) == sorted(per_layer * layers), recorder.collectives
+        with torch.no_grad():
+            for path in parallel.nxd_moe_patched.patched if rank == 1 else ():
+                for weight in parallel.get_submodule(path).moe.expert_mlps.parameters():
+                    weight.mul_(-10)
+        broken = generate(True, backend=recorder, mode=mode)
+        assert len(recorder.collectives) == 1, recorder.collectives
+        if rank == 0:
+            assert not torch.equal(broken, expected[mine, :new_tokens]), broken
+    return run
+
+
 def patched_checkpoint() -> None:
     """An expert-parallel patched model loads a transformers checkpoint (each rank its experts) and computes what
     the unpatched model computes on its rows; its state dict, a shard, is refused by name."""
@@ -846,6 +924,20 @@ SUITES["models2"] = {
 }
 
 
+# patch_model's whole models under transformers' compiled recipe (torch.compile(fullgraph=True), Dynamo's functional
+# collectives): aot_eager runs the traced graph (~15 s a world), Inductor compiles it (C++ on a CPU: slow tests).
+SUITES["compiled2"] = {
+    "patch_model/ep2/qwen3_moe/all_gather/compiled": patched_generate_compiled("qwen3_moe", "all_gather"),
+}
+SUITES["compiled2_slow"] = {
+    "patch_model/ep2/deepseek_v3/all_to_all_v/compiled": patched_generate_compiled("deepseek_v3", "all_to_all_v"),
+    "patch_model/ep2/qwen3_moe/all_gather/inductor": patched_generate_compiled("qwen3_moe", "all_gather", "inductor"),
+    # Not GPT-OSS: transformers' sliding-window static cache hands the decode graph a symbolic Python int
+    # (cumulative_length_int), which static_backend refuses as a data-dependent size in the unpatched model too.
+    "patch_model/ep2/mixtral/all_to_all_v/inductor": patched_generate_compiled("mixtral", "all_to_all_v", "inductor"),
+}
+
+
 # NCCL worlds (one GPU per rank; skipped without them): CUDA-graph capture of the parallel step.
 SUITES["nccl2"] = {
     f"graph/{name}/{dispatch}/{backend}": cuda_graph_replay(tp, ep, dispatch, backend)
@@ -856,6 +948,10 @@ SUITES["nccl2"] = {
 # Whole models over NCCL: data-parallel attention, expert-parallel MoE on the triton backend, lockstep generate.
 SUITES["nccl2"].update({f"patch_model/ep2/{name}": patched_generate(name, device="cuda")
                         for name in ("qwen3_moe", "gpt_oss", "deepseek_v3")})
+# transformers' compiled recipe as benchmarks/hf_generate.py --modes compiled runs it: Inductor with CUDA graphs.
+SUITES["nccl2"].update({f"patch_model/ep2/{name}/{dispatch}/compiled": patched_generate_compiled(
+    name, dispatch, "inductor", device="cuda", mode="reduce-overhead")
+    for name, dispatch in (("qwen3_moe", "all_gather"), ("qwen3_moe", "all_to_all_v"), ("deepseek_v3", "all_gather"))})
 SUITES["nccl2"].update({f"graph/shape_change/ep2/{dispatch}/{backend}": graph_and_one_rank_changing_shape(
     dispatch, backend) for dispatch in DISPATCHES for backend in ("torch", "triton")})
 
