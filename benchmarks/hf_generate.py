@@ -15,8 +15,11 @@ config (``--model qwen3-30b-a3b --layers 4`` ...). Contenders, same weights, sam
   because it changes the model in place.
 
 Each contender runs eagerly (plain ``generate``: what a transformers user gets) or compiled (transformers' recipe:
-``cache_implementation="static"`` with ``CompileConfig(fullgraph=True, mode="reduce-overhead")``: the decode step is
-one Inductor graph replayed as a CUDA graph). Run one ``--modes`` per process: eager runs after compiled ones in the
+a ``StaticCache`` with ``CompileConfig(fullgraph=True, mode="reduce-overhead")``: the decode step is one Inductor
+graph replayed as a CUDA graph). Every contender's compiled runs share one ``StaticCache`` across ``generate`` calls,
+as a server keeps its cache (``nxd_moe.models.generate.static_cache``): with ``cache_implementation="static"``
+transformers makes a new cache per call and the decode graph is re-recorded whenever its addresses move (60-100 ms
+per call at 48 layers, measured). Run one ``--modes`` per process: eager runs after compiled ones in the
 same process were measured slower (8.1 vs 5.6 ms per step, same code), so mixing them is not a fair comparison.
 
 Measured
@@ -137,13 +140,14 @@ def moe_kernel_time_per_step(model, ids, new_tokens: int, compiled: bool, moe_la
     """Device microseconds of nxd_moe's Triton kernels per decode step and MoE layer (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from nxd_moe.models.generate import generate_tokens
+    from nxd_moe.models.generate import generate_tokens, static_cache
 
     if ids.device.type != "cuda":
         return None
-    generate_tokens(model, ids, new_tokens, compiled)
+    cache = static_cache(model, ids.shape[1] + new_tokens) if compiled else None
+    generate_tokens(model, ids, new_tokens, compiled, cache)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        generate_tokens(model, ids, new_tokens, compiled)
+        generate_tokens(model, ids, new_tokens, compiled, cache)
         _sync(ids.device)
     names = nxd_moe_kernel_names()
     ours = sum(event.device_time_total for event in prof.key_averages() if event.key in names)

@@ -513,3 +513,32 @@ def test_a_checkpoint_of_another_shape_is_named():
     state["model.layers.0.mlp.experts.down_proj"] = torch.zeros(8, 32, 16)
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' has shape \(8, 32, 16\)"):
         model.load_state_dict(state)
+
+
+@pytest.mark.slow
+def test_compiled_generate_shares_one_static_cache():
+    """Compiled ``generate`` calls sharing one StaticCache (what hf_generate.py times): each call resets it in
+    place, so its tensors keep their addresses (the CUDA-graph step is recorded once), and the tokens equal eager
+    ``generate``'s, also for a shorter prompt after a longer one."""
+    from nxd_moe.models.generate import generate_tokens, static_cache
+
+    torch._dynamo.reset()
+    ref = reference("qwen3_moe")
+    model = patched(ref.model)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    cache = static_cache(model, 7 + 5)
+    first = generate_tokens(model, prompt, 5, True, cache)
+    addresses = [layer.keys.data_ptr() for layer in cache.layers]
+    second = generate_tokens(model, prompt[:, :4], 3, True, cache)
+    assert [layer.keys.data_ptr() for layer in cache.layers] == addresses
+    assert torch.equal(first, generate_tokens(model, prompt, 5, False))
+    assert torch.equal(second, generate_tokens(model, prompt[:, :4], 3, False))
+    torch._dynamo.reset()
+
+
+def test_shared_static_cache_is_for_compiled_generate_only():
+    from nxd_moe.models.generate import generate_tokens, static_cache
+
+    ref = reference("qwen3_moe")
+    with pytest.raises(ValueError, match="cache: a shared StaticCache is for compiled=True only"):
+        generate_tokens(ref.model, torch.zeros(1, 3, dtype=torch.long), 2, False, static_cache(ref.model, 5))
