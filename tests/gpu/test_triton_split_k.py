@@ -27,6 +27,9 @@ FORMATS = ("mxfp4", "fp8", "fp8_block")
 # (E, k, H, I): H = 160 splits 3 ways in 64-deep K tiles as 64 + 64 + 32 (the last slice short, and not a
 # multiple of the repacked 64-deep chunk: zero-padded); fp8_block needs multiples of 128.
 SIZES = {"mxfp4": (6, 2, 160, 96), "fp8": (6, 2, 160, 96), "fp8_block": (4, 2, 256, 128)}
+# The interpreter takes 3-25 s a case: the default suite keeps one format of the slower checks (-m slow: all).
+SLOW = pytest.mark.slow
+SLOW_BUT_FP8 = ["fp8", pytest.param("mxfp4", marks=SLOW), pytest.param("fp8_block", marks=SLOW)]
 
 
 def _split_config(gate_up_split: int, down_split: int = 2) -> dict:
@@ -64,8 +67,8 @@ def _layers(name, num_tokens, dtype=torch.bfloat16, config=None, sizes=None, see
     return tested, holding, x, affinities, index
 
 
-@pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("num_tokens", [1, 32])
+@pytest.mark.parametrize("name, num_tokens", [(name, 1) for name in FORMATS] + [
+    ("fp8", 32), ("fp8_block", 32), pytest.param("mxfp4", 32, marks=SLOW)])
 def test_split_gate_up_decode_matches_reference(name, num_tokens, partial_launches):
     """Both GEMMs split along K, read from the repacked copy: the float64 reference and the torch backend."""
     tested, holding, x, affinities, index = _layers(name, num_tokens)
@@ -76,14 +79,14 @@ def test_split_gate_up_decode_matches_reference(name, num_tokens, partial_launch
     assert [grid[1] for grid in partial_launches.grids] == [3 if hidden == 160 else 2]  # 256 = 128 + 128 (+ 0)
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("name", [pytest.param("mxfp4", marks=SLOW), "fp8"])
 def test_split_gate_up_decode_in_fp32(name, partial_launches):
     tested, holding, x, affinities, index = _layers(name, 1, torch.float32)
     _check(tested, holding, x, affinities, index, torch.float32, f"{name} fp32")
     assert partial_launches.grids
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", SLOW_BUT_FP8)
 @pytest.mark.parametrize("case", ["all_to_one", "empty_expert"])
 def test_split_gate_up_decode_adversarial_routings(name, case):
     """All tokens on one expert (two tiles of it at T=32), or an expert nobody chose among used ones."""
@@ -96,29 +99,29 @@ def test_split_gate_up_decode_adversarial_routings(name, case):
     _check(tested, holding, x, affinities, index, torch.bfloat16, case)
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", SLOW_BUT_FP8)
 def test_split_gate_up_decode_keeps_a_nan_token_to_itself(name):
-    tested, _, x, affinities, index = _layers(name, 32, seed=7)
+    tested, _, x, affinities, index = _layers(name, 8, seed=7)
     poisoned = x.clone()
     poisoned[5] = float("nan")
     with torch.no_grad():
         clean = tested(x, affinities, index, seq_len=1)
         bad = tested(poisoned, affinities, index, seq_len=1)
-    others = torch.arange(32, device=DEVICE) != 5
+    others = torch.arange(8, device=DEVICE) != 5
     assert torch.isnan(bad[5]).any()
     assert torch.equal(bad[others], clean[others])
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", SLOW_BUT_FP8)
 def test_split_gate_up_decode_is_bitwise_reproducible(name):
     """No atomics: the partials are added in split order, so every run gives the same bits."""
-    tested, _, x, affinities, index = _layers(name, 32, seed=9)
+    tested, _, x, affinities, index = _layers(name, 8, seed=9)
     with torch.no_grad():
         runs = [tested(x, affinities, index, seq_len=1) for _ in range(3)]
     assert all(torch.equal(runs[0], run) for run in runs[1:])
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "fp8_block"])
+@pytest.mark.parametrize("name", ["mxfp4", pytest.param("fp8_block", marks=SLOW)])
 def test_split_that_drops_its_last_slice_fails_the_bound(name, monkeypatch):
     """Negative control: launching one split fewer than the slices of H (the last K partial never computed nor
     added) must fail the bound the tests above pass. (Four ways: 3 or 4 slices, so one fewer still splits.)"""
@@ -169,3 +172,23 @@ def test_decode_split_rule():
             is config["gate_up"]
     fixed = {**config, "gate_up": {**config["gate_up"], "SPLIT_K": 1}}
     assert with_decode_split(fixed, 8, 4096, 14336, 2, 1, 132, "mxfp4") is fixed  # an entry's own choice stays
+
+
+def test_benchmark_times_the_rule_against_its_variations():
+    """``benchmarks/gpu_quantized.py --decode-variants``: gate/up unsplit (the code before the rule) is among the
+    variations of a split configuration, and no variation repeats the shipped one or another."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import gpu_quantized
+
+    shipped = {"block_m": 16, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
+                                          "SPLIT_K": 2},
+               "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1}}
+    variants = gpu_quantized.decode_variants(shipped)
+    assert variants["gate_up_unsplit"]["gate_up"]["SPLIT_K"] == 1
+    assert variants["gate_up_split_x2"]["gate_up"]["SPLIT_K"] == 4
+    assert "gate_up_split_half" not in variants and "down_split_half" not in variants  # = unsplit / shipped
+    configs = [shipped, *variants.values()]
+    assert all(a != b for i, a in enumerate(configs) for b in configs[i + 1:])
