@@ -68,7 +68,7 @@ def _layers(name, num_tokens, dtype=torch.bfloat16, config=None, sizes=None, see
 
 
 @pytest.mark.parametrize("name, num_tokens", [(name, 1) for name in FORMATS] + [
-    ("fp8", 32), ("fp8_block", 32), pytest.param("mxfp4", 32, marks=SLOW)])
+    ("fp8", 32), pytest.param("fp8_block", 32, marks=SLOW), pytest.param("mxfp4", 32, marks=SLOW)])
 def test_split_gate_up_decode_matches_reference(name, num_tokens, partial_launches):
     """Both GEMMs split along K, read from the repacked copy: the float64 reference and the torch backend."""
     tested, holding, x, affinities, index = _layers(name, num_tokens)
