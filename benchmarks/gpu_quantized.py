@@ -15,6 +15,13 @@ FP8 tensor-core GEMMs; per token, resp. per token and 128 columns). Their launch
 (``"default"``) or, where that is slower, the best of a few candidates timed in the same run (``candidates``,
 ``config``): the in-run tuning that ``tune_gpu.py`` does at length, reported as such.
 
+``--decode-variants``: for the quantized decode shapes (W8A16 ``fp8`` / ``fp8_block`` / ``mxfp4``), the shipped
+launch configuration (the tuned table plus issue 29's gate/up split rule, ``launch_configs.decode_split_k``) timed
+next to variations of it in the same process: gate/up unsplit (the code before the rule) and split twice as far /
+half as far, the down split doubled / halved, one more pipeline stage, half-width gate/up column tiles, 8 warps
+(``decode_variants``: each one's configuration, us, fraction of copy bandwidth, error against bf16). With it the
+one-launch / separate-kernels comparison is skipped (``--paths`` turns it back on).
+
 Peers (``_quantized_peers``, from an unpacked vLLM 0.33.0 wheel at ``--vllm-src``; skipped with a note when it
 is absent) multiply the same stored weights, timed the same way: vLLM's Triton FP8 W8A8 fused MoE for the FP8
 formats -- through the stand-ins of ``_vllm_stubs`` (one kernel per compiled op) and, as ``*_kernels_only``, with its
@@ -71,6 +78,56 @@ W8A8_CANDIDATES = {
                 _config(64, (128, 128, 4, 4), (128, 128, 4, 4, 1), True)],
     "decode": [None, _config(16, (128, 128, 4, 4), (128, 128, 4, 4, 1))],
 }
+
+
+def decode_variants(config: dict) -> dict:
+    """Variations of a resolved decode launch ``config`` to time next to it (see the module docstring), by name;
+    duplicates of it or of an earlier variation left out."""
+    gate_up, down = config["gate_up"], config["down"]
+    split = gate_up.get("SPLIT_K", 1)
+
+    def changed(gate_up_part=None, down_part=None):
+        return {**config, "gate_up": {**gate_up, **(gate_up_part or {})}, "down": {**down, **(down_part or {})}}
+
+    candidates = {
+        "gate_up_unsplit": changed({"SPLIT_K": 1}),
+        "gate_up_split_x2": changed({"SPLIT_K": 2 * split}),
+        "gate_up_split_half": changed({"SPLIT_K": max(1, split // 2)}),
+        "down_split_x2": changed(down_part={"SPLIT_K": 2 * down["SPLIT_K"]}),
+        "down_split_half": changed(down_part={"SPLIT_K": max(1, down["SPLIT_K"] // 2)}),
+        "stages_plus_1": changed({"num_stages": gate_up["num_stages"] + 1}, {"num_stages": down["num_stages"] + 1}),
+        "gate_up_half_width": changed({"BLOCK_N": max(16, gate_up["BLOCK_N"] // 2)}),
+        "warps_8": changed({"num_warps": 8}, {"num_warps": 8}),
+    }
+    seen, variants = [config], {}
+    for name, candidate in candidates.items():
+        if candidate not in seen:
+            seen.append(candidate)
+            variants[name] = candidate
+    return variants
+
+
+def time_decode_variants(layer: ExpertMLPsV2, x, affinities, index, reference, read: int, bandwidth: float) -> dict:
+    """The shipped decode configuration (``rule``) and each of :func:`decode_variants`: configuration, us,
+    fraction of copy bandwidth and error against bf16, or the error that stopped it."""
+    shipped = TritonBackend()._config(x, layer.expert_weights(), index.shape[1])
+    backend, report = layer.backend, {}
+    for name, config in {"rule": shipped, **decode_variants(shipped)}.items():
+        layer.backend = TritonBackend(configs=config)
+        try:
+            with torch.no_grad():
+                out = layer(x, affinities, index, seq_len=1).float()
+                torch.cuda.synchronize()  # the graph warm-up runs on a side stream: never beside this call
+                us = do_bench_cudagraph(lambda: layer(x, affinities, index, seq_len=1), rep=100) * 1e3
+        except Exception as error:  # a variant that does not compile or fit is reported, not fatal
+            report[name] = {"config": config, "error": f"{type(error).__name__}: {error}"[:500]}
+            torch.cuda.synchronize()
+            continue
+        report[name] = {"config": config, "us": round(us, 1),
+                        "fraction_of_copy_bandwidth": round(read / us / 1e6 / (bandwidth / 1e12), 3),
+                        "rel_err_vs_bf16": relative_error(out, reference)}
+    layer.backend = backend
+    return report
 
 
 def copy_bandwidth() -> float:
@@ -159,7 +216,7 @@ def kernel_times(layer: ExpertMLPsV2, x, affinities, index, seq_len, calls: int 
 
 
 def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS, candidates_on: bool = True,
-              profile_kernels: bool = False) -> dict:
+              profile_kernels: bool = False, variants_on: bool = False, paths_on: bool = True) -> dict:
     num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
@@ -200,7 +257,10 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             "rel_err_vs_bf16": relative_error(out, reference)}
         if len(candidates) > 1:
             result["formats"][fmt].update(config=timed["config"], candidates=timed["candidates"])
-        if seq_len == 1 and not fmt.startswith(W8A8):  # both decode paths, whichever the shipped rule picks
+        if variants_on and seq_len == 1 and fmt in ("fp8", "fp8_block", "mxfp4"):
+            result["formats"][fmt]["decode_variants"] = time_decode_variants(layer, x, affinities, index, reference,
+                                                                             read, bandwidth)
+        if paths_on and seq_len == 1 and not fmt.startswith(W8A8):  # both decode paths, whichever the rule picks
             backend = layer.backend
             for path, one_launch in (("one_launch", True), ("multi_launch", False)):
                 layer.backend = TritonBackend(one_launch=one_launch)
@@ -243,6 +303,12 @@ def main() -> int:
                         help="time the W8A8 candidate launch configurations next to the shipped one")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also record each kernel's device time per forward (torch.profiler)")
+    parser.add_argument("--decode-variants", action="store_true",
+                        help="time variations of the quantized decode's launch configuration (split-K, stages, "
+                             "tile width, warps) next to the shipped one")
+    parser.add_argument("--paths", action=argparse.BooleanOptionalAction, default=None,
+                        help="time the one-launch and separate-kernel decode paths (default: unless "
+                             "--decode-variants)")
     parser.add_argument("--vllm-src", default=".peers/vllm_src",
                         help="an unpacked vLLM 0.33.0 wheel (see benchmarks/README.md); absent: peers skipped")
     args = parser.parse_args()
@@ -252,7 +318,8 @@ def main() -> int:
     for name in args.shapes:
         report["cases"][name] = run_shape(name, bandwidth, args.vllm_src,
                                             ("bf16", *(f for f in args.formats if f != "bf16")), args.candidates,
-                                            args.kernel_times)
+                                            args.kernel_times, args.decode_variants,
+                                            not args.decode_variants if args.paths is None else args.paths)
         print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
                                                                           "speedup_vs_bf16", "rel_err_vs_bf16",
                                                                           "vs_best_peer", "error")}
@@ -279,6 +346,10 @@ def table(report: dict) -> str:
                          f"{e.get('vs_best_peer', float('nan')):9.2f} {e['rel_err_vs_bf16']:8.4f} "
                          f"{e.get('one_launch', {}).get('us', float('nan')):9.1f} "
                          f"{e.get('multi_launch', {}).get('us', float('nan')):9.1f}")
+            for variant, v in e.get("decode_variants", {}).items():
+                timing = (f"{v['us']:9.1f} {'':7s} {v['fraction_of_copy_bandwidth']:8.2f}" if "us" in v
+                          else v["error"][:60])
+                lines.append(f"{'':30s} {'  ' + variant:16s} {timing}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,8 @@ other (its weights are read from HBM about once).
   (padding rows are masked, never loaded), ``x @ gate_up_proj[e]``, and the whole activation in the epilogue:
   affinity pre-scaling (Llama 4), bias, clamps, GLU / SwiGLU with GPT-OSS's scaling and ``hidden_act_bias``,
   checkpoint-padding columns zeroed. ``[gate | up]`` are two column slices of the same ``(E, H, 2I)`` weight,
-  accumulated side by side so the activation sees both.
+  accumulated side by side so the activation sees both. Optionally split along ``H`` (decode at small ``T``):
+  fp32 partial sums, then a second launch adds them in a fixed order and applies the activation.
 - :func:`down_projection`: ``act @ down_proj[e]`` plus bias, optionally split along ``K`` into fp32 partial sums
   (summed, in a fixed order, by the combine) so that decode puts enough programs on the GPU.
 
@@ -335,6 +336,74 @@ def _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M: tl.cons
 
 
 @triton.jit
+def _gate_up_sums(
+    token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, k_begin, k_end, inter,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+    GLU: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
+):
+    """The fp32 gate and up sums ``(BLOCK_M, BLOCK_N)`` of rows ``token`` and column slice ``column`` over the
+    hidden rows ``k_begin .. k_end`` (``k_begin`` a multiple of ``BLOCK_K``; the whole of ``H`` unless split along
+    K). TMA loads only for the whole of ``H``: past ``k_end`` the copy engine would read the next slice."""
+    tl.static_assert(not GATE_UP_INTERLEAVED or (FORMAT == 0 and not TMA),
+                     "interleaved gate/up columns are read through pointers from unquantized weights only")
+    cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = k_begin + tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    w_cols = 2 * cols if GATE_UP_INTERLEAVED else cols
+    w_offsets = expert * stride_we + ks[:, None] * stride_wk + w_cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first_col = column * BLOCK_N
+    steps = tl.cdiv(k_end - k_begin, BLOCK_K)
+    if FORMAT >= 4:  # repacked weights: the swapped product, (columns, rows), transposed once at the end
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        a_rows = x_ptr + token * stride_xt
+        for k in range(0, steps):
+            acc_t = _swapped_dot(acc_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K, k_end,
+                                 first_col, inter, stride_we, stride_wn, stride_se, stride_sk, stride_sn, FORMAT,
+                                 BLOCK_N, BLOCK_K, PRECISION, INTERPRET)
+            if GLU:
+                acc_up_t = _swapped_dot(acc_up_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K,
+                                        k_end, inter + first_col, 2 * inter, stride_we, stride_wn, stride_se,
+                                        stride_sk, stride_sn, FORMAT, BLOCK_N, BLOCK_K, PRECISION, INTERPRET)
+        acc = tl.trans(acc_t)
+        acc_up = tl.trans(acc_up_t)
+    else:
+        for k in range(0, steps):
+            if FORMAT != 0:
+                a_rows = x_ptr + token * stride_xt
+                acc = _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K, k_end,
+                                     cols, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+                                     FORMAT, BLOCK_K, PRECISION, INTERPRET)
+                if GLU:
+                    acc_up = _quantized_dot(a_rows, row_ok, acc_up, w_ptr, scale_ptr, expert, k_begin + k * BLOCK_K,
+                                            k_end, cols + inter, col_ok, stride_we, stride_wk, stride_wn, stride_se,
+                                            stride_sk, stride_sn, FORMAT, BLOCK_K, PRECISION, INTERPRET)
+            else:
+                k_ok = ks < k_end - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
+                if TMA:
+                    w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
+                    if GLU:
+                        w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K,
+                                                                                                           BLOCK_N)
+                else:
+                    w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                    if GLU:
+                        w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                acc = _dot(a, w, acc, PRECISION, INTERPRET)
+                if GLU:
+                    acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
+            a_ptrs += BLOCK_K
+            w_offsets += BLOCK_K * stride_wk
+    return acc, acc_up
+
+
+@triton.jit
 def _gate_up_tile(
     tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, row_count,
@@ -352,61 +421,13 @@ def _gate_up_tile(
     separate up projection, or with ``GATE_UP_INTERLEAVED`` the column after each gate column, which then sit two
     columns apart) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths (which take no
     interleaved weights)."""
-    tl.static_assert(not GATE_UP_INTERLEAVED or (FORMAT == 0 and not TMA),
-                     "interleaved gate/up columns are read through pointers from unquantized weights only")
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
+    acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0, hidden,
+                                inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+                                GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GATE_UP_INTERLEAVED)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
-    w_cols = 2 * cols if GATE_UP_INTERLEAVED else cols
-    w_offsets = expert * stride_we + ks[:, None] * stride_wk + w_cols[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    first_col = column * BLOCK_N
-    if FORMAT >= 4:  # repacked weights: the swapped product, (columns, rows), transposed once at the end
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        a_rows = x_ptr + token * stride_xt
-        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            acc_t = _swapped_dot(acc_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, first_col,
-                                 inter, stride_we, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_N,
-                                 BLOCK_K, PRECISION, INTERPRET)
-            if GLU:
-                acc_up_t = _swapped_dot(acc_up_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
-                                        inter + first_col, 2 * inter, stride_we, stride_wn, stride_se, stride_sk,
-                                        stride_sn, FORMAT, BLOCK_N, BLOCK_K, PRECISION, INTERPRET)
-        acc = tl.trans(acc_t)
-        acc_up = tl.trans(acc_up_t)
-    else:
-        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
-            if FORMAT != 0:
-                a_rows = x_ptr + token * stride_xt
-                acc = _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden, cols, col_ok,
-                                     stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, FORMAT, BLOCK_K,
-                                     PRECISION, INTERPRET)
-                if GLU:
-                    acc_up = _quantized_dot(a_rows, row_ok, acc_up, w_ptr, scale_ptr, expert, k * BLOCK_K, hidden,
-                                            cols + inter, col_ok, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
-                                            stride_sn, FORMAT, BLOCK_K, PRECISION, INTERPRET)
-            else:
-                k_ok = ks < hidden - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                # The copy engine zero-fills past H; gate columns past I read up columns, which are never stored.
-                if TMA:
-                    w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col]).reshape(BLOCK_K, BLOCK_N)
-                    if GLU:
-                        w_up = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_col + inter]).reshape(BLOCK_K,
-                                                                                                           BLOCK_N)
-                else:
-                    w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                    if GLU:
-                        w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = _dot(a, w, acc, PRECISION, INTERPRET)
-                if GLU:
-                    acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
-            a_ptrs += BLOCK_K
-            w_offsets += BLOCK_K * stride_wk
     out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
                             inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
                             up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
@@ -473,6 +494,68 @@ def _gate_up_kernel(
                   scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS,
                   PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET,
                   TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False, GATE_UP_INTERLEAVED)
+
+
+@triton.jit
+def _gate_up_partial_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, row_token_ptr, tile_expert_ptr, num_tiles_ptr, hidden, inter, k_per_split,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_os, stride_or,
+    GLU: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATE_UP_INTERLEAVED: tl.constexpr,
+):
+    """Split ``program_id(1)``'s fp32 gate (columns ``0 .. I``) and up (``I .. 2I``) sums over its slice of ``H``,
+    before bias and activation (which need the whole sum: :func:`_gate_up_reduce_kernel`)."""
+    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if tile < 0:
+        return
+    split = tl.program_id(1)
+    rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    k_begin = split * k_per_split
+    w_up_ptr = w_ptr + (stride_wn if GATE_UP_INTERLEAVED else inter * stride_wn)
+    acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_ptr, scale_ptr, k_begin,
+                                tl.minimum(k_begin + k_per_split, hidden), inter, stride_xt, stride_we, stride_wk,
+                                stride_wn, stride_se, stride_sk, stride_sn, GLU, PRECISION, INTERPRET, False, FORMAT,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED)
+    cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
+    at = out_ptr + split * stride_os + rows[:, None] * stride_or + cols[None, :]
+    ok = row_ok[:, None] & (cols < inter)[None, :]
+    tl.store(at, acc, mask=ok)
+    if GLU:
+        tl.store(at + inter, acc_up, mask=ok)
+
+
+@triton.jit
+def _gate_up_reduce_kernel(
+    partial_ptr, bias_ptr, affinity_ptr, out_ptr, row_token_ptr, tile_expert_ptr, num_tiles_ptr,
+    inter, inter_actual, num_experts, num_splits, stride_ps, stride_pr, stride_be, stride_or,
+    scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
+    ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
+    GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
+    MASK_PADDED_COLUMNS: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The split-K partials of one tile's column slice summed in split order (no atomics: the same bits on every
+    run), then the activation epilogue of the unsplit kernel. Padding rows are neither read nor written."""
+    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), 1)
+    if tile < 0:
+        return
+    rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ok = row_ok[:, None] & col_ok[None, :]
+    at = partial_ptr + rows[:, None] * stride_pr + cols[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, num_splits):
+        acc += tl.load(at + s * stride_ps, mask=ok, other=0.0)
+        if GLU:
+            acc_up += tl.load(at + s * stride_ps + inter, mask=ok, other=0.0)
+    out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
+                            inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
+                            up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
+                            UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, GATE_UP_INTERLEAVED)
+    tl.store(out_ptr + rows[:, None] * stride_or + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -559,6 +642,9 @@ def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted:
     return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [1, block_k, block_n])
 
 
+# Columns one program of the split-K gate/up reduction sums and activates (an elementwise pass over (R, I)).
+REDUCE_BLOCK_N = 128
+
 # QuantizationFormat.name -> the kernels' FORMAT code (see _quantized_dot).
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "fp8_block": 2, "mxfp4": 3}
 
@@ -609,6 +695,15 @@ def epilogue_arguments(activation: ExpertActivation, inter: int, has_bias: bool,
     return scalars, constexprs
 
 
+def split_k_slices(depth: int, split: int, block_k: int) -> tuple[int, int]:
+    """``(K rows per split, number of splits)`` for a sum of ``depth`` terms asked to split ``split`` ways: whole
+    ``block_k`` tiles per split (so an FP8 block's K tile never straddles two splits), no empty split."""
+    if type(split) is not int or split < 1:
+        raise ValueError(f"SPLIT_K must be an int >= 1, got {split!r}")
+    per_split = triton.cdiv(triton.cdiv(depth, split), block_k) * block_k
+    return per_split, triton.cdiv(depth, per_split)
+
+
 def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_proj: torch.Tensor,
                        gate_up_bias: torch.Tensor | None, activation: ExpertActivation,
                        affinities: torch.Tensor | None, config: dict) -> torch.Tensor:
@@ -617,6 +712,9 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     ``gate_up_proj (E, H, 2I)`` (``(E, H, I)`` without GLU; any strides), a tensor or a
     :class:`~nxd_moe.quantization.weight.QuantizedWeight` (its stored bytes are read, dequantized in registers);
     ``affinities (T, E)`` when the expert input is pre-scaled by its affinity, else None.
+    ``config["SPLIT_K"]`` (default 1) > 1 splits ``H`` over that many programs per tile and column slice: fp32
+    partial sums ``(S, R, 2I)``, then one more launch adds them in split order and applies the activation --
+    bitwise reproducible (what decode at small ``T`` needs to fill the GPU: launch_configs.decode_split_k).
     """
     num_experts, hidden, width = gate_up_proj.shape
     inter = width // 2 if activation.glu_mlp else width
@@ -626,20 +724,34 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     bias = gate_up_bias if gate_up_bias is not None else hidden_states
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
     stored, scale, scale_strides, fmt, block_k = _stored(gate_up_proj, config["BLOCK_K"])
+    k_per_split, split = split_k_slices(hidden, config.get("SPLIT_K", 1), block_k)
     interleaved = constexprs["GATE_UP_INTERLEAVED"]
     if interleaved and fmt != 0:
         raise ValueError("gate_up_projection: interleaved gate/up columns are read from unquantized weights only, "
                          f"got a {type(gate_up_proj).__name__}")
+    affinity = affinities if affinities is not None else hidden_states
+    options = _launch_options(config, hidden_states.dtype)
+    if split > 1:
+        partials = torch.empty(split, layout.num_rows, width, dtype=torch.float32, device=hidden_states.device)
+        _gate_up_partial_kernel[(grid[0], split)](
+            hidden_states, stored, scale, partials, layout.row_token, layout.tile_expert, layout.num_tiles, hidden,
+            inter, k_per_split, hidden_states.stride(0), *stored.stride(), *scale_strides, partials.stride(0),
+            partials.stride(1), GLU=constexprs["GLU"], FORMAT=fmt, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, GATE_UP_INTERLEAVED=interleaved, **options)
+        _gate_up_reduce_kernel[((layout.num_rows // block_m) * triton.cdiv(inter, REDUCE_BLOCK_N),)](
+            partials, bias, affinity, out, layout.row_token, layout.tile_expert, layout.num_tiles, inter, scalars[0],
+            num_experts, split, partials.stride(0), partials.stride(1), bias.stride(0), out.stride(0), *scalars[1:],
+            BLOCK_M=block_m, BLOCK_N=REDUCE_BLOCK_N, **constexprs)
+        return out
     # A TMA box is a run of adjacent columns; interleaved gate (or up) columns are every other one.
     descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and fmt == 0 and not interleaved)
     _gate_up_kernel[grid](
-        hidden_states, stored, stored if descriptor is None else descriptor, scale, bias,
-        affinities if affinities is not None else hidden_states, out,
+        hidden_states, stored, stored if descriptor is None else descriptor, scale, bias, affinity, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,
         hidden, inter, scalars[0], num_experts,
         hidden_states.stride(0), *stored.stride(), *scale_strides, bias.stride(0), out.stride(0), *scalars[1:],
         TMA=descriptor is not None, FORMAT=fmt, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **constexprs,
-        **_launch_options(config, hidden_states.dtype))
+        **options)
     return out
 
 
@@ -651,8 +763,7 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
     split = config["SPLIT_K"]
     stored, scale, scale_strides, fmt, block_k = _stored(down_proj, config["BLOCK_K"])
     block_m, block_n = layout.block_m, config["BLOCK_N"]
-    k_per_split = triton.cdiv(triton.cdiv(inter, split), block_k) * block_k
-    split = triton.cdiv(inter, k_per_split)
+    k_per_split, split = split_k_slices(inter, split, block_k)
     dtype = activated.dtype if split == 1 else torch.float32
     out = torch.empty(split, layout.num_rows, hidden, dtype=dtype, device=activated.device)
     bias = down_bias if down_bias is not None else activated

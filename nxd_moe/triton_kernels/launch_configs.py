@@ -8,7 +8,8 @@ inside a forward.
 
 Each entry: ``block_m`` (rows per tile, a power of two >= 16), and for ``gate_up`` and ``down`` the column tile
 ``BLOCK_N``, the reduction tile ``BLOCK_K``, ``num_warps``, ``num_stages``, and ``TMA`` (load weight tiles with the
-bulk tensor copy engine, on Hopper and newer; ignored elsewhere); ``down`` also has ``SPLIT_K``. An entry may add
+bulk tensor copy engine, on Hopper and newer; ignored elsewhere); ``down`` also has ``SPLIT_K``, and ``gate_up``
+may (absent: 1, except for quantized weights at decode tiles, where :func:`decode_split_k` chooses it). An entry may add
 ``prefill``: the persistent prefill GEMMs' settings on Hopper (:func:`~nxd_moe.triton_kernels.prefill_gemm.
 default_prefill_config` is the rule without it).
 
@@ -127,6 +128,48 @@ def _small_decode(num_experts: int, hidden: int, num_tokens: int, multiprocessor
     return out
 
 
+# The quantized decode's split of the gate/up GEMM along H (issue 29). A decode GEMM's program streams its column
+# slice of the weight once; with fewer programs than the GPU holds at once (an H100 keeps ~3 of these per
+# multiprocessor resident), whole multiprocessors idle, and the programs that run leave the dequantization's
+# latency exposed. Split while the launch has under DECODE_WAVES programs per multiprocessor (so that the last,
+# partial wave is a small part of the time) and each split still runs MIN_K_TILES K tiles (the software pipeline's
+# stages need a few iterations to fill). Mixtral-8x7B T=1 (2 experts x 14336/64 column slices = 448 programs)
+# splits H=4096 in 2 (MxFP4, 256-deep K tiles) or 4 (FP8, 128-deep); Qwen3-30B-A3B T=32 (~128 tiles x 12 slices)
+# and DeepSeek-V3 T=16 already have thousands of programs and stay unsplit.
+DECODE_WAVES = 4
+MIN_K_TILES = 4
+MAX_DECODE_SPLIT = 8
+QUANTIZED_DECODE_FORMATS = ("mxfp4", "fp8", "fp8_block")
+
+
+def decode_split_k(programs: int, depth: int, block_k: int, multiprocessors: int) -> int:
+    """How many ways to split a decode GEMM's sum of ``depth`` terms (``K``), given ``programs`` unsplit programs
+    (tiles x column slices), ``block_k``-deep K tiles and the GPU's multiprocessors: the smallest power of two
+    that gives ``DECODE_WAVES`` programs per multiprocessor, at most ``MAX_DECODE_SPLIT`` and no more than leaves
+    ``MIN_K_TILES`` K tiles per split (1 when the problem is already wide or too shallow)."""
+    split = 1
+    while (split < MAX_DECODE_SPLIT and programs * split < DECODE_WAVES * multiprocessors
+           and depth // (2 * split) >= MIN_K_TILES * block_k):
+        split *= 2
+    return split
+
+
+def with_decode_split(config: dict, num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
+                      multiprocessors: int, quantization: str) -> dict:
+    """``config`` with the gate/up GEMM's ``SPLIT_K`` chosen by :func:`decode_split_k` where it has none and the
+    weights are quantized and the tiles decode-sized (``block_m < 64``); otherwise ``config`` itself (16-bit
+    weights and prefill tiles never split the gate/up GEMM)."""
+    gate_up = config["gate_up"]
+    if quantization not in QUANTIZED_DECODE_FORMATS or config["block_m"] >= 64 or "SPLIT_K" in gate_up:
+        return config
+    pairs = num_tokens * top_k
+    used = min(num_experts, pairs)
+    tiles = used * -(-pairs // (used * config["block_m"]))
+    programs = tiles * -(-inter // gate_up["BLOCK_N"])
+    split = decode_split_k(programs, hidden, gate_up["BLOCK_K"], multiprocessors)
+    return {**config, "gate_up": {**gate_up, "SPLIT_K": split}}
+
+
 def for_dtype(config: dict, dtype: torch.dtype) -> dict:
     """Entries are tuned for 16-bit weights; 4-byte elements get half the ``K`` tile so the same pipeline depth
     fits in shared memory."""
@@ -153,11 +196,14 @@ def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
 def launch_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
                   device: torch.device, dtype: torch.dtype = torch.bfloat16, quantization: str = "bf16") -> dict:
     """The tuned entry for this GPU, shape and weight format (a quantized format without its own entry takes
-    the bf16 one), else :func:`default_config`, adapted to ``dtype``."""
+    the bf16 one), else :func:`default_config`, adapted to ``dtype``; quantized decode's gate/up split by
+    :func:`with_decode_split` where the entry does not fix it."""
     table = tuned_table(device_name(device))
     entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens, quantization))
     if entry is None:
         entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens))
+    multiprocessors = _multiprocessors(device)
     if entry is None:
-        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
-    return for_dtype(entry, dtype)
+        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, multiprocessors)
+    return with_decode_split(for_dtype(entry, dtype), num_experts, hidden, inter, top_k, num_tokens,
+                             multiprocessors, quantization)
