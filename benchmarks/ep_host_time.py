@@ -153,13 +153,13 @@ def main() -> None:
             moe(x)
         profile.disable()
         sync()
-    graph_ms = None
-    if device.type == "cuda":
-        from nxd_moe.graphs import capture
+        graph_ms = None
+        if device.type == "cuda":
+            from nxd_moe.graphs import capture
 
-        step = capture(lambda inp: moe(inp)[0], x)
-        graph_wall, _ = timed(lambda: step(x))
-        graph_ms = statistics.median(graph_wall)
+            step = capture(lambda inp: moe(inp)[0], x)
+            graph_wall, _ = timed(lambda: step(x))
+            graph_ms = statistics.median(graph_wall)
     record = {"rank": rank, "wall_ms": {"min": min(wall), "median": statistics.median(wall)},
               "host_cpu_ms": {"min": min(cpu), "median": statistics.median(cpu)}, "graph_ms": graph_ms,
               "phases_ms": phases(profile, args.profile_calls), "ops_per_call": sum(counter.by_file.values()),
