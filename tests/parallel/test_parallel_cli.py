@@ -171,3 +171,22 @@ def test_benchmark_says_what_does_not_fit_instead_of_crashing(tmp_path):
     skipped = [s for s in run["skipped"] if s.get("phase") == "prefill"]
     assert len(skipped) == 1 and "does not fit" in skipped[0]["why"] and skipped[0]["tokens_per_rank"] == 32
     assert "skipped: does not fit" in done.stderr
+
+
+@pytest.mark.slow
+def test_ep_host_time_on_gloo():
+    """``benchmarks/ep_host_time.py`` runs on a gloo world of 2 and reports every rank's times, the phases it
+    profiled and the tensor operations of one call (the static all-to-all's bookkeeping among them)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ep_host_time.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(script), "--scale", "64", "--calls", "5", "--samples", "2", "--profile-calls", "5"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    for rank in report["ranks"]:
+        assert 0 < rank["host_cpu_ms"]["min"] and 0 < rank["wall_ms"]["min"] and rank["graph_ms"] is None
+        assert {"agreement_start", "agreement_wait", "all_to_all", "experts", "combine"} <= set(rank["phases_ms"])
+        assert rank["ops_per_call"] == sum(rank["ops_by_file"].values())
+        assert rank["ops_by_file"]["parallel/all_to_all.py"] > 0
