@@ -2,7 +2,8 @@
 
 What is measured
 ----------------
-For each model layer (``--configs``: Qwen3-30B-A3B and DeepSeek-V3 at full size by default) and weight format
+For each model layer (``--configs``: Qwen3-30B-A3B, Qwen3-235B-A22B and DeepSeek-V3 at full size by default) and
+weight format
 (``--formats``: bf16, fp8_block), expert parallelism over every rank of a world (TP=1, EP=N; each rank is its own
 token group and feeds its own tokens, as with data-parallel attention), both dispatches (``all_gather``, NxD's;
 ``all_to_all_v`` with static per-destination buffers), each step captured in ONE CUDA graph and replayed:
@@ -19,6 +20,13 @@ token group and feeds its own tokens, as with data-parallel attention), both dis
   collectives are no-ops) against the single-device layer -- the cost of the dispatch/combine bookkeeping itself.
 - **ep_model**: EP 8..64 predicted from the measured parts (written in the JSON with its assumptions).
 
+Memory: before building a layer, each world estimates what one rank needs for it (its share of the weights, the
+quantized formats' repacked decode copy, and for every step the static dispatch buffers and the worst-case expert
+intermediates, doubled for the CUDA graph's pool; :func:`memory_need`) against the smallest GPU of the world
+(``--gpu-memory-gib`` on a CPU, 78 by default: an H100). A layer or step that would not fit is not run: it is listed
+in ``skipped`` with both figures, the same on every rank, so no rank is left waiting in a collective. ``--memory-plan``
+prints the estimates for ``--worlds`` without running anything.
+
 Method: after warm-up and capture, each rank replays ``--replays`` times between two CUDA events, ``--repeats``
 times (barrier first); a rank's time is the median per replay; the step's time is the slowest rank's. Routing
 comes from the layer's own router on random inputs (roughly uniform; no EPLB).
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -151,6 +160,51 @@ def build(args, config: str, fmt: str, device, dtype, dispatch: str | None, weig
     return layer
 
 
+# ------------------------------------------------------------------------------------------------------------
+# memory: what one rank needs, estimated before anything is allocated
+
+
+def layer_bytes(args, config: str, fmt: str, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Stored bytes of the single-device layer (built on the meta device: nothing allocated): ``experts`` (the
+    routed experts' projections and scales), ``rest`` (router, shared experts, biases)."""
+    layer = build_moe(config, device="meta", model_parallel=False, scale=args.scale, dtype=dtype, seed=0,
+                      backend="torch", quantization=None if fmt == "bf16" else fmt)
+    total = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    experts = expert_weight_bytes(layer.expert_mlps)
+    return {"experts": experts, "rest": total - experts}
+
+
+def memory_need(args, config: str, fmt: str, world: int, steps: list[tuple[str, int]], act_bytes: int = 2,
+                weights: dict | None = None) -> dict:
+    """Estimated peak bytes one rank of a ``world``-rank EP world needs for ``config`` in format ``fmt`` and the
+    largest of ``steps`` (``(phase, tokens per rank)``); world 1 also holds the single-device layer, whose steps
+    are given as totals. Deliberately high: every pair of the block may land on this rank's experts.
+
+    - weights: ``experts / world + rest`` (the parallel layers share one copy, the single-device layer's in world
+      1), the experts' share twice for a quantized format (the triton backend's repacked decode copy);
+    - a step of ``n`` tokens per rank, ``N = n * world`` in the block, ``k`` experts each, hidden ``H``,
+      intermediate ``I``: the router's ``(n, E)`` fp32 logits, affinities and mask; the static all-to-all's four
+      ``(world * n, row)`` buffers (dispatch out and in, partial outputs out and in); up to ``N * k`` pairs'
+      ``2I`` gate/up, ``I`` activation and ``H`` down rows; the ``(n, H)`` fp32 combine -- all doubled for the
+      CUDA graph's private pool beside the eager warm-up's allocations."""
+    cfg = load_model_config(config).scaled(args.scale)
+    hidden, inter, experts, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.top_k
+    weights = weights or layer_bytes(args, config, fmt)
+    held = weights["experts"] * (2 if fmt != "bf16" else 1) / world + weights["rest"]
+    step = 0.0
+    for _, n in steps:
+        block = n * world
+        router = 3 * n * experts * 4
+        buffers = 4 * block * (hidden * act_bytes + 8 * k)
+        pairs = block * k * (3 * inter + hidden) * act_bytes
+        step = max(step, 2 * (router + buffers + pairs + n * hidden * 4))
+    need = held + step
+    budget = args.gpu_memory_gib * 2**30
+    return {"config": config, "format": fmt, "world_size": world, "weights_gib": held / 2**30,
+            "largest_step_gib": step / 2**30, "need_gib": need / 2**30, "budget_gib": args.gpu_memory_gib,
+            "fits": need <= budget}
+
+
 def step_record(moe, x: torch.Tensor, device, args, rates: dict) -> dict:
     """Time one layer on this rank's ``x``; bytes, touched weights and the floor."""
     with torch.inference_mode():
@@ -226,12 +280,41 @@ def worker(args) -> None:
     else:
         dist.init_process_group("gloo", timeout=dt.timedelta(seconds=900))
     parallel_state.initialize_model_parallel(1, world)
+    if device.type == "cuda":  # the smallest GPU of the world decides, so that every rank skips the same steps
+        args.gpu_memory_gib = min(gathered(torch.cuda.get_device_properties(device).total_memory / 2**30))
     rates = rooflines(device, world, args)
     gen = torch.Generator().manual_seed(100 + rank)
-    report: dict = {"world_size": world, "rooflines": rates, "steps": [], "dispatch_combine": [], "skipped": []}
+    report: dict = {"world_size": world, "rooflines": rates, "steps": [], "dispatch_combine": [], "skipped": [],
+                    "memory": []}
     worlds = args.all_worlds
     for config in args.configs:
         for fmt in args.formats:
+            # World 1 measures every total size the larger worlds need for their baseline.
+            sizes = {phase: sorted({n * w for n in per_rank for w in worlds}) if world == 1 else per_rank
+                     for phase, per_rank in (("decode", args.decode), ("prefill", args.prefill))}
+            try:
+                weights = layer_bytes(args, config, fmt, dtype)
+            except (NotImplementedError, ValueError) as e:
+                report["skipped"].append({"config": config, "format": fmt, "why": f"{type(e).__name__}: {e}"})
+                continue
+            need = functools.partial(memory_need, args, config, fmt, world, act_bytes=dtype.itemsize, weights=weights)
+            fitting = {phase: [n for n in ns if need([(phase, n)])["fits"]] for phase, ns in sizes.items()}
+            for phase, ns in sizes.items():
+                for n in ns:
+                    if n not in fitting[phase]:
+                        plan = need([(phase, n)])
+                        report["skipped"].append({"config": config, "format": fmt, "phase": phase,
+                                                  "tokens_per_rank": n, "why": (
+                                                      f"does not fit: needs about {plan['need_gib']:.1f} GiB per "
+                                                      f"rank, {plan['budget_gib']:.1f} GiB per GPU"),
+                                                  "memory": plan})
+            plan = need([(phase, n) for phase, ns in fitting.items() for n in ns])  # the weights alone if none fits
+            report["memory"].append(plan)
+            if not plan["fits"]:
+                report["skipped"].append({"config": config, "format": fmt, "why": (
+                    f"does not fit: its weights need about {plan['need_gib']:.1f} GiB per rank, "
+                    f"{plan['budget_gib']:.1f} GiB per GPU"), "memory": plan})
+                continue
             try:
                 single = build(args, config, fmt, device, dtype, None) if world == 1 else None
                 layers = {None: single}
@@ -244,10 +327,8 @@ def worker(args) -> None:
                 report["skipped"].append({"config": config, "format": fmt, "why": f"{type(e).__name__}: {e}"})
                 continue
             hidden = next(v for v in layers.values() if v is not None).hidden_size
-            # World 1 measures every total size the larger worlds need for their baseline.
-            for phase, per_rank_sizes in (("decode", args.decode), ("prefill", args.prefill)):
-                sizes = sorted({n * w for n in per_rank_sizes for w in worlds}) if world == 1 else per_rank_sizes
-                for n in sizes:
+            for phase, fitting_sizes in fitting.items():
+                for n in fitting_sizes:
                     shape = (n, 1) if phase == "decode" else (1, n)
                     x = torch.randn(*shape, hidden, generator=gen).to(device, dtype)
                     for name, moe in layers.items():
@@ -439,6 +520,10 @@ def summary_table(report: dict) -> str:
                      f"{s.get('single_gpu_same_total_ms', float('nan')):8.3f} | "
                      f"{s.get('time_vs_single_gpu', float('nan')):5.2f} | {s['bytes_sent_per_rank'] / 2**20:8.2f} | "
                      f"{s.get('vs_floor', float('nan')):5.2f}")
+    for world, run in report["runs"].items():
+        for skip in run.get("skipped", []):
+            step = f" {skip['phase']} {skip['tokens_per_rank']}/rank" if "phase" in skip else ""
+            lines.append(f"  EP{world} {skip['config']} {skip['format']}{step} skipped: {skip['why']}")
     for d in report["dispatch_combine"]:
         lines.append(f"dispatch+combine EP{d['world_size']} {d['dispatch']:12s} {d['tokens_per_rank']} tokens x "
                      f"{d['hidden_size']}: {d['us']:.1f} us")
@@ -453,11 +538,26 @@ def _names(text: str) -> list[str]:
     return [v for v in text.split(",") if v]
 
 
+def memory_plan(args) -> list[dict]:
+    """:func:`memory_need` of every ``--worlds`` x ``--configs`` x ``--formats`` for the ``--decode`` and ``--prefill``
+    sizes (world 1: the totals of every world), nothing run."""
+    out = []
+    for config in args.configs:
+        for fmt in args.formats:
+            weights = layer_bytes(args, config, fmt)
+            for world in args.worlds:
+                mult = sorted(set(args.worlds)) if world == 1 else [1]
+                steps = [(phase, n * m) for phase, ns in (("decode", args.decode), ("prefill", args.prefill))
+                         for n in ns for m in mult]
+                out.append(memory_need(args, config, fmt, world, steps, weights=weights))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--worlds", type=_sizes, default=[1, 2], help="world sizes to run (EP = world size)")
-    parser.add_argument("--configs", type=_names, default=["qwen3-30b-a3b", "deepseek-v3"])
+    parser.add_argument("--configs", type=_names, default=["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"])
     parser.add_argument("--formats", type=_names, default=["bf16", "fp8_block"])
     parser.add_argument("--scale", type=int, default=1, help="divide H and I (1 = full size)")
     parser.add_argument("--block-size", type=int, default=128)
@@ -477,6 +577,12 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="also time eager calls")
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: gloo, scale 64, tiny sizes, eager")
     parser.add_argument("--world-timeout", type=float, default=1800)
+    parser.add_argument("--gpu-memory-gib", type=float, default=78.0,
+                        help="memory per GPU the estimates are checked against where no GPU is visible (CUDA: the "
+                             "smallest GPU of the world)")
+    parser.add_argument("--memory-plan", action="store_true",
+                        help="print what one rank needs per world, config and format against --gpu-memory-gib; run "
+                             "nothing")
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
@@ -487,6 +593,14 @@ def main() -> None:
         args.backend, args.repeats, args.replays, args.dispatch_tokens = "torch", 2, 1, 4
     if args.worker:
         worker(args)
+        return
+    if args.memory_plan:
+        plans = memory_plan(args)
+        for plan in plans:
+            print(f"EP{plan['world_size']} {plan['config']:16s} {plan['format']:9s} weights {plan['weights_gib']:6.1f} "
+                  f"GiB + largest step {plan['largest_step_gib']:6.1f} GiB = {plan['need_gib']:6.1f} of "
+                  f"{plan['budget_gib']:.0f} GiB: {'fits' if plan['fits'] else 'DOES NOT FIT'}", file=sys.stderr)
+        print(json.dumps(plans, indent=2))
         return
     report = launch(args)
     print(summary_table(report), file=sys.stderr)

@@ -496,9 +496,10 @@ class PendingAgreement:
     """One call's check that every rank passes the same ``values`` (:func:`start_agreement`); :meth:`wait` before the
     first collective whose shapes depend on them."""
 
-    def __init__(self, values: Mapping[str, Any], what: str, state: _State):
+    def __init__(self, values: Mapping[str, Any], what: str, state: _State, digest: int | None = None):
         self.values, self.what, self.state = values, what, state
-        digest = fingerprint(values)
+        if digest is None:
+            digest = fingerprint(values)
         # max(d) and max(-d) over the ranks: equal fingerprints iff max(d) == -max(-d). The tensor views this host
         # array, so the result is read from the array: no tensor read, nothing to synchronise with a device.
         self.extremes = array("q", [digest, -digest])
@@ -527,15 +528,16 @@ class PendingAgreement:
 # trip between the ranks per eager call (gloo, world 2, a shared 2-core CPU: +0.3-1.1 ms on a 3.3-4.3 ms step of a
 # small EP2 layer, mostly thread scheduling on an oversubscribed CPU); a step that must not pay it is captured in a
 # CUDA graph, whose replays run no Python.
-def start_agreement(values: Mapping[str, Any], what: str) -> PendingAgreement | None:
+def start_agreement(values: Mapping[str, Any], what: str, digest: int | None = None) -> PendingAgreement | None:
     """Start checking that every rank of the world passes the same ``values`` (texts; see
     :func:`nxd_moe.config.config_fingerprint`) in this call: an all-reduce of their fingerprint over the gloo check
     group. Every rank must call it at the same point of the same call. None in a world of one rank, and in an SPMD
-    program (one traced program for every rank: its shapes are the same on every rank by construction)."""
+    program (one traced program for every rank: its shapes are the same on every rank by construction).
+    ``digest``: ``fingerprint(values)`` if the caller keeps it (a steady step then hashes nothing)."""
     state = _state()
     if state.layout.world_size == 1 or state.spmd:
         return None
-    return PendingAgreement(values, what, state)
+    return PendingAgreement(values, what, state, digest)
 
 
 def get_world_group():

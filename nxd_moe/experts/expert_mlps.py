@@ -275,6 +275,7 @@ class ExpertMLPsV2(nn.Module):
         # In an SPMD program the rank is an input (NxD's ``expert_mlps.spmd_rank``): the parallel layer reads it.
         self.spmd_rank = None if self.weight_shards is None else parallel_state.spmd_rank()
         self.activation = ExpertActivation.from_config(routed_experts_mlp_config)
+        self._shard_activations: dict[tuple[int, int], ExpertActivation] = {}
         self._local_slots: dict[tuple[bool, str], torch.Tensor] = {}
         if self.weight_shards is None:
             self.mlp_op = ExpertsMLPOp(routed_experts_mlp_config, dtype, device)
@@ -387,21 +388,32 @@ class ExpertMLPsV2(nn.Module):
         cfg = self.routed_experts_mlp_config
         part = shard.intermediate_part if intermediate_part is None else intermediate_part
         width = cfg.intermediate_size // shard.intermediate_parts
-        actual = cfg.intermediate_size_actual
         down_bias = op.down_proj.bias
         if isinstance(part, torch.Tensor):
+            actual = cfg.intermediate_size_actual
             if actual is not None:
                 actual = (actual - part * width).clamp(0, width)
             if down_bias is not None:
                 down_bias = down_bias * (part == 0).to(down_bias.dtype)
+            activation = dataclasses.replace(self.activation, intermediate_size=width, intermediate_size_actual=actual)
         else:
+            down_bias = down_bias if part == 0 else None
+            activation = self._shard_activation(width, part)
+        return ExpertWeights(op.first_proj.stored_weight(), op.down_proj.stored_weight(), op.first_proj.bias,
+                             down_bias, activation, activation_quantization_spec(cfg))
+
+    def _shard_activation(self, width: int, part: int) -> ExpertActivation:
+        """The activation of intermediate slice ``part`` of ``width`` columns (made once per slice: an eager
+        expert-parallel step asks on every call)."""
+        activation = self._shard_activations.get((width, part))
+        if activation is None:
+            actual = self.routed_experts_mlp_config.intermediate_size_actual
             if actual is not None:
                 actual = min(max(actual - part * width, 0), width)
                 actual = None if actual == width else actual
-            down_bias = down_bias if part == 0 else None
-        activation = dataclasses.replace(self.activation, intermediate_size=width, intermediate_size_actual=actual)
-        return ExpertWeights(op.first_proj.stored_weight(), op.down_proj.stored_weight(), op.first_proj.bias,
-                             down_bias, activation, activation_quantization_spec(cfg))
+            activation = self._shard_activations[width, part] = dataclasses.replace(
+                self.activation, intermediate_size=width, intermediate_size_actual=actual)
+        return activation
 
     def shard_specs(self) -> dict[str, ShardSpec]:
         """How each local tensor comes from the single-device checkpoint (see :mod:`nxd_moe.parallel.sharding`)."""

@@ -105,21 +105,44 @@ def owned_pairs(inputs: DispatchInputs) -> OwnedPairs:
     return OwnedPairs(rows, experts, weights, token_ids, owner, pairs_per_expert)
 
 
+class _ExchangeTables(NamedTuple):
+    """What the static exchange's bookkeeping needs that depends on its sizes only (``U`` rows, ``M`` destinations,
+    ``TP``): ``rank_ep (1, M, 1)`` EP rank of each destination, ``buffer_start (1, M)`` first slot of each
+    destination's buffer, ``row_of_entry (U * M,)`` the row of each ``(row, destination)`` entry, ``no_rows (M * U
+    + 1,)`` all ``-1`` (the empty slot table plus a dump slot), ``slot_ep (M * U, 1)`` EP rank of each slot."""
+
+    rank_ep: torch.Tensor
+    buffer_start: torch.Tensor
+    row_of_entry: torch.Tensor
+    no_rows: torch.Tensor
+    slot_ep: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _exchange_tables(num_rows: int, num_ranks: int, tensor_parallel: int, device: str) -> _ExchangeTables:
+    """Made once per sizes and device, not on every call (an eager step's host time; a captured CUDA graph must not
+    copy from the host either)."""
+    rank_ep = torch.arange(num_ranks, device=device) // tensor_parallel
+    return _ExchangeTables(rank_ep.view(1, num_ranks, 1),
+                           (torch.arange(num_ranks, device=device) * num_rows).view(1, num_ranks),
+                           torch.arange(num_rows, device=device).repeat_interleave(num_ranks),
+                           torch.full((num_ranks * num_rows + 1,), -1, dtype=torch.int64, device=device),
+                           rank_ep.repeat_interleave(num_rows).unsqueeze(1))
+
+
 def destination_slots(owner: torch.Tensor, num_ranks: int, tensor_parallel: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``owner (U, k)`` EP rank of each pair (``-1``: none) -> ``slot (U, M)`` (the row's place in destination
     ``r``'s buffer, ``-1`` if it does not go there) and ``source_row (M * U,)`` (the row in each buffer slot,
     ``-1`` for padding). Block rank ``r`` is EP rank ``r // TP``: every TP rank of an EP rank gets the same rows."""
-    num_rows, device = owner.shape[0], owner.device
-    rank_ep = torch.arange(num_ranks, device=device) // tensor_parallel
-    sends = (owner.unsqueeze(1) == rank_ep.view(1, num_ranks, 1)).any(dim=2)  # (U, M)
+    num_rows = owner.shape[0]
+    tables = _exchange_tables(num_rows, num_ranks, tensor_parallel, str(owner.device))
+    sends = (owner.unsqueeze(1) == tables.rank_ep).any(dim=2)  # (U, M)
     counted = sends.to(torch.int64)  # torch_xla's cumsum keeps a bool input's dtype
     place = torch.cumsum(counted, dim=0) - counted
-    at = torch.where(sends, torch.arange(num_ranks, device=device) * num_rows + place, num_ranks * num_rows)
-    source = torch.arange(num_rows, device=device).unsqueeze(1).expand(num_rows, num_ranks)
+    at = torch.where(sends, tables.buffer_start + place, num_ranks * num_rows)
     # Only the dump slot M * U is written twice.
-    source_row = torch.full((num_ranks * num_rows + 1,), -1, dtype=torch.int64, device=device)
-    source_row = source_row.scatter(0, at.reshape(-1), source.reshape(-1))[:-1]
+    source_row = tables.no_rows.scatter(0, at.reshape(-1), tables.row_of_entry)[:-1]
     return torch.where(sends, place, -1), source_row
 
 
@@ -129,9 +152,8 @@ def destination_fields(rows: torch.Tensor, experts: torch.Tensor, weights: torch
     pairs its destination computes (``-1`` elsewhere) and the pair weights; padding slots are zeros with ids
     ``-1``."""
     num_rows = rows.shape[0]
-    real = source_row >= 0
-    at = torch.where(real, source_row, num_rows)
-    slot_ep = (torch.arange(source_row.numel(), device=rows.device) // num_rows // tensor_parallel).unsqueeze(1)
+    slot_ep = _exchange_tables(num_rows, source_row.numel() // num_rows, tensor_parallel, str(rows.device)).slot_ep
+    at = torch.where(source_row >= 0, source_row, num_rows)
     sent = torch.where(F.pad(owner, (0, 0, 0, 1), value=-1)[at] == slot_ep, F.pad(experts, (0, 0, 0, 1))[at], -1)
     return [F.pad(rows, (0, 0, 0, 1))[at], sent.to(torch.int32), F.pad(weights, (0, 0, 0, 1))[at]]
 
@@ -147,11 +169,17 @@ def combine_from_destinations(returned: torch.Tensor, slot: torch.Tensor, out_dt
     destinations it went to, summed in rank order in at least fp32."""
     num_rows, num_ranks = slot.shape
     acc_dtype = torch.promote_types(returned.dtype, torch.float32)
-    out = torch.zeros(num_rows, returned.shape[1], dtype=acc_dtype, device=returned.device)
+    tables = _exchange_tables(num_rows, num_ranks, 1, str(returned.device))
+    sent = slot >= 0
+    # Every (row, destination) partial in one gather; rows that did not go to a destination read its slot 0 and
+    # are zeroed, so the sum below is over the destinations each row went to.
+    partials = returned.index_select(0, (tables.buffer_start + slot.clamp(min=0)).reshape(-1)).view(
+        num_rows, num_ranks, -1)
     zero = torch.zeros((), dtype=acc_dtype, device=returned.device)
-    for r in range(num_ranks):
-        sent = slot[:, r:r + 1] >= 0
-        out += torch.where(sent, returned.index_select(0, r * num_rows + slot[:, r].clamp(min=0)).to(acc_dtype), zero)
+    partials = torch.where(sent.unsqueeze(-1), partials.to(acc_dtype), zero)
+    out = torch.zeros(num_rows, returned.shape[1], dtype=acc_dtype, device=returned.device)
+    for r in range(num_ranks):  # in rank order, one add at a time: the same sums as the GPU kernel's
+        out += partials[:, r]
     return out.to(out_dtype)
 
 

@@ -16,6 +16,7 @@ experts, its slice of the intermediate dimension).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -57,6 +58,7 @@ class DispatchResult(NamedTuple):
     pairs_per_expert: torch.Tensor | None
 
 
+@functools.cache  # every forward asks: an import statement per call is measurable host time in an eager step
 def get_dispatch(name: str) -> Callable[[DispatchInputs], DispatchResult]:
     """The dispatch function called ``name`` (one of :data:`~nxd_moe.config.EXPERT_PARALLEL_DISPATCHES`)."""
     if name == "all_gather":

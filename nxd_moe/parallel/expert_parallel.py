@@ -72,7 +72,8 @@ class ExpertParallel:
             shards[prefill] = shard
         self.experts = experts
         self.parallelism = ExpertsParallelism(MoEGroups.from_parallel_state(), shards[True], shards[False])
-        self._described_inputs: dict[tuple, dict[str, str]] = {}
+        self._described_inputs: dict[tuple, tuple[dict[str, str], int]] = {}
+        self._token_layouts: dict[tuple[int, int, bool], TokenLayout] = {}
 
     @property
     def groups(self) -> MoEGroups:
@@ -84,8 +85,15 @@ class ExpertParallel:
         return self.parallelism if rank is None else self.parallelism.at(rank)
 
     def token_layout(self, batch: int, local_seq_len: int, sequence_parallel: bool) -> TokenLayout:
-        """The :class:`TokenLayout` of this rank's ``(batch, local_seq_len)`` tokens."""
-        return self._parallelism().groups.token_layout(batch, local_seq_len, sequence_parallel)
+        """The :class:`TokenLayout` of this rank's ``(batch, local_seq_len)`` tokens (made once per shape and kept,
+        except in an SPMD program, where its ranks are tensors of the program being traced)."""
+        if self.experts.spmd_rank is not None:
+            return self._parallelism().groups.token_layout(batch, local_seq_len, sequence_parallel)
+        key = (batch, local_seq_len, sequence_parallel)
+        layout = self._token_layouts.get(key)
+        if layout is None:
+            layout = self._token_layouts[key] = self.groups.token_layout(batch, local_seq_len, sequence_parallel)
+        return layout
 
     def __call__(
         self,
@@ -112,7 +120,7 @@ class ExpertParallel:
             raise ValueError("ExpertParallel: return_stats=True is not available in an SPMD program (the statistics "
                              "name this rank's experts as Python values); trace without it")
         if token_layout is None:
-            token_layout = parallelism.groups.token_layout(1, num_tokens, sequence_parallel=False)
+            token_layout = self.token_layout(1, num_tokens, sequence_parallel=False)
         if not isinstance(token_layout, TokenLayout) or token_layout.num_local_tokens != num_tokens:
             raise ValueError(f"ExpertParallel: token_layout must be a TokenLayout of {num_tokens} local tokens, got "
                              f"{token_layout!r}")
@@ -194,11 +202,12 @@ class ExpertParallel:
         key = (tuple(hidden_states.shape), hidden_states.dtype, token_layout.batch, token_layout.local_seq_len,
                token_layout.sequence_parallel, seq_len, None if mode is None else str(mode), padded,
                addend is not None, return_stats)
-        described = self._described_inputs.get(key)
-        if described is None:  # their text form, built once per combination (a steady step reuses it)
-            described = self._described_inputs[key] = config_fingerprint(
+        cached = self._described_inputs.get(key)
+        if cached is None:  # their text form and its digest, made once per combination (a steady step reuses them)
+            described = config_fingerprint(
                 hidden_states=(tuple(hidden_states.shape), hidden_states.dtype),
                 token_layout=(token_layout.batch, token_layout.local_seq_len, token_layout.sequence_parallel),
                 seq_len=seq_len, mode=key[6], padding_mask=padded, addend=addend is not None,
                 return_stats=return_stats)
-        return parallel_state.start_agreement(described, "MoE inputs")
+            cached = self._described_inputs[key] = (described, parallel_state.fingerprint(described))
+        return parallel_state.start_agreement(cached[0], "MoE inputs", cached[1])

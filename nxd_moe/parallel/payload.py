@@ -26,7 +26,7 @@ class FieldSpec(NamedTuple):
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 def pack(fields: Sequence[torch.Tensor]) -> tuple[torch.Tensor, tuple[FieldSpec, ...]]:
@@ -48,7 +48,7 @@ def unpack(rows: torch.Tensor, specs: Sequence[FieldSpec]) -> list[torch.Tensor]
     out, start = [], 0
     for spec in specs:
         chunk = rows[:, start:start + spec.nbytes]
-        item = torch.empty((), dtype=spec.dtype).element_size()
+        item = spec.dtype.itemsize
         # Traced by torch.compile, a tensor's storage offset is not known: copy (the compiler fuses the copy).
         if torch.compiler.is_compiling() or start % item or rows.stride(0) % item or rows.storage_offset() % item:
             chunk = rows.new_empty((rows.shape[0], spec.nbytes)).copy_(chunk)

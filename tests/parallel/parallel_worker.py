@@ -142,10 +142,10 @@ def local_view(x: torch.Tensor, batch: int, sharded: bool) -> torch.Tensor:
 
 
 def check_moe(full: MoE, par: MoE, batch: int, seq: int, seed: int, padding: bool = False,
-              relative: float = 0.0):
+              relative: float = 0.0, dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL):
     """Parallel output on this rank's tokens == single-device output on the block's tokens; returns the stats."""
     _, groups, _, _ = coordinates()
-    x = randn(groups * batch, seq, full.hidden_size, seed=seed)
+    x = randn(groups * batch, seq, full.hidden_size, seed=seed).to(dtype)
     mask = (randn(groups * batch, seq, seed=seed + 1) > -1.0) if padding else None
     sharded = par.sequence_parallel_enabled and seq > 1
     with torch.no_grad():
@@ -154,7 +154,8 @@ def check_moe(full: MoE, par: MoE, batch: int, seq: int, seed: int, padding: boo
                          local_view(mask, batch, sharded), return_stats=True)
     assert expected.abs().mean() > 0.02, "reference output is near zero: the comparison would be vacuous"
     # ``relative``: a tolerance that scales with the largest output (large-valued layers round more in fp32).
-    assert_close(out, expected, max(FP32_ATOL, relative * float(expected.abs().max())), msg=f"B={batch} S={seq}")
+    assert out.dtype == dtype
+    assert_close(out, expected, max(atol, relative * float(expected.abs().max())), msg=f"B={batch} S={seq}")
     return stats
 
 
@@ -635,6 +636,33 @@ def one_rank_changes_shape(changer: int | None, dispatch: str) -> Callable[[], N
     return run
 
 
+def caches_follow_shape_and_dtype(dispatch: str) -> Callable[[], None]:
+    """What an eager step keeps between calls (the agreement's digest, token layouts, the exchange's index tables,
+    the shard's activation) is keyed by everything it depends on: decode batches, a prefill and back, then the same
+    shapes in float64 (checked to float64's rounding: a float32 table or accumulator anywhere would miss it by
+    orders of magnitude), each against the single-device layer; then rank 1 alone returns to a batch every cache
+    holds, and every rank still raises the named error, and the layer still computes after it."""
+    def run():
+        init(1, dist.get_world_size(), timeout_s=AGREEMENT_TIMEOUT_S, collective_timeout_s=AGREEMENT_TIMEOUT_S)
+        full, par = pair(variant="qwen", dispatch=dispatch)
+        for batch, seq in ((2, 1), (3, 1), (2, 4), (2, 1), (3, 1)):
+            check_moe(full, par, batch, seq, seed=160 + 10 * batch + seq)
+        full.double()
+        par.double()
+        for batch, seq in ((2, 1), (3, 1), (2, 4)):
+            # float64 rounding of sums of ~H * k terms of size ~1: 1e-12 leaves four orders of magnitude to spare,
+            # float32's 1e-7 would fail it.
+            check_moe(full, par, batch, seq, seed=180 + 10 * batch + seq, dtype=torch.float64, atol=1e-12)
+        with torch.no_grad():  # the negative control of that bound: inputs rounded to float32 exceed it
+            x = randn(4, 1, full.hidden_size, seed=189, dtype=torch.float64)
+            assert (full(x)[0] - full(x.float().double())[0]).abs().max() > 1e-9
+        x = randn(3 if dist.get_rank() == 1 else 2, 1, full.hidden_size, seed=190).double()
+        with torch.no_grad():
+            expect_disagreement(lambda: par(x, return_stats=True), 1, 3, 2)
+        check_moe(full, par, 2, 1, seed=191, dtype=torch.float64, atol=1e-12)
+    return run
+
+
 def rank_never_arrives() -> None:
     """The last scenario of a suite: rank 1 skips initialisation; the others must fail within the timeout."""
     if dist.get_rank() == 1:
@@ -884,6 +912,7 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
         "errors/shapes_disagree": shapes_disagree,
         **{f"errors/shape_change/{who}/{dispatch}": one_rank_changes_shape(changer, dispatch)
            for who, changer in (("rank0", 0), ("rank1", 1), ("both", None)) for dispatch in DISPATCHES},
+        **{f"caches/shape_and_dtype/{dispatch}": caches_follow_shape_and_dtype(dispatch) for dispatch in DISPATCHES},
         "errors/rank_never_arrives": rank_never_arrives,
     },
     "world4": {

@@ -271,6 +271,57 @@ def test_gathered_shards_in_token_order(sp, groups, size, batch, local_seq):
         assert sorted(owned) == list(range(tokens)) and len(owned) == groups * per_group
 
 
+def _exchange_reference(owner: torch.Tensor, num_ranks: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``destination_slots`` written as loops over rows and destinations."""
+    rows = owner.shape[0]
+    slot = torch.full((rows, num_ranks), -1, dtype=torch.int64)
+    source = torch.full((num_ranks * rows,), -1, dtype=torch.int64)
+    for r in range(num_ranks):
+        going = [u for u in range(rows) if r // tp in owner[u].tolist()]
+        for place, u in enumerate(going):
+            slot[u, r] = place
+            source[r * rows + place] = u
+    return slot, source
+
+
+def test_static_exchange_tables_are_keyed_by_their_sizes(monkeypatch):
+    """The static all-to-all's index tables are made once per (rows, destinations, TP, device): calls with other
+    sizes in any order -- and back -- give what loops over rows and destinations give, slots, buffer fields and the
+    float64 combine alike. Negative control: tables of another row count (a cache keyed wrongly) are caught."""
+    from nxd_moe.parallel import all_to_all
+
+    gen = torch.Generator().manual_seed(7)
+    for rows, ranks, tp in ((3, 2, 1), (5, 2, 1), (3, 4, 2), (5, 4, 1), (3, 2, 1)):
+        owner = torch.randint(-1, ranks // tp, (rows, 3), generator=gen)
+        slot, source = all_to_all.destination_slots(owner, ranks, tp)
+        ref_slot, ref_source = _exchange_reference(owner, ranks, tp)
+        assert torch.equal(slot, ref_slot) and torch.equal(source, ref_source), (rows, ranks, tp)
+        experts = torch.where(owner >= 0, torch.randint(0, 8, (rows, 3), generator=gen), -1)
+        hidden = torch.randn(rows, 4, generator=gen, dtype=torch.float64)
+        sent_rows, sent_ids, _ = all_to_all.destination_fields(hidden, experts, torch.rand(rows, 3, generator=gen),
+                                                               owner, source, tp)
+        for at, u in enumerate(ref_source.tolist()):
+            expected_ids = [e if o == at // rows // tp else -1 for e, o in zip(experts[u].tolist(),
+                                                                             owner[u].tolist())] if u >= 0 else [-1] * 3
+            assert sent_ids[at].tolist() == expected_ids
+            assert torch.equal(sent_rows[at], hidden[u] if u >= 0 else torch.zeros(4, dtype=torch.float64))
+        returned = torch.randn(ranks * rows, 4, generator=gen, dtype=torch.float64)
+        expected = torch.zeros(rows, 4, dtype=torch.float64)
+        for u in range(rows):
+            for r in range(ranks):
+                if ref_slot[u, r] >= 0:
+                    expected[u] += returned[r * rows + ref_slot[u, r]]
+        assert torch.equal(all_to_all.combine_from_destinations(returned, slot, torch.float64), expected)
+    owner = torch.tensor([[0, -1], [1, 1], [-1, -1], [0, 1], [1, -1]])
+    shorter, longer = (all_to_all._exchange_tables(rows, 2, 1, "cpu") for rows in (3, 8))
+    monkeypatch.setattr(all_to_all, "_exchange_tables", lambda *key: shorter)
+    with pytest.raises(RuntimeError, match="index"):  # too few entries for five rows
+        all_to_all.destination_slots(owner, 2, 1)
+    monkeypatch.setattr(all_to_all, "_exchange_tables", lambda *key: longer)
+    broken = all_to_all.destination_slots(owner, 2, 1)  # runs, but places rows in the wrong buffers
+    assert not all(torch.equal(a, b) for a, b in zip(broken, _exchange_reference(owner, 2, 1)))
+
+
 def test_token_layout_validates():
     with pytest.raises(ValueError, match="group_rank"):
         TokenLayout(1, 4, True, 2, 2, 1, 0)
