@@ -539,11 +539,20 @@ class ExpertMLPsV2(nn.Module):
         device, built on first use: a captured CUDA graph must not copy from the host)."""
         key = (decode, str(device))
         if key not in self._local_slots:
-            experts = self.weight_shard(decode).experts
-            slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
-            slot[list(experts)] = torch.arange(len(experts))
-            self._local_slots[key] = slot.to(device)
+            # Made in a graph being compiled, a table stored here would be that graph's output, held across
+            # CUDA-graph replays that overwrite it: there it is made and not kept. So an eager call (the prefill
+            # before compiled decode steps) makes both phases' tables.
+            if torch.compiler.is_compiling():
+                return self._make_local_slot(decode, device)
+            for phase in (False, True):
+                self._local_slots[phase, str(device)] = self._make_local_slot(phase, device)
         return self._local_slots[key]
+
+    def _make_local_slot(self, decode: bool, device) -> torch.Tensor:
+        experts = self.weight_shard(decode).experts
+        slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
+        slot[list(experts)] = torch.arange(len(experts))
+        return slot.to(device)
 
     def resolve_mode(self, mode, num_tokens: int, seq_len: int | None) -> ExpertsMode:
         """The algorithm for ``num_tokens`` tokens (the whole layer's, under model parallelism): ``mode`` if forced,

@@ -9,7 +9,7 @@ pairs -- so each pair is computed exactly once, the split is even, and it needs 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -64,40 +64,42 @@ class ExpertPlacement:
         check_int("ep_rank", ep_rank, minimum=0, maximum=self.expert_parallel_size - 1)
         return self.distribution[ep_rank]
 
+    def _device_table(self, key: tuple, build: Callable[[], torch.Tensor]) -> Any:
+        """The table ``key``, built once by ``build()`` -- except while a graph is being compiled: a table stored
+        then would be that graph's output, held across CUDA-graph replays that overwrite it; it is built in the
+        graph instead (the eager prefill before compiled decode steps has already stored it)."""
+        table = self._device_tables.get(key)
+        if table is None:
+            table = build()
+            if not torch.compiler.is_compiling():
+                self._device_tables[key] = table
+        return table
+
     def local_slot(self, ep_rank: int, device=None) -> torch.Tensor:
         """``(E,)`` int64: the local index of each expert on ``ep_rank``, ``-1`` where it is not held."""
-        key = ("slot", ep_rank, str(torch.device(device or "cpu")))
-        if key not in self._device_tables:
+        def build():
             slot = torch.full((self.num_experts,), -1, dtype=torch.int64)
             experts = self.experts_of(ep_rank)
             slot[list(experts)] = torch.arange(len(experts))
-            self._device_tables[key] = slot.to(device)
-        return self._device_tables[key]
+            return slot.to(device)
+        return self._device_table(("slot", ep_rank, str(torch.device(device or "cpu"))), build)
 
     def local_slot_table(self, device=None) -> torch.Tensor:
         """``(EP, E)`` int64: :meth:`local_slot` of every EP rank (an SPMD program reads its row at its EP rank)."""
-        key = ("slots", str(torch.device(device or "cpu")))
-        if key not in self._device_tables:
-            rows = [self.local_slot(r) for r in range(self.expert_parallel_size)]
-            self._device_tables[key] = torch.stack(rows).to(device)
-        return self._device_tables[key]
+        return self._device_table(("slots", str(torch.device(device or "cpu"))), lambda: torch.stack(
+            [self.local_slot(r) for r in range(self.expert_parallel_size)]).to(device))
 
     def replica_table(self, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(E, R_max)`` EP rank of each copy (``-1`` past an expert's last copy) and ``(E,)`` copies per expert
         (built once per device: every forward needs them)."""
-        key = ("replicas", str(torch.device(device or "cpu")))
-        if key not in self._device_tables:
-            self._device_tables[key] = self._replica_table(device)
-        return self._device_tables[key]
+        return self._device_table(("replicas", str(torch.device(device or "cpu"))),
+                                  lambda: self._replica_table(device))
 
     def _owner_table(self, device) -> torch.Tensor:
         """``(E + 1,)``: ``-1``, then the EP rank of each expert's only copy (index ``expert + 1``: one lookup maps
         ``-1`` to ``-1``)."""
-        key = ("owner", str(torch.device(device or "cpu")))
-        if key not in self._device_tables:
-            table = torch.tensor([-1] + [ranks[0] for ranks in self.replicas], dtype=torch.int64)
-            self._device_tables[key] = table.to(device)
-        return self._device_tables[key]
+        return self._device_table(("owner", str(torch.device(device or "cpu"))), lambda: torch.tensor(
+            [-1] + [ranks[0] for ranks in self.replicas], dtype=torch.int64).to(device))
 
     def _replica_table(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in self.replicas)

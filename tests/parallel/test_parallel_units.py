@@ -452,3 +452,17 @@ def test_world_of_one(single_rank_world, dispatch, splits):
     assert parallel_state.start_agreement({"a": "1"}, "inputs") is None  # nothing to agree with: no exchange
     with pytest.raises(RuntimeError, match="already initialized"):
         parallel_state.initialize_model_parallel(1, 1)
+
+
+def test_placement_tables_made_while_compiling_are_not_kept(monkeypatch):
+    """A table first asked for inside a graph being compiled is built there and not stored: stored, it would be
+    the graph's output, held across CUDA-graph replays that overwrite it (the compiled expert-parallel decode step
+    on two GPUs failed that way). Built eagerly, it is kept and reused."""
+    placement = ExpertPlacement(4, 2, None)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    in_graph = placement.local_slot(1)
+    assert placement._device_tables == {}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    kept = placement.local_slot(1)
+    assert kept.tolist() == in_graph.tolist() == [-1, -1, 0, 1]
+    assert placement.local_slot(1) is kept
