@@ -31,7 +31,9 @@ Small decodes (launch config ``pair_tiles``; the rule's choice at ``T = 1``) ski
 ``expert_index[p]`` -- so gate/up items wait only for the routing items (not at all through the seam) and the
 layout item merely marks which pairs are real, for the combine. A token's k experts are distinct, so at ``T = 1``
 no weight is read twice. ``router_chunk`` (``H`` per router item) spreads the fused router's weight read over more
-items.
+items. ``down_prefetch`` adds items right after the routed gate/up items, as many as programs the gate/up items
+leave idle, that ask L2 for equal slices of the tiles' experts' down weights (at most half the L2) without waiting
+for them, so the down items read L2 instead of HBM; nothing waits for them and they write nothing.
 
 Triton's interpreter runs programs one after another; the first takes every item in order, so the same kernel
 runs (and is tested) on a CPU.
