@@ -46,14 +46,17 @@ VARIANTS = {
     # small-T dataflow (persistent_decode's pair tiles, the fused router's H per item)
     "pairs": {"pair_tiles": True},
     "nopairs": {"pair_tiles": False},
-    "smalloff": {"pair_tiles": False, "router_chunk": 512},  # the T=1 path before pair tiles and router_chunk
+    "smalloff": {"pair_tiles": False, "router_chunk": 512, "down_prefetch": False},  # T=1 before pair tiles
     "rc64": {"router_chunk": 64},
     "rc256": {"router_chunk": 256},
     "rc512": {"router_chunk": 512},
+    "rc128": {"router_chunk": 128},
+    "pf": {"down_prefetch": True},  # down weights pulled into L2 while gate/up runs (capped at half the L2)
+    "nopf": {"down_prefetch": False},
     "gu32": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}},
     "dn64": {"down": {"BLOCK_N": 64, "BLOCK_K": 128}},
 }
-KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route")
+KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route", "down_prefetch")
 
 
 def trace_summary(trace) -> dict:

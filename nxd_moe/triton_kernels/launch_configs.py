@@ -16,8 +16,9 @@ default_prefill_config` is the rule without it).
 The one-launch decode (:mod:`~nxd_moe.triton_kernels.persistent_decode`) has its own entries, keyed
 ``decode:<shape key>``: ``block_m``, ``gate_up`` (``BLOCK_N``, ``BLOCK_K``), ``down`` (``BLOCK_N``, ``BLOCK_K``,
 ``SPLIT_K``), and for the whole launch ``num_warps``, ``num_stages`` and ``programs_per_sm``; optional
-``pair_tiles`` (bool: one tile per (token, expert) pair, no sort, see ``persistent_decode``) and ``router_chunk``
-(the fused router's ``H`` per item, a power of two; default ``min(512, H)``).
+``pair_tiles`` (bool: one tile per (token, expert) pair, no sort, see ``persistent_decode``), ``down_prefetch``
+(bool: items that pull the chosen experts' down weights into L2 while gate/up runs) and ``router_chunk`` (the fused
+router's ``H`` per item, a power of two; default ``min(512, H)``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,17 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+H100_L2_BYTES = 50 << 20
+# Stored bytes per weight value of each format (scales aside).
+_VALUE_BYTES = {"bf16": 2, "fp8": 1, "fp8_block": 1, "mxfp4": 0.5}
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache in bytes (an H100's off a GPU: for the rule and the interpreter)."""
+    return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else H100_L2_BYTES
+
+
 def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
                    multiprocessors: int = 132) -> dict:
     """The rule for untuned shapes.
@@ -86,7 +98,7 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
 
 
 def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
-                          multiprocessors: int = 132, quantization: str = "bf16") -> dict:
+                          multiprocessors: int = 132, quantization: str = "bf16", l2: int = H100_L2_BYTES) -> dict:
     """The rule for the one-launch decode (one program per multiprocessor). Weight tiles are read in rows of 256
     bytes (128 columns of gate and of up; down 128 columns) when that still gives a gate/up item per program,
     else 128 bytes -- narrower rows cut HBM efficiency more than extra items help; deep ``K`` tiles keep ~100 KB
@@ -94,7 +106,8 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
     projection's ``K`` is split while its items would not cover the programs. Measured on an H100: see
     ``benchmarks/notes/issue19_gpu_kernels.md``. MxFP4 (a quarter of bf16's bytes per value, read from the
     repacked copy, ``repack.py``) takes gate/up K tiles twice as deep (a useful run of bytes per tile); its down
-    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure)."""
+    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure). ``l2``: the GPU's
+    L2 in bytes (small decodes prefetch down weights that fit half of it)."""
     pairs = num_tokens * top_k
     used = min(num_experts, pairs)
     block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
@@ -106,7 +119,8 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
               "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
               "programs_per_sm": 1}
     if pairs <= SMALL_DECODE_PAIRS:
-        config.update(_small_decode(num_experts, hidden, num_tokens, multiprocessors))
+        down_bytes = pairs * inter * hidden * _VALUE_BYTES.get(quantization, 2)
+        config.update(_small_decode(num_experts, hidden, num_tokens, multiprocessors, down_bytes <= l2 // 2))
     return config
 
 
@@ -115,16 +129,21 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
 SMALL_DECODE_PAIRS = 32
 
 
-def _small_decode(num_experts: int, hidden: int, num_tokens: int, multiprocessors: int) -> dict:
+def _small_decode(num_experts: int, hidden: int, num_tokens: int, multiprocessors: int,
+                  down_fits_l2: bool) -> dict:
     """Pair tiles at ``T = 1`` (a token's k experts are distinct, so no weight is read twice; at ``T > 1`` two
-    tokens on one expert would each read it); the fused router's ``H`` cut finer while its items would cover fewer
-    than half the multiprocessors (its 1 MB fp32 weight at Qwen3's size took 9 us on 32 items) -- not below 128
-    columns (512-byte rows), and kept where even that would not reach half (a small router: nothing to spread)."""
+    tokens on one expert would each read it), with the down weights prefetched into L2 by the programs the gate/up
+    items leave idle where they fit half of it (Qwen3-30B-A3B: 24 MiB of 50; its down phase read HBM at 1.8 TB/s
+    after the gate/up phase, H100). The fused router's ``H`` is cut finer while its items would cover fewer than half
+    the multiprocessors (its 1 MB fp32 weight at Qwen3's size took 9 us on 32 items), not below 128 columns
+    (512-byte rows); where even that would not reach half (a small router) 256 columns: Mixtral-8x7B T=1 measured
+    248.2 us with 256 against 253.8 with 512 (H100, CUDA-graph replay, one run)."""
     blocks = -(-num_experts // 16)
     chunks = [c for c in (512, 256, 128) if blocks * -(-hidden // c) >= multiprocessors // 2]
-    out = {"router_chunk": min(chunks[0] if chunks else 512, triton.next_power_of_2(hidden))}
+    out = {"router_chunk": min(chunks[0] if chunks else 256, triton.next_power_of_2(hidden))}
     if num_tokens == 1:
         out["pair_tiles"] = True
+        out["down_prefetch"] = down_fits_l2
     return out
 
 
@@ -189,7 +208,7 @@ def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
         entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
         entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device),
-                                      quantization)
+                                      quantization, l2_bytes(device))
     return for_dtype(entry, dtype)
 
 

@@ -31,7 +31,9 @@ Small decodes (launch config ``pair_tiles``; the rule's choice at ``T = 1``) ski
 ``expert_index[p]`` -- so gate/up items wait only for the routing items (not at all through the seam) and the
 layout item merely marks which pairs are real, for the combine. A token's k experts are distinct, so at ``T = 1``
 no weight is read twice. ``router_chunk`` (``H`` per router item) spreads the fused router's weight read over more
-items.
+items. ``down_prefetch`` adds items right after the routed gate/up items, as many as programs the gate/up items
+leave idle, that ask L2 for equal slices of the tiles' experts' down weights (at most half the L2) without waiting
+for them, so the down items read L2 instead of HBM; nothing waits for them and they write nothing.
 
 Triton's interpreter runs programs one after another; the first takes every item in order, so the same kernel
 runs (and is tested) on a CPU.
@@ -50,6 +52,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.triton_kernels.combine import _combine_token, combine_width
 from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _down_tile, _gate_up_tile, _stored, epilogue_arguments
+from nxd_moe.triton_kernels.launch_configs import l2_bytes
 from nxd_moe.triton_kernels.router import activation, top_k_rounds
 from nxd_moe.triton_kernels.routing_metadata import max_tiles
 from nxd_moe.triton_kernels import in_compiled_graph_call, interpreting
@@ -74,7 +77,10 @@ MAX_PAIRS = 1024
 # Elements of one routing chunk (tokens x experts: int64 sort keys, fp32 logits).
 ROUTE_ELEMENTS = 1024
 # Item types in a TRACE record.
-ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE, ROUTE_ITEM = range(8)
+ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE, ROUTE_ITEM, DOWN_PREFETCH = range(9)
+# Lines of weights one down-prefetch step asks L2 for (8 per thread at 4 warps); an L2 line is 128 bytes.
+PREFETCH_LANES = tl.constexpr(1024)
+L2_LINE_BYTES = 128
 
 
 @triton.jit
@@ -114,6 +120,30 @@ def _signal(sync_ptr, slot):
     """Count one finished item on ``slot``: every thread's stores first (barrier), then a release increment."""
     tl.debug_barrier()
     tl.atomic_add(sync_ptr + slot, 1, sem="release")
+
+
+@triton.jit
+def _prefetch_down(piece, w_ptr, tile_expert_ptr, tiles, stride_e, PIECES: tl.constexpr, SLAB_LINES: tl.constexpr,
+                   LINE: tl.constexpr, CAP_LINES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Ask L2 to fetch, and keep (``evict_last``), piece ``piece`` of ``PIECES`` equal slices of the down weights
+    of tiles ``0 .. tiles`` -- each tile's expert's ``SLAB_LINES`` lines of ``LINE`` elements from ``w_ptr + expert
+    * stride_e``, in tile order, at most ``CAP_LINES`` lines in all -- without waiting for them: the down items that
+    read them later hit L2. Under the interpreter the lines' first elements are read and dropped (nothing to
+    prefetch into; the addresses are still exercised)."""
+    total = tl.minimum(tiles * SLAB_LINES, CAP_LINES)
+    per_piece = (total + PIECES - 1) // PIECES
+    begin = piece * per_piece
+    end = tl.minimum(begin + per_piece, total)
+    for first in range(begin, end, PREFETCH_LANES):
+        lines = first + tl.arange(0, PREFETCH_LANES)
+        ok = lines < end
+        expert = tl.load(tile_expert_ptr + lines // SLAB_LINES, mask=ok, other=0, cache_modifier=".cg")
+        at = w_ptr + tl.where(ok, expert.to(tl.int64) * stride_e + (lines % SLAB_LINES).to(tl.int64) * LINE, 0)
+        if INTERPRET:
+            tl.load(at, mask=ok)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;", "=r,l", [at],
+                                      dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -265,7 +295,8 @@ def _decode_kernel(
     ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     ACT_OVER_TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, SHARED: tl.constexpr, SHARED_ACT: tl.constexpr,
-    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PAIR_TILES: tl.constexpr,
+    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PAIR_TILES: tl.constexpr, DOWN_PREFETCH: tl.constexpr,
+    PREFETCH_ITEMS: tl.constexpr, SLAB_LINES: tl.constexpr, LINE: tl.constexpr, CAP_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr, DN_K: tl.constexpr,
     ROUTE_T: tl.constexpr, ROUTE_E: tl.constexpr, ROUTE_H: tl.constexpr, ROUTE_CHUNK: tl.constexpr,
     ROUTE_PARTS: tl.constexpr, ROUTE_TOKENS: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -304,7 +335,10 @@ def _decode_kernel(
                 tiles = tl.load(sync_ptr + NUM_TILES, volatile=True)
         routed_gu = tiles * gu_cols
         routed_dn = tiles * dn_cols * split
-        if item < first_routed + routed_gu + shared_dn + routed_dn + num_tokens * combine_cols:
+        first_down = routed_gu  # the down-prefetch items, if any, come between
+        if DOWN_PREFETCH:
+            first_down = routed_gu + PREFETCH_ITEMS
+        if item < first_routed + first_down + shared_dn + routed_dn + num_tokens * combine_cols:
             started = fetched
             if item < num_router_items:
                 kind = 0
@@ -363,9 +397,17 @@ def _decode_kernel(
                                   GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, False,
                                   FORMAT, BLOCK_M, GU_N, GU_K, False, GATE_UP_INTERLEAVED)
                     _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)
-                elif j < routed_gu + shared_dn:
+                elif j < first_down:  # (only with DOWN_PREFETCH)
+                    kind = 8
+                    if DOWN_PREFETCH:
+                        if PAIR_TILES and ROUTER:
+                            _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
+                            started = _now(item, INTERPRET)
+                        _prefetch_down(j - routed_gu, dn_ptr, tile_expert, tiles, s_dn_e, PREFETCH_ITEMS, SLAB_LINES,
+                                       LINE, CAP_LINES, INTERPRET)
+                elif j < first_down + shared_dn:
                     kind = 4
-                    j -= routed_gu
+                    j -= first_down
                     tile = j // dn_cols
                     _wait_at_least(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE, shared_gu_cols,
                                    INTERPRET)
@@ -375,9 +417,9 @@ def _decode_kernel(
                                hidden, shared_inter, shared_inter, 0, s_shd_k, s_shd_n, 0, 0, 0, 0, 0, hidden,
                                False, PRECISION, INTERPRET, False, 0, BLOCK_M, DN_N, DN_K, True)
                     _signal(sync_ptr, DOWN_DONE)
-                elif j < routed_gu + shared_dn + routed_dn:
+                elif j < first_down + shared_dn + routed_dn:
                     kind = 5
-                    j -= routed_gu + shared_dn
+                    j -= first_down + shared_dn
                     part = j // split
                     tile = part // dn_cols
                     _wait_at_least(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE, gu_cols, INTERPRET)
@@ -389,7 +431,7 @@ def _decode_kernel(
                     _signal(sync_ptr, DOWN_DONE)
                 else:
                     kind = 6
-                    j -= routed_gu + shared_dn + routed_dn
+                    j -= first_down + shared_dn + routed_dn
                     if PAIR_TILES:  # which pairs are real (pair_row)
                         _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
                     _wait_at_least(sync_ptr, DOWN_DONE, routed_dn + shared_dn, INTERPRET)
@@ -551,9 +593,22 @@ class _Plan:
         dn_cols = _cdiv(hidden, dn_n)
         route_tokens = max(1, min(_pow2(num_tokens), ROUTE_ELEMENTS // max(2, _pow2(num_experts))))
         route_items = _cdiv(num_tokens, route_tokens) if router is not None else 0
+        down_prefetch = config.get("down_prefetch", False)
+        if not isinstance(down_prefetch, bool):
+            raise ValueError(f"decode config: down_prefetch must be a bool, got {down_prefetch!r}")
+        capacity = _multiprocessors(device) * config["programs_per_sm"]
+        gate_up_items = tile_bound * _cdiv(inter, gu_n) + shared_tiles * _cdiv(max(shared_inter, 1), gu_n)
+        # As many prefetch items as programs the gate/up items leave idle: they run alongside the gate/up phase.
+        prefetch_items = max(1, capacity - gate_up_items) if down_prefetch else 0
         max_items = (num_router_items + route_items + 1 + shared_tiles * (_cdiv(max(shared_inter, 1), gu_n) + dn_cols)
-                     + tile_bound * (_cdiv(inter, gu_n) + dn_cols * split) + num_tokens * _cdiv(hidden, combine_h))
-        self.programs = min(max_items, _multiprocessors(device) * config["programs_per_sm"])
+                     + tile_bound * (_cdiv(inter, gu_n) + dn_cols * split) + num_tokens * _cdiv(hidden, combine_h)
+                     + prefetch_items)
+        self.programs = min(max_items, capacity)
+        # One expert's down weight as addressed (its strides' span, in stored elements) in 128-byte lines; at most
+        # half the L2 is prefetched: the gate/up weights stream through the rest meanwhile.
+        slab = 1 + sum((size - 1) * stride for size, stride in zip(dn.shape[1:], dn.stride()[1:]))
+        line = L2_LINE_BYTES // dn.element_size()
+        cap_lines = l2_bytes(device) // 2 // L2_LINE_BYTES
         self.sync_slots = TILE_COUNTERS.value + 2 * tile_bound * TILE_STRIDE.value
         block_p = max(16, _pow2(num_tokens * top_k))
         block_e = max(2, _pow2(num_experts))
@@ -593,7 +648,9 @@ class _Plan:
             NORMALIZE=router is not None and router.normalize,
             HAS_PADDING=router is not None and router.padding is not None, SHARED=shared is not None,
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
-            TRACE=trace, PAIR_TILES=pair_tiles, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
+            TRACE=trace, PAIR_TILES=pair_tiles, DOWN_PREFETCH=down_prefetch, PREFETCH_ITEMS=prefetch_items,
+            SLAB_LINES=_cdiv(slab, line) if down_prefetch else 0, LINE=line if down_prefetch else 0,
+            CAP_LINES=cap_lines if down_prefetch else 0, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
             ROUTE_T=route_t,
             ROUTE_E=route_e, ROUTE_H=min(128, route_chunk), ROUTE_CHUNK=route_chunk, ROUTE_PARTS=route_parts,
             ROUTE_TOKENS=route_tokens, BLOCK_E=block_e,

@@ -331,15 +331,20 @@ def _small_decode(moe, x):
 
 
 def test_small_decode_rule():
-    """The rule: pair tiles at T=1 only (at T>1 two tokens on one expert would each read it), the router split while
-    that reaches half the multiprocessors; larger decodes keep the sorted tiles and today's router split."""
+    """The rule: pair tiles at T=1 only (at T>1 two tokens on one expert would each read it), with the down weights
+    prefetched into L2 where they fit half of it; the router split while that reaches half the multiprocessors, else
+    256 columns; larger decodes keep the sorted tiles, today's router split and no prefetch."""
     from nxd_moe.triton_kernels.launch_configs import default_decode_config
     qwen3 = default_decode_config(128, 2048, 768, 8, 1, 132)
     assert qwen3["pair_tiles"] and qwen3["router_chunk"] == 128  # 8 expert blocks x 16 H chunks = 128 items
-    assert "pair_tiles" not in default_decode_config(128, 2048, 768, 8, 4, 132)
-    assert default_decode_config(8, 4096, 14336, 2, 1, 132)["router_chunk"] == 512  # a 128 KB router: as before
+    assert qwen3["down_prefetch"]  # 8 x 3 MiB of down weights, half of an H100's 50 MiB L2 is 25
+    assert not default_decode_config(128, 2048, 768, 8, 1, 108, l2=40 << 20)["down_prefetch"]  # an A100's 40 MiB
+    assert not {"pair_tiles", "down_prefetch"} & set(default_decode_config(128, 2048, 768, 8, 4, 132))
+    mixtral = default_decode_config(8, 4096, 14336, 2, 1, 132)
+    assert mixtral["router_chunk"] == 256  # a 128 KB router: no chunk reaches 66 items
+    assert not mixtral["down_prefetch"]  # 2 x 112 MiB of down weights
     for large in ((128, 2048, 768, 8, 32), (16, 5120, 1024, 1, 64), (256, 7168, 2048, 8, 16)):
-        assert not {"pair_tiles", "router_chunk"} & set(default_decode_config(*large, 132)), large
+        assert not {"pair_tiles", "router_chunk", "down_prefetch"} & set(default_decode_config(*large, 132)), large
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 4])
@@ -425,3 +430,76 @@ def test_bound_rejects_broken_pair_tiles(broken, monkeypatch):
     out = _small_decode(moe, x)[0]
     with pytest.raises(AssertionError):
         _check(out, reference, torch.bfloat16, broken)
+
+
+# Down prefetch: items between the gate/up and the down items that ask L2 for the chosen experts' down weights (on
+# a GPU; under the interpreter they read the lines' first elements). 24 of them here (40 programs, 16 gate/up items
+# at T=1), each a slice of the 8 experts' 32 lines (4 KB each) -- or of the first lines up to the cap.
+PREFETCH_PROGRAMS = 40
+
+
+def _prefetch_decode(moe, x, monkeypatch, down_prefetch, l2=None):
+    """The layer's fused decode with the down prefetch on or off -> (out, the item kinds in order of the trace)."""
+    monkeypatch.setattr(persistent_decode, "_multiprocessors", lambda device: PREFETCH_PROGRAMS)
+    monkeypatch.setattr(persistent_decode, "TRACE_PLANS", True)
+    if l2 is not None:
+        monkeypatch.setattr(persistent_decode, "l2_bytes", lambda device: l2)
+    moe.expert_mlps.backend = TritonBackend(decode_configs={**moe.expert_mlps.backend.decode_configs,
+                                                            "down_prefetch": down_prefetch})
+    out = _small_decode(moe, x)[0]
+    assert not persistent_decode.timed_out(out.device)
+    assert int(persistent_decode.counters(out.device).abs().sum()) == 0
+    kinds = persistent_decode.last_trace()[:, 3].cpu() % 16
+    return out, kinds
+
+
+# Prefetch items: the 40 programs less the gate/up items -- pair tiles at T=1: 8 tiles x 2 column slices; sorted
+# tiles at T=2: a bound of 17 tiles x 2, and the shared expert's one.
+PREFETCH_ITEMS = {"pairs_T1": 40 - 16, "pairs_T1_cap": 40 - 16, "sorted_T2_shared": 40 - 34 - 1}
+
+
+@pytest.mark.parametrize("case", sorted(PREFETCH_ITEMS))
+def test_down_prefetch_leaves_results_bitwise_unchanged(case, monkeypatch):
+    """The prefetch only reads: with it on, the output is bitwise the output with it off, and its items run between
+    the gate/up and the down items (pair tiles; a cap of 40 lines, so that most items have nothing to do; sorted
+    tiles with a shared expert)."""
+    num_tokens = int(case.split("_T")[1][0])
+    moe = _small_moe(num_tokens, torch.bfloat16, pair_tiles=case.startswith("pairs"))
+    if case.endswith("shared"):
+        shared = randomize_(SharedExperts(SMALL_H, 16, 1, "silu", dtype=torch.bfloat16), seed=75).to(DEVICE)
+        moe = MoE(moe.router, moe.expert_mlps, shared, return_router_logits=True, return_expert_index=True).eval()
+    x = randn(num_tokens, 1, SMALL_H, seed=76).to(DEVICE, torch.bfloat16)
+    off, off_kinds = _prefetch_decode(moe, x, monkeypatch, False)
+    on, on_kinds = _prefetch_decode(moe, x, monkeypatch, True, l2=2 * 40 * 128 if case.endswith("cap") else None)
+    _check(off, reference_for_moe(moe, x), torch.bfloat16, case)
+    assert torch.equal(on, off)
+    assert (off_kinds != persistent_decode.DOWN_PREFETCH).all()
+    # Trace rows in item order; router items' rows and those of items not run are 0 (kind 0) and are skipped here.
+    prefetch = (on_kinds == persistent_decode.DOWN_PREFETCH).nonzero().flatten()
+    assert len(prefetch) == PREFETCH_ITEMS[case]
+    gate_up = (on_kinds == persistent_decode.GATE_UP).nonzero().flatten()
+    down = ((on_kinds == persistent_decode.DOWN) | (on_kinds == persistent_decode.SHARED_DOWN)).nonzero().flatten()
+    assert gate_up.max() < prefetch.min() and prefetch.max() < down.min()
+
+
+def test_down_prefetch_config_is_checked():
+    moe = _small_moe(1, torch.float32, down_prefetch="yes")
+    with pytest.raises(ValueError, match="down_prefetch must be a bool"):
+        _small_decode(moe, randn(1, 1, SMALL_H, seed=77).to(DEVICE))
+
+
+def test_down_prefetch_check_rejects_items_that_displace_down_items(monkeypatch):
+    """Negative control: prefetch items not counted in the launch's item total push the last items (combine)
+    out of the launch -- the bitwise comparison with the prefetch off must catch it."""
+    moe = _small_moe(1, torch.bfloat16)
+    x = randn(1, 1, SMALL_H, seed=78).to(DEVICE, torch.bfloat16)
+    off, _ = _prefetch_decode(moe, x, monkeypatch, False)
+    init = persistent_decode._Plan.__init__
+
+    def uncounted(self, *args):
+        init(self, *args)
+        num_tokens, num_rows, max_items, *rest = self.sizes
+        self.sizes = (num_tokens, num_rows, max_items - self.constexprs["PREFETCH_ITEMS"], *rest)
+    monkeypatch.setattr(persistent_decode._Plan, "__init__", uncounted)
+    on, _ = _prefetch_decode(moe, x, monkeypatch, True)
+    assert not torch.equal(on, off)
