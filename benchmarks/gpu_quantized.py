@@ -16,9 +16,8 @@ FP8 tensor-core GEMMs; per token, resp. per token and 128 columns). Their launch
 ``config``): the in-run tuning that ``tune_gpu.py`` does at length, reported as such.
 
 ``--decode-variants``: for the quantized decode shapes (W8A16 ``fp8`` / ``fp8_block`` / ``mxfp4``), the shipped
-launch configuration (the tuned table plus issue 29's gate/up split rule, ``launch_configs.decode_split_k``) timed
-next to variations of it in the same process: gate/up unsplit (the code before the rule) and split twice as far /
-half as far, the down split doubled / halved, one more pipeline stage, half-width gate/up column tiles, 8 warps
+launch configuration (the tuned table or the rule) timed next to variations of it in the same process: gate/up
+unsplit and split twice as far / half as far (issue 29's split of ``H``, ``gate_up["SPLIT_K"]``), the down split doubled / halved, one more pipeline stage, half-width gate/up column tiles, 8 warps
 (``decode_variants``: each one's configuration, us, fraction of copy bandwidth, error against bf16). With it the
 one-launch / separate-kernels comparison is skipped (``--paths`` turns it back on).
 

@@ -714,7 +714,7 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     ``affinities (T, E)`` when the expert input is pre-scaled by its affinity, else None.
     ``config["SPLIT_K"]`` (default 1) > 1 splits ``H`` over that many programs per tile and column slice: fp32
     partial sums ``(S, R, 2I)``, then one more launch adds them in split order and applies the activation --
-    bitwise reproducible (what decode at small ``T`` needs to fill the GPU: launch_configs.decode_split_k).
+    bitwise reproducible (more programs for a decode at small ``T``; no rule turns it on, see launch_configs).
     """
     num_experts, hidden, width = gate_up_proj.shape
     inter = width // 2 if activation.glu_mlp else width

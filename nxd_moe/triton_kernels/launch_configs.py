@@ -9,7 +9,10 @@ inside a forward.
 Each entry: ``block_m`` (rows per tile, a power of two >= 16), and for ``gate_up`` and ``down`` the column tile
 ``BLOCK_N``, the reduction tile ``BLOCK_K``, ``num_warps``, ``num_stages``, and ``TMA`` (load weight tiles with the
 bulk tensor copy engine, on Hopper and newer; ignored elsewhere); ``down`` also has ``SPLIT_K``, and ``gate_up``
-may (absent: 1, except for quantized weights at decode tiles, where :func:`decode_split_k` chooses it). An entry may add
+may (absent: 1; a split gate/up sums fp32 partials of each slice of ``H`` in a second launch, in a fixed order --
+measured on an H100 for quantized decode, issue 29, it gained nothing: Mixtral-8x7B T=1 FP8 172.6 us split 4 ways
+against 166.4 unsplit, MxFP4 118.7 split 2 ways against 121.0, ``benchmarks/results/gpu_quantized_split_h100.json``;
+no rule turns it on). An entry may add
 ``prefill``: the persistent prefill GEMMs' settings on Hopper (:func:`~nxd_moe.triton_kernels.prefill_gemm.
 default_prefill_config` is the rule without it).
 
@@ -59,13 +62,11 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 H100_L2_BYTES = 50 << 20
-# Stored bytes per weight value of each format (scales aside).
-_VALUE_BYTES = {"bf16": 2, "fp8": 1, "fp8_block": 1, "mxfp4": 0.5}
 
 
 @functools.lru_cache(maxsize=None)
 def l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache in bytes (an H100's off a GPU: for the rule and the interpreter)."""
+    """The GPU's L2 cache in bytes (an H100's off a GPU: the interpreter's)."""
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else H100_L2_BYTES
 
 
@@ -98,7 +99,7 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
 
 
 def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
-                          multiprocessors: int = 132, quantization: str = "bf16", l2: int = H100_L2_BYTES) -> dict:
+                          multiprocessors: int = 132, quantization: str = "bf16") -> dict:
     """The rule for the one-launch decode (one program per multiprocessor). Weight tiles are read in rows of 256
     bytes (128 columns of gate and of up; down 128 columns) when that still gives a gate/up item per program,
     else 128 bytes -- narrower rows cut HBM efficiency more than extra items help; deep ``K`` tiles keep ~100 KB
@@ -106,8 +107,7 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
     projection's ``K`` is split while its items would not cover the programs. Measured on an H100: see
     ``benchmarks/notes/issue19_gpu_kernels.md``. MxFP4 (a quarter of bf16's bytes per value, read from the
     repacked copy, ``repack.py``) takes gate/up K tiles twice as deep (a useful run of bytes per tile); its down
-    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure). ``l2``: the GPU's
-    L2 in bytes (small decodes prefetch down weights that fit half of it)."""
+    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure)."""
     pairs = num_tokens * top_k
     used = min(num_experts, pairs)
     block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
@@ -119,8 +119,7 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
               "down": {"BLOCK_N": 128, "BLOCK_K": 128, "SPLIT_K": split}, "num_warps": 4, "num_stages": 4,
               "programs_per_sm": 1}
     if pairs <= SMALL_DECODE_PAIRS:
-        down_bytes = pairs * inter * hidden * _VALUE_BYTES.get(quantization, 2)
-        config.update(_small_decode(num_experts, hidden, num_tokens, multiprocessors, down_bytes <= l2 // 2))
+        config.update(_small_decode(num_experts, hidden, num_tokens, multiprocessors))
     return config
 
 
@@ -129,64 +128,21 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
 SMALL_DECODE_PAIRS = 32
 
 
-def _small_decode(num_experts: int, hidden: int, num_tokens: int, multiprocessors: int,
-                  down_fits_l2: bool) -> dict:
+def _small_decode(num_experts: int, hidden: int, num_tokens: int, multiprocessors: int) -> dict:
     """Pair tiles at ``T = 1`` (a token's k experts are distinct, so no weight is read twice; at ``T > 1`` two
-    tokens on one expert would each read it), with the down weights prefetched into L2 by the programs the gate/up
-    items leave idle where they fit half of it (Qwen3-30B-A3B: 24 MiB of 50; its down phase read HBM at 1.8 TB/s
-    after the gate/up phase, H100). The fused router's ``H`` is cut finer while its items would cover fewer than half
-    the multiprocessors (its 1 MB fp32 weight at Qwen3's size took 9 us on 32 items), not below 128 columns
-    (512-byte rows); where even that would not reach half (a small router) 256 columns: Mixtral-8x7B T=1 measured
-    248.2 us with 256 against 253.8 with 512 (H100, CUDA-graph replay, one run)."""
+    tokens on one expert would each read it). The fused router's ``H`` is cut finer while its items would cover
+    fewer than half the multiprocessors (its 1 MB fp32 weight at Qwen3's size took 9 us on 32 items), not below 128
+    columns (512-byte rows); where even that would not reach half (a small router) 256 columns. Measured on an
+    H100 (CUDA-graph replay, ``benchmarks/results/gpu_decode_small_t_h100.json``): Qwen3-30B-A3B T=1 51.1 us against
+    63.2 before (router items 3.3 us instead of 9), Mixtral-8x7B T=1 246.9 against 257.7. ``down_prefetch`` (down
+    weights pulled into L2 by the programs gate/up leaves idle) is not turned on: it measured slower in the same run
+    (Qwen3 T=1 55.5 us: the prefetch takes HBM bandwidth from the gate/up stream; Mixtral 318.8)."""
     blocks = -(-num_experts // 16)
     chunks = [c for c in (512, 256, 128) if blocks * -(-hidden // c) >= multiprocessors // 2]
     out = {"router_chunk": min(chunks[0] if chunks else 256, triton.next_power_of_2(hidden))}
     if num_tokens == 1:
         out["pair_tiles"] = True
-        out["down_prefetch"] = down_fits_l2
     return out
-
-
-# The quantized decode's split of the gate/up GEMM along H (issue 29). A decode GEMM's program streams its column
-# slice of the weight once; with fewer programs than the GPU holds at once (an H100 keeps ~3 of these per
-# multiprocessor resident), whole multiprocessors idle, and the programs that run leave the dequantization's
-# latency exposed. Split while the launch has under DECODE_WAVES programs per multiprocessor (so that the last,
-# partial wave is a small part of the time) and each split still runs MIN_K_TILES K tiles (the software pipeline's
-# stages need a few iterations to fill). Mixtral-8x7B T=1 (2 experts x 14336/64 column slices = 448 programs)
-# splits H=4096 in 2 (MxFP4, 256-deep K tiles) or 4 (FP8, 128-deep); Qwen3-30B-A3B T=32 (~128 tiles x 12 slices)
-# and DeepSeek-V3 T=16 already have thousands of programs and stay unsplit.
-DECODE_WAVES = 4
-MIN_K_TILES = 4
-MAX_DECODE_SPLIT = 8
-QUANTIZED_DECODE_FORMATS = ("mxfp4", "fp8", "fp8_block")
-
-
-def decode_split_k(programs: int, depth: int, block_k: int, multiprocessors: int) -> int:
-    """How many ways to split a decode GEMM's sum of ``depth`` terms (``K``), given ``programs`` unsplit programs
-    (tiles x column slices), ``block_k``-deep K tiles and the GPU's multiprocessors: the smallest power of two
-    that gives ``DECODE_WAVES`` programs per multiprocessor, at most ``MAX_DECODE_SPLIT`` and no more than leaves
-    ``MIN_K_TILES`` K tiles per split (1 when the problem is already wide or too shallow)."""
-    split = 1
-    while (split < MAX_DECODE_SPLIT and programs * split < DECODE_WAVES * multiprocessors
-           and depth // (2 * split) >= MIN_K_TILES * block_k):
-        split *= 2
-    return split
-
-
-def with_decode_split(config: dict, num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
-                      multiprocessors: int, quantization: str) -> dict:
-    """``config`` with the gate/up GEMM's ``SPLIT_K`` chosen by :func:`decode_split_k` where it has none and the
-    weights are quantized and the tiles decode-sized (``block_m < 64``); otherwise ``config`` itself (16-bit
-    weights and prefill tiles never split the gate/up GEMM)."""
-    gate_up = config["gate_up"]
-    if quantization not in QUANTIZED_DECODE_FORMATS or config["block_m"] >= 64 or "SPLIT_K" in gate_up:
-        return config
-    pairs = num_tokens * top_k
-    used = min(num_experts, pairs)
-    tiles = used * -(-pairs // (used * config["block_m"]))
-    programs = tiles * -(-inter // gate_up["BLOCK_N"])
-    split = decode_split_k(programs, hidden, gate_up["BLOCK_K"], multiprocessors)
-    return {**config, "gate_up": {**gate_up, "SPLIT_K": split}}
 
 
 def for_dtype(config: dict, dtype: torch.dtype) -> dict:
@@ -208,21 +164,18 @@ def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
         entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
         entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device),
-                                      quantization, l2_bytes(device))
+                                      quantization)
     return for_dtype(entry, dtype)
 
 
 def launch_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
                   device: torch.device, dtype: torch.dtype = torch.bfloat16, quantization: str = "bf16") -> dict:
     """The tuned entry for this GPU, shape and weight format (a quantized format without its own entry takes
-    the bf16 one), else :func:`default_config`, adapted to ``dtype``; quantized decode's gate/up split by
-    :func:`with_decode_split` where the entry does not fix it."""
+    the bf16 one), else :func:`default_config`, adapted to ``dtype``."""
     table = tuned_table(device_name(device))
     entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens, quantization))
     if entry is None:
         entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens))
-    multiprocessors = _multiprocessors(device)
     if entry is None:
-        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, multiprocessors)
-    return with_decode_split(for_dtype(entry, dtype), num_experts, hidden, inter, top_k, num_tokens,
-                             multiprocessors, quantization)
+        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
+    return for_dtype(entry, dtype)

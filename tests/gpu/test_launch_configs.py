@@ -42,12 +42,9 @@ def test_a_format_takes_its_own_entry_else_the_bf16_one(monkeypatch, quantizatio
 def test_no_entry_falls_back_to_the_rule_and_fp32_halves_the_k_tile(monkeypatch):
     monkeypatch.setattr(launch_configs, "tuned_table", lambda name: {})
     rule = default_config(*SHAPE, 132)
-    assert launch_config(*SHAPE, torch.device("cpu"), torch.bfloat16) == rule
-    # Quantized decode tiles add the gate/up split (issue 29): up to 6 tiles x 112 column slices are already over 4
-    # programs per multiprocessor -> 1; at T=1 (2 tiles, 224 programs) H = 4096 splits 4 ways.
-    split = launch_config(*SHAPE, torch.device("cpu"), torch.bfloat16, "fp8")
-    assert split == {**rule, "gate_up": {**rule["gate_up"], "SPLIT_K": 1}}
-    assert launch_config(*SHAPE[:4], 1, torch.device("cpu"), torch.bfloat16, "fp8")["gate_up"]["SPLIT_K"] == 4
+    assert launch_config(*SHAPE, torch.device("cpu"), torch.bfloat16, "fp8") == rule
+    # No rule splits the quantized decode's gate/up GEMM (measured no faster on an H100, see launch_configs).
+    assert "SPLIT_K" not in launch_config(*SHAPE[:4], 1, torch.device("cpu"), torch.bfloat16, "fp8")["gate_up"]
     fp32 = launch_config(*SHAPE, torch.device("cpu"), torch.float32, "fp8")
     assert fp32["gate_up"]["BLOCK_K"] == rule["gate_up"]["BLOCK_K"] // 2
 

@@ -331,18 +331,17 @@ def _small_decode(moe, x):
 
 
 def test_small_decode_rule():
-    """The rule: pair tiles at T=1 only (at T>1 two tokens on one expert would each read it), with the down weights
-    prefetched into L2 where they fit half of it; the router split while that reaches half the multiprocessors, else
-    256 columns; larger decodes keep the sorted tiles, today's router split and no prefetch."""
+    """The rule: pair tiles at T=1 only (at T>1 two tokens on one expert would each read it); the router split
+    while that reaches half the multiprocessors, else 256 columns; no down prefetch (measured slower); larger
+    decodes keep the sorted tiles and today's router split."""
     from nxd_moe.triton_kernels.launch_configs import default_decode_config
     qwen3 = default_decode_config(128, 2048, 768, 8, 1, 132)
     assert qwen3["pair_tiles"] and qwen3["router_chunk"] == 128  # 8 expert blocks x 16 H chunks = 128 items
-    assert qwen3["down_prefetch"]  # 8 x 3 MiB of down weights, half of an H100's 50 MiB L2 is 25
-    assert not default_decode_config(128, 2048, 768, 8, 1, 108, l2=40 << 20)["down_prefetch"]  # an A100's 40 MiB
-    assert not {"pair_tiles", "down_prefetch"} & set(default_decode_config(128, 2048, 768, 8, 4, 132))
+    assert "pair_tiles" not in default_decode_config(128, 2048, 768, 8, 4, 132)
     mixtral = default_decode_config(8, 4096, 14336, 2, 1, 132)
     assert mixtral["router_chunk"] == 256  # a 128 KB router: no chunk reaches 66 items
-    assert not mixtral["down_prefetch"]  # 2 x 112 MiB of down weights
+    assert not any("down_prefetch" in default_decode_config(*shape, 132)
+                   for shape in ((128, 2048, 768, 8, 1), (8, 4096, 14336, 2, 1)))
     for large in ((128, 2048, 768, 8, 32), (16, 5120, 1024, 1, 64), (256, 7168, 2048, 8, 16)):
         assert not {"pair_tiles", "router_chunk", "down_prefetch"} & set(default_decode_config(*large, 132)), large
 
