@@ -17,9 +17,10 @@ FP8 tensor-core GEMMs; per token, resp. per token and 128 columns). Their launch
 
 ``--decode-variants``: for the quantized decode shapes (W8A16 ``fp8`` / ``fp8_block`` / ``mxfp4``), the shipped
 launch configuration (the tuned table or the rule) timed next to variations of it in the same process: gate/up
-unsplit and split twice as far / half as far (issue 29's split of ``H``, ``gate_up["SPLIT_K"]``), the down split doubled / halved, one more pipeline stage, half-width gate/up column tiles, 8 warps
-(``decode_variants``: each one's configuration, us, fraction of copy bandwidth, error against bf16). With it the
-one-launch / separate-kernels comparison is skipped (``--paths`` turns it back on).
+unsplit and split twice as far / half as far (issue 29's split of ``H``, ``gate_up["SPLIT_K"]``), the down split
+doubled / halved, one more pipeline stage, half-width gate/up column tiles, 8 warps (``decode_variants``: each
+one's configuration, us, fraction of copy bandwidth, error against bf16). With it the one-launch /
+separate-kernels comparison is skipped (``--paths`` turns it back on).
 
 Peers (``_quantized_peers``, from an unpacked vLLM 0.33.0 wheel at ``--vllm-src``; skipped with a note when it
 is absent) multiply the same stored weights, timed the same way: vLLM's Triton FP8 W8A8 fused MoE for the FP8

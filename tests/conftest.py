@@ -281,6 +281,18 @@ def rounding_tolerance(dtype: torch.dtype, depth: int = 1, *, triton_roundings: 
             + ACCUMULATION_LAMBDA * math.sqrt(depth) * UNIT_ROUNDOFF[torch.float32])
 
 
+def assert_nan_stays_in_its_row(run, x: torch.Tensor, row: int) -> None:
+    """``run(x)`` with token ``row`` of ``x`` set to NaN: that token's output holds a NaN and every other token's
+    output is bitwise what ``run`` gives on the clean ``x`` (one NaN token never touches the others)."""
+    poisoned = x.clone()
+    poisoned[row] = float("nan")
+    with torch.no_grad():
+        clean, bad = run(x), run(poisoned)
+    others = torch.arange(x.shape[0], device=x.device) != row
+    assert torch.isnan(bad[row]).any()
+    assert torch.equal(bad[others], clean[others])
+
+
 def assert_rounding_close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float, msg: str = "",
                           max_tolerance: float | None = None):
     """``actual`` within ``tolerance`` of ``expected`` relative to the reference's own scale, never an absolute
