@@ -7,9 +7,9 @@ switches its experts (``--path``: ``patch`` = ``nxd_moe.hf.patch_model``, ``nxd_
 transformers experts implementation such as ``grouped_mm``), runs transformers' compiled recipe (each ``generate``
 with a new static cache, transformers' default) twice to warm up, times ``generate`` of 1 and of 32 tokens
 (``step_ms``: the difference over 31 steps, as ``hf_generate.py`` computed it before it shared one cache), then
-profiles one 32-token ``generate`` with ``torch.profiler``: ``gpu_busy_ms`` (the union of kernel intervals: 32
-steps and the prefill), the CUDA API calls on the host (``cudaGraphLaunch``: one per replayed decode step;
-``cudaStreamSynchronize``), and the top kernels by device time. Writes ``<tag>.json`` and ``<tag>_cpu.txt``
+profiles one ``--new-tokens`` ``generate`` (default 32; 1 profiles the prefill alone) with ``torch.profiler``:
+``gpu_busy_ms`` (the union of kernel intervals: the prefill and the steps), the CUDA API calls on the host
+(``cudaGraphLaunch``: one per replayed decode step; ``cudaStreamSynchronize``), and the top kernels by device time. Writes ``<tag>.json`` and ``<tag>_cpu.txt``
 (profiler table by host time) to ``--out``. Measured results: ``benchmarks/results/hf_decode_profile/``.
 """
 
@@ -22,9 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-
-STEPS = 32
-
 
 def busy_time_us(kernels) -> float:
     """Microseconds during which at least one of ``kernels`` (profiler events) ran."""
@@ -45,6 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--path", default="patch", help="patch, nxd_moe, or a transformers experts implementation")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--mode", choices=("compiled", "eager"), default="compiled")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens of the profiled generate (1: prefill only)")
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
 
@@ -57,6 +55,8 @@ def main(argv=None) -> int:
 
     compiled = args.mode == "compiled"
     tag = f"L{args.layers}_{args.path}_B{args.batch}_{'c' if compiled else 'e'}"
+    if args.new_tokens != 32:
+        tag += f"_N{args.new_tokens}"
     config = build_hf_config("qwen3-30b-a3b", num_layers=args.layers, scale=1)
     with torch.device("cuda"):
         torch.manual_seed(0)
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         model.set_experts_implementation(args.path)
     ids = torch.randint(0, config.vocab_size, (args.batch, 128), device="cuda")
     for _ in range(2):
-        generate_tokens(model, ids, STEPS, compiled)
+        generate_tokens(model, ids, 32, compiled)
 
     def timed(n: int) -> float:
         torch.cuda.synchronize()
@@ -79,9 +79,9 @@ def main(argv=None) -> int:
         return time.perf_counter() - start
 
     timed(1)
-    one, whole = min(timed(1) for _ in range(3)), min(timed(STEPS) for _ in range(3))
+    one, whole = min(timed(1) for _ in range(3)), min(timed(32) for _ in range(3))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = timed(STEPS)
+        wall = timed(args.new_tokens)
     events = prof.events()
     host_calls = collections.Counter(e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU)
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         by_name[e.name][1] += e.time_range.end - e.time_range.start
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     result = dict(tag=tag, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  step_ms=round((whole - one) / (STEPS - 1) * 1e3, 3), prefill_ms=round(one * 1e3, 2),
+                  step_ms=round((whole - one) / 31 * 1e3, 3), prefill_ms=round(one * 1e3, 2),
                   profiled_wall_ms=round(wall * 1e3, 1), gpu_busy_ms=round(busy_time_us(kernels) / 1e3, 2),
                   kernels=len(kernels),
                   launches={k: v for k, v in host_calls.items()

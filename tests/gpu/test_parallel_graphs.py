@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 
-from parallel_harness import assert_scenario, run_world  # noqa: E402
+from parallel_harness import assert_scenario, run_world, selected_scenarios  # noqa: E402
 from parallel_worker import SUITES  # noqa: E402
 from conftest import PARALLEL_BF16_TOLERANCE, assert_rounding_close, without_device_sync  # noqa: E402
 
@@ -36,8 +36,9 @@ needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.
 
 
 @pytest.fixture(scope="module")
-def nccl2():
-    return run_world(2, "nccl2", 600)
+def nccl2(request):
+    # Only the scenarios this session selected (``-k compiled`` runs the compiled ones, not the whole suite).
+    return run_world(2, "nccl2", 600, only=selected_scenarios(request, "test_nccl2_graph_replay"))
 
 
 @needs_two_gpus

@@ -25,8 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world_size: int, suite: str, timeout_s: float) -> dict[str, list[str]]:
-    """``{scenario: [status of rank 0, rank 1, ...]}``; scenarios a rank never reached read ``"missing"``."""
+def run_world(world_size: int, suite: str, timeout_s: float, only: list[str] | None = None) -> dict[str, list[str]]:
+    """``{scenario: [status of rank 0, rank 1, ...]}``; scenarios a rank never reached read ``"missing"``.
+    ``only``: run just these scenarios of the suite (in its order), e.g. those a ``pytest -k`` selected."""
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = []
@@ -34,6 +35,8 @@ def run_world(world_size: int, suite: str, timeout_s: float) -> dict[str, list[s
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                    "PYTHONWARNINGS": "ignore"}
+            if only is not None:
+                env["PARALLEL_SCENARIOS"] = json.dumps(sorted(only))
             log = open(Path(out_dir) / f"log{rank}.txt", "w")
             procs.append((subprocess.Popen([sys.executable, str(WORKER), suite, out_dir], env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))
@@ -61,6 +64,12 @@ def run_world(world_size: int, suite: str, timeout_s: float) -> dict[str, list[s
     elif any(proc.returncode for proc, _ in procs):
         out["__world__"] = [f"exit code {proc.returncode}; log tail:\n{log}" for (proc, _), log in zip(procs, logs)]
     return out
+
+
+def selected_scenarios(request, test_name: str) -> list[str]:
+    """The ``scenario`` parameters of the tests named ``test_name`` that this pytest session runs (after ``-k``)."""
+    return [item.callspec.params["scenario"] for item in request.session.items
+            if getattr(item, "originalname", None) == test_name and hasattr(item, "callspec")]
 
 
 def assert_scenario(results: dict[str, list[str]], name: str) -> None:

@@ -997,7 +997,10 @@ def main() -> None:
     results: dict[str, str] = {}
     path = out_dir / f"rank{rank}.json"
     stopped = None
+    only = json.loads(os.environ["PARALLEL_SCENARIOS"]) if "PARALLEL_SCENARIOS" in os.environ else None
     for name, scenario in SUITES[suite].items():
+        if only is not None and name not in only:
+            continue
         if stopped:
             results[name] = f"skipped: {stopped} failed earlier"
             continue

@@ -9,13 +9,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from parallel_harness import assert_scenario, run_world  # noqa: E402
+from parallel_harness import assert_scenario, run_world, selected_scenarios  # noqa: E402
 from parallel_worker import SUITES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def models2():
-    return run_world(2, "models2", timeout_s=300)
+def models2(request):
+    return run_world(2, "models2", timeout_s=300, only=selected_scenarios(request, "test_models2"))
 
 
 @pytest.mark.parametrize("scenario", list(SUITES["models2"]))
