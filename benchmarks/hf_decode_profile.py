@@ -9,8 +9,8 @@ with a new static cache, transformers' default) twice to warm up, times ``genera
 (``step_ms``: the difference over 31 steps, as ``hf_generate.py`` computed it before it shared one cache), then
 profiles one ``--new-tokens`` ``generate`` (default 32; 1 profiles the prefill alone) with ``torch.profiler``:
 ``gpu_busy_ms`` (the union of kernel intervals: the prefill and the steps), the CUDA API calls on the host
-(``cudaGraphLaunch``: one per replayed decode step; ``cudaStreamSynchronize``), and the top kernels by device time. Writes ``<tag>.json`` and ``<tag>_cpu.txt``
-(profiler table by host time) to ``--out``. Measured results: ``benchmarks/results/hf_decode_profile/``.
+(``cudaGraphLaunch``: one per replayed decode step; ``cudaStreamSynchronize``), and the top kernels by device time.
+Writes ``<tag>.json`` and ``<tag>_cpu.txt`` (profiler table by host time) to ``--out``. Measured results: ``benchmarks/results/hf_decode_profile/``.
 """
 
 from __future__ import annotations
