@@ -10,7 +10,8 @@ with a new static cache, transformers' default) twice to warm up, times ``genera
 profiles one ``--new-tokens`` ``generate`` (default 32; 1 profiles the prefill alone) with ``torch.profiler``:
 ``gpu_busy_ms`` (the union of kernel intervals: the prefill and the steps), the CUDA API calls on the host
 (``cudaGraphLaunch``: one per replayed decode step; ``cudaStreamSynchronize``), and the top kernels by device time.
-Writes ``<tag>.json`` and ``<tag>_cpu.txt`` (profiler table by host time) to ``--out``. Measured results: ``benchmarks/results/hf_decode_profile/``.
+Writes ``<tag>.json`` and ``<tag>_cpu.txt`` (profiler table by host time) to ``--out``. Measured results:
+``benchmarks/results/hf_decode_profile/``.
 """
 
 from __future__ import annotations
