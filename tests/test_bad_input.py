@@ -409,15 +409,31 @@ def test_expert_index_out_of_range_is_named_by_default(inputs, backend, bad):
     experts(x, a, i)
 
 
+def _package_of(path) -> list[str]:
+    """The dotted package a Python file is in: its folders up to the first without an ``__init__.py``."""
+    parts, folder = [], path.parent
+    while (folder / "__init__.py").exists():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return parts
+
+
 def imported_modules(paths) -> list[tuple[str, str]]:
-    """``(file name, module)`` of every import statement in the Python files ``paths``."""
+    """``(file name, module)`` of every import statement in the Python files ``paths``. ``from a.b import c`` yields
+    both ``a.b`` and ``a.b.c`` (``c`` may be a submodule); relative imports are resolved against the file's package."""
     import ast
 
     found = []
     for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    package = _package_of(path)
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             found += [(path.name, n) for n in names]
     return found
 
@@ -455,6 +471,43 @@ def test_core_does_not_import_transformers_or_the_model_layer():
     forbidden = ("transformers", "nxd_moe.models", "nxd_moe.hf", "nxd_moe.nxd_compat", "nxd_moe.nxdi")
     assert not importing(core, forbidden), importing(core, forbidden)
     assert importing([root / "models" / "patch.py"], forbidden)  # the scan sees what the model layer imports
+
+
+def instruction_layering_offenders(kernels_dir) -> list[str]:
+    """Imports that break the rule for the simulator's instructions: ``nki_kernels/instructions/*.py`` are leaves
+    (neither ``isa`` nor the ``instructions`` package or a sibling) and ``instruction_support.py``, which they and
+    ``isa`` share, imports neither; ``isa`` alone gathers them into ``nki.isa``."""
+    leaves = sorted((kernels_dir / "instructions").glob("*.py")) + [kernels_dir / "instruction_support.py"]
+    return importing(leaves, ("nxd_moe.nki_kernels.isa", "nxd_moe.nki_kernels.instructions"))
+
+
+def test_instruction_modules_are_leaves():
+    from pathlib import Path
+
+    import nxd_moe.nki_kernels
+
+    kernels_dir = Path(nxd_moe.nki_kernels.__file__).parent
+    assert len(list((kernels_dir / "instructions").glob("*.py"))) >= 7  # __init__ and the six families
+    offenders = instruction_layering_offenders(kernels_dir)
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("statement", ["from nxd_moe.nki_kernels import isa", "import nxd_moe.nki_kernels.isa",
+                                       "from nxd_moe.nki_kernels.isa import _tile",
+                                       "from nxd_moe.nki_kernels.instructions.scan import _scan",
+                                       "from .scan import _scan", "from . import scan", "from .. import isa"])
+def test_instruction_layering_rejects_an_upward_or_sibling_import(tmp_path, statement):
+    """Negative control: each way of importing isa or a sibling, planted in a copy of the layout, is reported."""
+    kernels_dir = tmp_path / "nxd_moe" / "nki_kernels"
+    (kernels_dir / "instructions").mkdir(parents=True)
+    for package in (tmp_path / "nxd_moe", kernels_dir, kernels_dir / "instructions"):
+        (package / "__init__.py").write_text("")
+    (kernels_dir / "instruction_support.py").write_text("import numpy as np\n")
+    (kernels_dir / "instructions" / "gather.py").write_text(
+        "from nxd_moe.nki_kernels import language as nl\nfrom nxd_moe.nki_kernels.instruction_support import _tile\n")
+    assert instruction_layering_offenders(kernels_dir) == []
+    (kernels_dir / "instructions" / "gather.py").write_text(statement + "\n")
+    assert instruction_layering_offenders(kernels_dir), statement
 
 
 def test_check_finite_counts_exactly():

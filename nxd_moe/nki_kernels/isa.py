@@ -23,10 +23,58 @@ import numpy as np
 
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.accounting import DmaTraffic
+from nxd_moe.nki_kernels.instruction_support import (  # noqa: F401 -- engine, reduce_cmd: nki.isa's names
+    _REDUCTIONS,
+    _accumulate,
+    _account,
+    _alu,
+    _check_alu,
+    _computes,
+    _engine,
+    _f32,
+    _mark_unknown,
+    _operand,
+    _reaches,
+    _reduce_op,
+    _same_shape,
+    _store,
+    _tile,
+    engine,
+    reduce_cmd,
+)
+# The instruction families beyond the core set live in their own modules (nxd_moe.nki_kernels.instructions);
+# re-exported so that this module stays the one nki.isa namespace.
+from nxd_moe.nki_kernels.instructions.gather import nc_n_gather  # noqa: F401 -- re-exports
+from nxd_moe.nki_kernels.instructions.prng import (  # noqa: F401 -- re-exports
+    dropout,
+    rand_get_state,
+    rand_set_state,
+    rng,
+    set_rng_seed,
+)
+from nxd_moe.nki_kernels.instructions.scan import (  # noqa: F401 -- re-exports
+    tensor_partition_reduce,
+    tensor_scalar_cumulative,
+    tensor_tensor_scan,
+)
+from nxd_moe.nki_kernels.instructions.select import (  # noqa: F401 -- re-exports
+    affine_select,
+    range_select,
+    select_reduce,
+    sequence_bounds,
+)
+from nxd_moe.nki_kernels.instructions.top8 import max8, nc_find_index8, nc_match_replace8, topk  # noqa: F401 -- re-exports
+from nxd_moe.nki_kernels.instructions.trn3 import (  # noqa: F401 -- re-exports
+    Trn3OnlyError,
+    activate2,
+    exponential,
+    nc_matmul_mx,
+    quantize_mx,
+    rand2,
+)
 from nxd_moe.nki_kernels.machine import (
     GEMM_MOVING_FMAX,
     GEMM_STATIONARY_FMAX,
-    PMAX,
     AccessPattern,
     Buffer,
     HardwareLimitError,
@@ -54,18 +102,6 @@ class oob_mode:  # noqa: N801 -- NKI's name
     skip = "skip"
 
 
-class engine(enum.IntEnum):  # noqa: N801 -- NKI's name
-    """The engine an instruction runs on (``unknown``: the compiler picks; here the op's default engine)."""
-
-    unknown = 0
-    tensor = 1
-    scalar = 2
-    gpsimd = 3
-    dma = 4
-    vector = 5
-    sync = 6
-
-
 tensor_engine, vector_engine, scalar_engine, gpsimd_engine, unknown_engine = (
     engine.tensor, engine.vector, engine.scalar, engine.gpsimd, engine.unknown)
 
@@ -84,17 +120,6 @@ class nc_version(enum.IntEnum):  # noqa: N801 -- NKI's name
     gen2 = 2
     gen3 = 3
     gen4 = 4
-
-
-class reduce_cmd(enum.IntEnum):  # noqa: N801 -- NKI's name
-    """The Vector/Scalar Engine accumulator registers: ``idle`` leaves them, ``reset_reduce`` starts a reduction,
-    ``reduce`` continues one, ``load_reduce`` starts from given values."""
-
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-    load_reduce = 4
 
 
 class matmul_perf_mode(str, enum.Enum):  # noqa: N801 -- NKI's name
@@ -133,109 +158,7 @@ class NkiInstruction:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# operand helpers
-
-
-# The operand roles an instruction writes; every other role is read. A write settles the pending matmuls that read
-# the tile's old values and is what the liveness trace starts a value's life at.
-WRITTEN_ROLES = frozenset({"dst", "reduce_res", "val_dst", "idx_dst", "dst_idx"})
-
-
-def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bool = True) -> NkiTensor:
-    if not isinstance(t, NkiTensor):
-        raise TypeError(f"{op}: {role} must be an on-chip tensor, got {type(t).__name__}")
-    check_alive(t, write=role in WRITTEN_ROLES, settled=settled)
-    if t.buffer not in buffers:
-        allowed = " or ".join(b.value for b in buffers)
-        raise HardwareLimitError(f"{op}: {role} {t.name!r} is in {t.buffer.value}; it must be in {allowed}")
-    if t.partitions > PMAX:
-        raise HardwareLimitError(f"{op}: {role} partition dimension {t.partitions} exceeds nl.tile_size.pmax = "
-                                 f"{PMAX}")
-    return t
-
-
-def _same_shape(op: str, a: NkiTensor, a_role: str, b: NkiTensor, b_role: str) -> None:
-    """NKI's rule for elementwise operands: the same partitions and the same number of elements per partition."""
-    if a.partitions != b.partitions or a.free_size != b.free_size:
-        raise HardwareLimitError(f"{op}: {a_role} shape {a.shape} and {b_role} shape {b.shape} must have the same "
-                                 "partitions and elements per partition")
-
-
-def _operand(value, data: NkiTensor, op: str, role: str):
-    """A scalar operand: a Python number (broadcast everywhere) or a ``(P, 1)`` tile (one value per partition)."""
-    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
-        return value
-    t = _tile(value, role, op)
-    if t.shape != (data.partitions, 1):
-        raise HardwareLimitError(f"{op}: {role} must be a number or a ({data.partitions}, 1) tile (one value per "
-                                 f"partition), got shape {t.shape}")
-    return t
-
-
-def _computes(dst: NkiTensor, *inputs) -> bool:
-    """Whether to do the arithmetic: when every input holds known values (always in a numeric run). In a counting
-    run a float result of data-less inputs is skipped and marked unknown; an integer one raises (it would steer
-    control flow)."""
-    if not dst.alloc.has_data:
-        return False
-    unknown = [t.name for t in inputs if isinstance(t, NkiTensor) and not t.alloc.known]
-    if unknown:
-        _mark_unknown(dst, unknown)
-        return False
-    return True
-
-
-def _mark_unknown(dst: NkiTensor, sources) -> None:
-    if is_integer(dst.dtype):
-        raise RuntimeError(f"counting run: integer tensor {dst.name!r} would be computed from float tensors "
-                           f"{list(sources)} that hold no data; keep index arithmetic in integer tensors")
-    dst.alloc.known = False
-
-
-def _f32(value) -> np.ndarray | float:
-    """An operand as fp32: a tile flattened to ``(partitions, elements per partition)``, or a number."""
-    if isinstance(value, NkiTensor):
-        return cast(value.data, np.float32).reshape(value.partitions, value.free_size)
-    return np.float32(value)
-
-
-def _store(dst: NkiTensor, values) -> None:
-    values = np.asarray(values)
-    if is_integer(dst.dtype) and not is_integer(values.dtype):
-        values = np.rint(values)
-    elif dst.dtype == np.float16 and values.dtype != np.float16 and values.ndim:
-        values = cast(values, np.float16)  # NumPy's own half-precision rounding loop is ~15x slower
-    if values.size == dst.size and values.shape != dst.shape:
-        values = values.reshape(dst.shape)
-    np.copyto(dst.data, values, casting="unsafe")
-
-
-def _wide(*tensors) -> bool:
-    return max(t.dtype.itemsize for t in tensors if isinstance(t, NkiTensor)) >= 4
-
-
-def _account(engine: str, op: str, data: NkiTensor, *inputs) -> None:
-    current_core().accounting.record(engine, op, data.free_size, _wide(data, *inputs))
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Tensor Engine
-
-
-def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str = "") -> str:
-    """An ``engine=`` argument (``nisa.engine`` member or its name) as the accounting's engine name."""
-    if value is None or value == engine.unknown or value == "unknown":
-        return default
-    name = value.name if isinstance(value, engine) else value
-    if name not in allowed:
-        raise ValueError(f"{op}: engine must be one of {', '.join(allowed)}, got {value!r}")
-    return name
-
-
-def _reaches(on: str, label: str, *tiles) -> None:
-    """The ISA's memory rule for the engines: GpSimd cannot access PSUM (Vector and Scalar read and write both)."""
-    if on == "gpsimd" and any(isinstance(t, NkiTensor) and t.buffer is Buffer.PSUM for t in tiles):
-        raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
 
 
 @instruction
@@ -376,47 +299,6 @@ def nc_transpose(dst, data, engine=None, name=None) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Scalar and Vector Engines
 
-_REDUCTIONS = {"add": np.sum, "maximum": np.max, "minimum": np.min, "multiply": np.prod}
-_REDUCE_IDENTITY = {"add": 0.0, "maximum": -np.inf, "minimum": np.inf, "multiply": 1.0}
-
-
-def _reduce_op(op, name: str) -> str:
-    key = getattr(op, "name", None)
-    key = {"max": "maximum", "min": "minimum", "sum": "add"}.get(key, key)
-    if key not in _REDUCTIONS:
-        raise ValueError(f"{name}: reduce op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {op!r}")
-    return key
-
-
-def _accumulate(core, name: str, engine_name: str, partials: np.ndarray, reduce_op, reduce_res, cmd,
-                init=None, negate: bool = False) -> None:
-    """The engine's per-partition accumulator registers (``reduce_cmd``), written to ``reduce_res`` when given."""
-    key = _reduce_op(reduce_op, name)
-    registers = core.accumulators.setdefault(engine_name, {})
-    cmd = reduce_cmd(cmd)
-    p = partials.shape[0]
-    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce) or p not in registers.get("shape", ()):
-        if cmd == reduce_cmd.reduce and registers.get("shape") != (p,):
-            raise HardwareLimitError(f"{name}: reduce_cmd.reduce continues a reduction, but none over {p} partitions "
-                                     "was started (use reduce_cmd.reset_reduce first)")
-        registers["value"] = np.full(p, _REDUCE_IDENTITY[key], np.float32)
-        registers["shape"] = (p,)
-    if cmd == reduce_cmd.load_reduce:
-        if init is None:
-            raise ValueError(f"{name}: reduce_cmd.load_reduce needs reduce_init")
-        registers["value"] = np.broadcast_to(_f32(init), (p, 1)).reshape(p).astype(np.float32).copy()
-    if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
-        reducer = _REDUCTIONS[key]
-        step = reducer(partials, axis=1).astype(np.float32)
-        registers["value"] = reducer(np.stack([registers["value"], step]), axis=0).astype(np.float32)
-    if reduce_res is not None:
-        res = _tile(reduce_res, "reduce_res", name)
-        if res.partitions != p or res.free_size != 1:
-            raise HardwareLimitError(f"{name}: reduce_res must be ({p}, 1), got {res.shape}")
-        value = -registers["value"] if negate else registers["value"]
-        if res.alloc.has_data:
-            _store(res, value.reshape(p, 1))
-
 
 @instruction
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
@@ -465,22 +347,6 @@ def tensor_tensor(dst, data1, data2, op, engine=None, name=None) -> None:
     if _computes(dst, data1, data2):
         _store(dst, _alu(op, data1, data2))
     _account(on, label, data1, data2, dst)
-
-
-def _alu(op, a, b):
-    """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers; a unary op
-    (``nl.abs``, ``nl.invert``, ``nl.bypass``, ...) acts on ``a`` alone."""
-    if op.name in nl.UNARY_ALU_OPS:
-        return op(_ints(a)) if op.name in nl.INTEGER_ALU_OPS else op(_f32(a))
-    if op.name in nl.INTEGER_ALU_OPS:
-        return op(_ints(a), _ints(b))
-    return op(_f32(a), _f32(b))
-
-
-def _ints(value):
-    if isinstance(value, NkiTensor):
-        return value.data.astype(np.int64).reshape(value.partitions, value.free_size)
-    return np.int64(value)
 
 
 @instruction
@@ -612,11 +478,6 @@ def memset(dst, value, engine=None, name=None) -> None:
         else:
             _store(dst, np.float32(value) if not is_integer(dst.dtype) else value)
     _account(on, label, dst)
-
-
-def _check_alu(name: str, op) -> None:
-    if op not in nl.ALU_OPS.values():
-        raise ValueError(f"{name}: op must be one of {sorted('nl.' + k for k in nl.ALU_OPS)}, got {op!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1176,34 +1037,3 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         bytes=nbytes, transfers=int(moved_rows > 0), rows=moved_rows, skipped_rows=int(src.shape[0]) - moved_rows,
         skipped_transfers=int(moved_rows == 0)))
 
-
-# The other instruction families live in their own modules (nxd_moe.nki_kernels.instructions); re-exported so that
-# this module stays the one nki.isa namespace.
-from nxd_moe.nki_kernels.instructions.gather import nc_n_gather  # noqa: E402, F401 -- re-exports
-from nxd_moe.nki_kernels.instructions.prng import (  # noqa: E402, F401 -- re-exports
-    dropout,
-    rand_get_state,
-    rand_set_state,
-    rng,
-    set_rng_seed,
-)
-from nxd_moe.nki_kernels.instructions.scan import (  # noqa: E402, F401 -- re-exports
-    tensor_partition_reduce,
-    tensor_scalar_cumulative,
-    tensor_tensor_scan,
-)
-from nxd_moe.nki_kernels.instructions.select import (  # noqa: E402, F401 -- re-exports
-    affine_select,
-    range_select,
-    select_reduce,
-    sequence_bounds,
-)
-from nxd_moe.nki_kernels.instructions.top8 import max8, nc_find_index8, nc_match_replace8, topk  # noqa: E402, F401 -- re-exports
-from nxd_moe.nki_kernels.instructions.trn3 import (  # noqa: E402, F401 -- re-exports
-    Trn3OnlyError,
-    activate2,
-    exponential,
-    nc_matmul_mx,
-    quantize_mx,
-    rand2,
-)

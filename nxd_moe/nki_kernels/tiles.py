@@ -19,6 +19,7 @@ import numpy as np
 
 from nxd_moe.nki_kernels import isa
 from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.instruction_support import _account, _computes, _f32, _store, _tile
 from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, NkiTensor, instruction, is_integer
 
 # nl math functions that are neither ALU nor activation opcodes: one Vector Engine op each here
@@ -76,10 +77,10 @@ def _vector_unary(dst, op, data) -> None:
     """A Vector Engine elementwise op that is neither an ALU nor an activation opcode (``tan``, ``ceil``,
     ``floor``, ``trunc``, ``logical_not``): fp32 NumPy semantics, counted as one Vector Engine instruction."""
     label = f"nl.{op.name}"
-    dst, data = isa._tile(dst, "dst", label), isa._tile(data, "data", label)
-    if isa._computes(dst, data):
-        isa._store(dst, op(isa._f32(data)).reshape(dst.shape))
-    isa._account("vector", label, data, dst)
+    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
+    if _computes(dst, data):
+        _store(dst, op(_f32(data)).reshape(dst.shape))
+    _account("vector", label, data, dst)
 
 
 # ------------------------------------------------------------------------------------------------ creation
@@ -248,14 +249,14 @@ def where(condition: NkiTensor, x, y, dtype=None) -> NkiTensor:
 @instruction
 def _select(dst, condition, x, y) -> None:
     label = "nl.where"
-    dst, condition = isa._tile(dst, "dst", label), isa._tile(condition, "condition", label)
-    operands = [isa._tile(v, role, label) if isinstance(v, NkiTensor) else v for v, role in ((x, "x"), (y, "y"))]
+    dst, condition = _tile(dst, "dst", label), _tile(condition, "condition", label)
+    operands = [_tile(v, role, label) if isinstance(v, NkiTensor) else v for v, role in ((x, "x"), (y, "y"))]
     for v, role in zip(operands, ("x", "y")):
         if isinstance(v, NkiTensor) and (v.partitions, v.free_size) != (condition.partitions, condition.free_size):
             raise HardwareLimitError(f"{label}: {role} shape {v.shape} must match condition {condition.shape}")
-    if isa._computes(dst, condition, *operands):
-        isa._store(dst, np.where(isa._f32(condition) != 0, isa._f32(operands[0]), isa._f32(operands[1])))
-    isa._account("vector", label, condition, dst)
+    if _computes(dst, condition, *operands):
+        _store(dst, np.where(_f32(condition) != 0, _f32(operands[0]), _f32(operands[1])))
+    _account("vector", label, condition, dst)
 
 
 def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
@@ -333,18 +334,18 @@ def gather_flattened(data: NkiTensor, indices: NkiTensor, axis: int = 0, dtype=N
 @instruction
 def _gather(dst, data, indices) -> None:
     label = "nl.gather_flattened"
-    dst, data, indices = (isa._tile(t, r, label) for t, r in ((dst, "dst"), (data, "data"), (indices, "indices")))
+    dst, data, indices = (_tile(t, r, label) for t, r in ((dst, "dst"), (data, "data"), (indices, "indices")))
     if not is_integer(indices.dtype):
         raise TypeError(f"{label}: indices must be an integer tile, got {indices.dtype}")
     if indices.partitions != data.partitions:
         raise HardwareLimitError(f"{label}: indices {indices.shape} and data {data.shape} need the same partitions")
-    if isa._computes(dst, data, indices):
+    if _computes(dst, data, indices):
         idx = indices.data.reshape(indices.partitions, -1).astype(np.int64)
         if idx.size and (idx.min() < 0 or idx.max() >= data.free_size):
             raise IndexError(f"{label}: an index is outside [0, {data.free_size}) elements per partition")
         values = data.data.reshape(data.partitions, data.free_size)
-        isa._store(dst, np.take_along_axis(values, idx, axis=1).reshape(dst.shape))
-    isa._account("gpsimd", label, indices, dst)
+        _store(dst, np.take_along_axis(values, idx, axis=1).reshape(dst.shape))
+    _account("gpsimd", label, indices, dst)
 
 
 @contextmanager

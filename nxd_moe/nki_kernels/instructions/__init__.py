@@ -14,8 +14,7 @@
 :mod:`nxd_moe.nki_kernels.isa` re-exports every name, so ``nki.isa`` (``nisa``) is still one namespace. Each
 follows the NKI API reference's signature, checks its documented limits (raising
 :class:`~nxd_moe.nki_kernels.machine.HardwareLimitError`), computes in fp32, rounds to the destination and is
-counted on its engine.
+counted on its engine. The family modules are leaves: each imports only
+:mod:`~nxd_moe.nki_kernels.instruction_support` (what every instruction shares), ``machine`` and ``language``, never
+``isa`` or a sibling (``tests/test_bad_input.py::test_instruction_modules_are_leaves`` enforces it).
 """
-
-# isa re-exports every family: import it first, so that importing a family module first works too.
-from nxd_moe.nki_kernels import isa as _isa  # noqa: E402, F401

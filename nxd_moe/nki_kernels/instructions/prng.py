@@ -12,8 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 from nxd_moe.nki_kernels import language as nl
-from nxd_moe.nki_kernels.isa import _account, _computes, _engine, _f32, _operand, _reaches, _same_shape, _store
-from nxd_moe.nki_kernels.isa import _tile, engine
+from nxd_moe.nki_kernels.instruction_support import (
+    _account,
+    _computes,
+    _engine,
+    _f32,
+    _operand,
+    _reaches,
+    _same_shape,
+    _store,
+    _tile,
+    engine,
+)
 from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, current_core, instruction, is_integer
 
 LANES = 128

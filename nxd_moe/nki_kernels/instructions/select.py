@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from nxd_moe.nki_kernels import language as nl
-from nxd_moe.nki_kernels.isa import (
+from nxd_moe.nki_kernels.instruction_support import (
     _accumulate,
     _account,
     _computes,
@@ -18,7 +18,7 @@ from nxd_moe.nki_kernels.isa import (
     _tile,
     reduce_cmd,
 )
-from nxd_moe.nki_kernels.isa import reduce_cmd as ReduceCmd
+from nxd_moe.nki_kernels.instruction_support import reduce_cmd as ReduceCmd
 from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, current_core, instruction, is_integer
 
 FP32_MIN = float(np.finfo(np.float32).min)

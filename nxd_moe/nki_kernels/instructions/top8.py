@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from nxd_moe.nki_kernels import language as nl
-from nxd_moe.nki_kernels.isa import _account, _computes, _f32, _store, _tile
+from nxd_moe.nki_kernels.instruction_support import _account, _computes, _f32, _store, _tile
 from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, instruction
 
 TOP8_MIN_ELEMENTS, TOP8_MAX_ELEMENTS = 8, 16384
