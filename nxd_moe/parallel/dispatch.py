@@ -16,7 +16,6 @@ experts, its slice of the intermediate dimension).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -58,15 +57,23 @@ class DispatchResult(NamedTuple):
     pairs_per_expert: torch.Tensor | None
 
 
-@functools.cache  # every forward asks: an import statement per call is measurable host time in an eager step
+# Looked up on every forward: an import statement per call is measurable host time in an eager step. A dict, not
+# functools.cache: Dynamo traces through a cache wrapper and warns of possible silent incorrectness at every compile.
+_DISPATCHES: dict[str, Callable[[DispatchInputs], DispatchResult]] = {}
+
+
 def get_dispatch(name: str) -> Callable[[DispatchInputs], DispatchResult]:
     """The dispatch function called ``name`` (one of :data:`~nxd_moe.config.EXPERT_PARALLEL_DISPATCHES`)."""
+    if name in _DISPATCHES:
+        return _DISPATCHES[name]
     if name == "all_gather":
         from nxd_moe.parallel.all_gather import all_gather_dispatch
 
+        _DISPATCHES[name] = all_gather_dispatch
         return all_gather_dispatch
     if name == "all_to_all_v":
         from nxd_moe.parallel.all_to_all import all_to_all_dispatch
 
+        _DISPATCHES[name] = all_to_all_dispatch
         return all_to_all_dispatch
     raise ValueError(f"expert-parallel dispatch must be one of {list(EXPERT_PARALLEL_DISPATCHES)}, got {name!r}")
