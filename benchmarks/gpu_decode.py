@@ -55,6 +55,10 @@ VARIANTS = {
     "nopf": {"down_prefetch": False},
     "gu32": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}},
     "dn64": {"down": {"BLOCK_N": 64, "BLOCK_K": 128}},
+    # T=1's gate/up items (96 for Qwen3) leave a third of the multiprocessors idle; narrower items only help when
+    # two programs per multiprocessor hold them all at once (gu32 alone: two waves)
+    "gu32pps2": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}, "programs_per_sm": 2},
+    "dn64pps2": {"down": {"BLOCK_N": 64, "BLOCK_K": 128}, "programs_per_sm": 2},
 }
 KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route", "down_prefetch")
 
