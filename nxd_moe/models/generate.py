@@ -98,6 +98,9 @@ def static_cache(model, max_cache_len: int):
     graphs. A shared cache keeps its addresses, so the decode step is recorded once."""
     from transformers import StaticCache
 
+    from nxd_moe.config import check_int
+
+    check_int("max_cache_len", max_cache_len, minimum=1)
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 

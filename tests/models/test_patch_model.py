@@ -542,3 +542,5 @@ def test_shared_static_cache_is_for_compiled_generate_only():
     ref = reference("qwen3_moe")
     with pytest.raises(ValueError, match="cache: a shared StaticCache is for compiled=True only"):
         generate_tokens(ref.model, torch.zeros(1, 3, dtype=torch.long), 2, False, static_cache(ref.model, 5))
+    with pytest.raises(ValueError, match="max_cache_len"):
+        static_cache(ref.model, 0)
