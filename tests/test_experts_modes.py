@@ -427,6 +427,31 @@ def test_automatic_mode_in_expert_mlps_and_moe(num_tokens, seq_len, cf, alpha, b
         assert moe_stats.mode is ExpertsMode(expected)
 
 
+@pytest.mark.parametrize(
+    "num_tokens, seq_len, top_k, cf, expected",
+    [
+        (128, 1, 8, None, "selective_loading"),  # decode: always
+        (300, 1, 8, None, "selective_loading"),
+        (128, 128, 8, None, "selective_loading"),  # a 128-token prompt at top-8: 1024 pairs, one launch
+        (129, 129, 8, None, "blockwise"),  # 1032 pairs
+        (128, None, 8, None, "selective_loading"),  # T alone (the transformers seam): the same answer
+        (129, None, 8, None, "blockwise"),
+        (128, 128, 8, 1.0, "capacity_factor"),  # a capacity factor still drops
+        (2, 2, 2, None, "selective_loading"),  # 4 pairs, 128 experts: NxD's tiny-prefill rule
+    ],
+)
+def test_gpu_backend_rules(num_tokens, seq_len, top_k, cf, expected):
+    """The triton backend's rule (pure shapes: no GPU needed): never all-experts unforced, and a decode-sized
+    prefill (T*k within one launch's 1024 pairs) runs as the decode of that size does."""
+    pytest.importorskip("triton")
+    from nxd_moe.triton_kernels.backend import TritonBackend
+
+    backend = TritonBackend()
+    assert backend.select_mode(num_tokens, seq_len, top_k, 128, 512, cf, 1.0) is ExpertsMode(expected)
+    if seq_len is None:
+        assert backend.select_mode_from_tokens(num_tokens, top_k, 128, 512, 1.0) is ExpertsMode(expected)
+
+
 def test_forced_mode_validation():
     experts = make_experts(make_config())
     affinities, expert_index = random_routing(4, 4, 2, seed=0)

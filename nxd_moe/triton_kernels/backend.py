@@ -170,21 +170,20 @@ class TritonBackend(ExpertsBackend):
         """On a GPU the tiled kernels never compute an empty row and read each used expert's weights once per
         tile, so all-experts (every expert's weights, ``E/k`` times the FLOPs) never wins and is only run when
         forced; NxD's ``T*k >= alpha*E`` switch to it -- right for Trainium's DMA -- is not applied. Capacity
-        factor still applies to prefill, and tiny prefills run as selective loading, as in NxD."""
+        factor still applies to prefill. A dropless prefill of decode size (``T*k`` within one launch's pairs:
+        a short prompt at batch 1) runs as the decode of the same size does -- selective loading, the one-launch
+        decode where it applies -- since it is the same computation: the blockwise kernels' sort and separate
+        launches cost it more than they save (measured: a 128-token Qwen3-30B-A3B prefill in eager ``generate``).
+        Larger prefills are blockwise; tiny ones selective loading, as in NxD. The rule reads ``T`` only, so the
+        transformers experts seam (which cannot tell decode from prefill) gets the same answer."""
         if seq_len == 1:
             return ExpertsMode.SELECTIVE_LOADING
         if capacity_factor is not None:
             return ExpertsMode.CAPACITY_FACTOR
-        if num_tokens * top_k < selective_loading_threshold * num_experts:
+        if (persistent_decode.applies(num_tokens, top_k)
+                or num_tokens * top_k < selective_loading_threshold * num_experts):
             return ExpertsMode.SELECTIVE_LOADING
         return ExpertsMode.BLOCKWISE
-
-    def select_mode_from_tokens(self, num_tokens, top_k, num_experts, block_size, selective_loading_threshold):
-        """Decode-sized ``T`` (``T*k`` within one launch's pairs) as the decode rule has it, selective loading (the
-        one-launch decode where it applies); larger ``T`` by the prefill rule."""
-        if persistent_decode.applies(num_tokens, top_k):
-            return ExpertsMode.SELECTIVE_LOADING
-        return self.select_mode(num_tokens, None, top_k, num_experts, block_size, None, selective_loading_threshold)
 
     def build_routing(self, expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask=None):
         """One fused kernel instead of the torch version's chain of small ones (decode latency)."""

@@ -168,12 +168,15 @@ def test_padding_mask_and_nan_token_stay_isolated():
 
 
 def test_layer_picks_gpu_modes():
-    """Decode is selective loading on a GPU even when T*k >= E (NxD would pick all-experts there)."""
+    """Decode is selective loading on a GPU even when T*k >= E (NxD would pick all-experts there); so is a prefill of
+    decode size (64 x top-4 pairs), while a larger one (300 x 4 > 1024 pairs) is blockwise."""
     config = make_config(8, 16, 8, 4, "glu_silu")
     tested, reference = _pair(config)
     assert tested.resolve_mode(None, 16, 1) is ExpertsMode.SELECTIVE_LOADING
     assert reference.resolve_mode(None, 16, 1) is ExpertsMode.ALL_EXPERTS
-    assert tested.resolve_mode(None, 64, None) is ExpertsMode.BLOCKWISE
+    assert tested.resolve_mode(None, 64, None) is ExpertsMode.SELECTIVE_LOADING
+    assert reference.resolve_mode(None, 64, None) is ExpertsMode.BLOCKWISE
+    assert tested.resolve_mode(None, 300, None) is ExpertsMode.BLOCKWISE
     assert tested.resolve_mode("all_experts", 16, 1) is ExpertsMode.ALL_EXPERTS
 
 

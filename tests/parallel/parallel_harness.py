@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 WORKER = Path(__file__).resolve().parent / "parallel_worker.py"
@@ -47,6 +49,11 @@ def run_world(world_size: int, suite: str, timeout_s: float, only: list[str] | N
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
+            alive = [proc for proc, _ in procs if proc.poll() is None]
+            for proc in alive:  # the worker dumps every thread's stack to its log on SIGUSR1
+                proc.send_signal(signal.SIGUSR1)
+            if alive:
+                time.sleep(2)
             for proc, log in procs:
                 if proc.poll() is None:
                     proc.kill()
@@ -56,7 +63,7 @@ def run_world(world_size: int, suite: str, timeout_s: float, only: list[str] | N
         for rank in range(world_size):
             path = Path(out_dir) / f"rank{rank}.json"
             per_rank.append(json.loads(path.read_text()) if path.exists() else {})
-        logs = [(Path(out_dir) / f"log{rank}.txt").read_text()[-3000:] for rank in range(world_size)]
+        logs = [(Path(out_dir) / f"log{rank}.txt").read_text()[-6000:] for rank in range(world_size)]
     names = {name for results in per_rank for name in results}
     out = {name: [results.get(name, "missing") for results in per_rank] for name in names}
     if timed_out:

@@ -9,9 +9,12 @@ references, so they cannot pass vacuously.
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import gc
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -985,8 +988,23 @@ SUITES["nccl2"].update({f"graph/shape_change/ep2/{dispatch}/{backend}": graph_an
     dispatch, backend) for dispatch in DISPATCHES for backend in ("torch", "triton")})
 
 
+def release_compiled_graphs() -> None:
+    """Free what a compiled scenario leaves behind before its groups are destroyed: Inductor's CUDA-graph trees are
+    global and keep the captured graphs -- with the NCCL kernels of the groups in them -- alive, and destroying a
+    NCCL group whose kernels a live graph holds hung on two H100s (rank 0 in ``destroy_process_group``)."""
+    torch._dynamo.reset()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.reset_cudagraph_trees()
+        gc.collect()
+        torch.cuda.synchronize()
+
+
 def main() -> None:
     suite, out_dir = sys.argv[1], Path(sys.argv[2])
+    # The harness sends SIGUSR1 before killing a world that ran past its time: every rank's stacks reach its log.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     if suite.startswith("nccl"):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -1010,6 +1028,7 @@ def main() -> None:
         except Exception:
             results[name] = "FAIL " + traceback.format_exc()
         finally:
+            release_compiled_graphs()
             parallel_state.destroy_model_parallel()
         path.write_text(json.dumps(results))
         # Stop at the first failure on any rank: the ranks may no longer be in step.
