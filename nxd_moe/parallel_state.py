@@ -440,7 +440,12 @@ def spmd_rank() -> SPMDRank | None:
 
 
 def destroy_model_parallel() -> None:
-    """Destroy the groups :func:`initialize_model_parallel` created (the default group stays)."""
+    """Destroy the groups :func:`initialize_model_parallel` created (the default group stays).
+
+    Release first every CUDA graph that captured these groups' collectives -- ``torch.compile``'s
+    ``mode="reduce-overhead"`` keeps its graphs in global CUDA-graph trees (``torch._dynamo.reset()`` and
+    ``torch._inductor.cudagraph_trees.reset_cudagraph_trees()`` free them): destroying a NCCL group whose kernels a
+    live graph holds hung on two H100s."""
     global _STATE
     if _STATE is None:
         return
