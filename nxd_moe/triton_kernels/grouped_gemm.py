@@ -340,19 +340,17 @@ def _gate_up_sums(
     token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, k_begin, k_end, inter,
     stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
     GLU: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """The fp32 gate and up sums ``(BLOCK_M, BLOCK_N)`` of rows ``token`` and column slice ``column`` over the
     hidden rows ``k_begin .. k_end`` (``k_begin`` a multiple of ``BLOCK_K``; the whole of ``H`` unless split along
-    K). TMA loads only for the whole of ``H``: past ``k_end`` the copy engine would read the next slice."""
-    tl.static_assert(not GATE_UP_INTERLEAVED or (FORMAT == 0 and not TMA),
-                     "interleaved gate/up columns are read through pointers from unquantized weights only")
+    K). TMA loads only for the whole of ``H``: past ``k_end`` the copy engine would read the next slice. Gate and up
+    columns in separate runs (interleaved ones: :func:`_interleaved_gate_up_sums`)."""
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = k_begin + tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
-    w_cols = 2 * cols if GATE_UP_INTERLEAVED else cols
-    w_offsets = expert * stride_we + ks[:, None] * stride_wk + w_cols[None, :] * stride_wn
+    w_offsets = expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     first_col = column * BLOCK_N
@@ -404,6 +402,37 @@ def _gate_up_sums(
 
 
 @triton.jit
+def _interleaved_gate_up_sums(
+    token, row_ok, expert, column, x_ptr, w_ptr, w_desc, k_begin, k_end, inter,
+    stride_xt, stride_we, stride_wk, stride_wn,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """:func:`_gate_up_sums` of weights whose gate and up columns alternate (``g0, u0, g1, u1, ...``, GPT-OSS's
+    stored order): gate/up columns ``c .. c + BLOCK_N`` are the ``2 * BLOCK_N`` adjacent stored columns from
+    ``2c``, read whole -- one TMA box or vectorised rows, instead of two loads of every other column -- into one
+    ``(BLOCK_M, 2 * BLOCK_N)`` product, whose even and odd columns are then the gate and up sums."""
+    first_pair_col = 2 * column * BLOCK_N
+    pair_cols = first_pair_col + tl.arange(0, 2 * BLOCK_N)
+    pair_ok = pair_cols < 2 * inter
+    ks = k_begin + tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    w_offsets = expert * stride_we + ks[:, None] * stride_wk + pair_cols[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
+        k_ok = ks < k_end - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # the copy engine zero-fills past H and past 2I
+            w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_pair_col]).reshape(BLOCK_K, 2 * BLOCK_N)
+        else:
+            w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & pair_ok[None, :], other=0.0)
+        acc = _dot(a, w, acc, PRECISION, INTERPRET)
+        a_ptrs += BLOCK_K
+        w_offsets += BLOCK_K * stride_wk
+    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+
+
+@triton.jit
 def _gate_up_tile(
     tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, row_count,
@@ -418,14 +447,18 @@ def _gate_up_tile(
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`). The up half of a GLU
     weight is read from ``w_up_ptr`` (same strides as ``w_ptr``: the second half of ``gate_up_proj``, or a
-    separate up projection, or with ``GATE_UP_INTERLEAVED`` the column after each gate column, which then sit two
-    columns apart) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths (which take no
-    interleaved weights)."""
+    separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths; with
+    ``GATE_UP_INTERLEAVED`` both come from ``w_ptr`` (or ``w_desc``), see :func:`_interleaved_gate_up_sums`."""
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
-    acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0, hidden,
-                                inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
-                                GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GATE_UP_INTERLEAVED)
+    if GATE_UP_INTERLEAVED:
+        tl.static_assert(FORMAT == 0, "interleaved gate/up columns are read from unquantized weights only")
+        acc, acc_up = _interleaved_gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_desc, 0, hidden, inter,
+                                                stride_xt, stride_we, stride_wk, stride_wn, PRECISION, INTERPRET, TMA,
+                                                BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0,
+                                    hidden, inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
+                                    stride_sn, GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
@@ -487,7 +520,7 @@ def _gate_up_kernel(
     tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
         return
-    w_up_ptr = w_ptr + (stride_wn if GATE_UP_INTERLEAVED else inter * stride_wn)
+    w_up_ptr = w_ptr + inter * stride_wn  # interleaved weights read both halves from w_ptr
     _gate_up_tile(tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr,
                   out_ptr, row_token_ptr, tile_expert_ptr, 0, hidden, inter, inter_actual, num_experts,
                   stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
@@ -512,11 +545,16 @@ def _gate_up_partial_kernel(
     split = tl.program_id(1)
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
     k_begin = split * k_per_split
-    w_up_ptr = w_ptr + (stride_wn if GATE_UP_INTERLEAVED else inter * stride_wn)
-    acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_ptr, scale_ptr, k_begin,
-                                tl.minimum(k_begin + k_per_split, hidden), inter, stride_xt, stride_we, stride_wk,
-                                stride_wn, stride_se, stride_sk, stride_sn, GLU, PRECISION, INTERPRET, False, FORMAT,
-                                BLOCK_M, BLOCK_N, BLOCK_K, GATE_UP_INTERLEAVED)
+    w_up_ptr = w_ptr + inter * stride_wn  # interleaved weights read both halves from w_ptr
+    k_end = tl.minimum(k_begin + k_per_split, hidden)
+    if GATE_UP_INTERLEAVED:
+        acc, acc_up = _interleaved_gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_ptr, k_begin, k_end,
+                                                inter, stride_xt, stride_we, stride_wk, stride_wn, PRECISION,
+                                                INTERPRET, False, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_ptr, scale_ptr, k_begin,
+                                    k_end, inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
+                                    stride_sn, GLU, PRECISION, INTERPRET, False, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     at = out_ptr + split * stride_os + rows[:, None] * stride_or + cols[None, :]
     ok = row_ok[:, None] & (cols < inter)[None, :]
@@ -743,8 +781,9 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
             num_experts, split, partials.stride(0), partials.stride(1), bias.stride(0), out.stride(0), *scalars[1:],
             BLOCK_M=block_m, BLOCK_N=REDUCE_BLOCK_N, **constexprs)
         return out
-    # A TMA box is a run of adjacent columns; interleaved gate (or up) columns are every other one.
-    descriptor = _weight_descriptor(stored, block_k, block_n, config.get("TMA", False) and fmt == 0 and not interleaved)
+    # Interleaved weights are read as boxes of 2 * BLOCK_N adjacent columns (a TMA box side is at most 256).
+    box_n = 2 * block_n if interleaved else block_n
+    descriptor = _weight_descriptor(stored, block_k, box_n, config.get("TMA", False) and fmt == 0 and box_n <= 256)
     _gate_up_kernel[grid](
         hidden_states, stored, stored if descriptor is None else descriptor, scale, bias, affinity, out,
         layout.row_token, layout.tile_expert, layout.num_tiles,

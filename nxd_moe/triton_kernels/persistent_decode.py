@@ -388,7 +388,7 @@ def _decode_kernel(
                     if PAIR_TILES and ROUTER:  # the pair's expert (and affinity) from the routing items
                         _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
                         started = _now(item, INTERPRET)
-                    gu_up_ptr = gu_ptr + (s_gu_n if GATE_UP_INTERLEAVED else inter * s_gu_n)
+                    gu_up_ptr = gu_ptr + inter * s_gu_n  # interleaved weights read both halves from gu_ptr
                     _gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr, gu_scale_ptr,
                                   gu_bias_ptr, affinity_ptr, act_ptr, row_token_ptr, tile_expert, 0,
                                   hidden, inter, inter_actual, num_experts, hidden, s_gu_e, s_gu_k, s_gu_n,
