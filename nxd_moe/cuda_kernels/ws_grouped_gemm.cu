@@ -341,16 +341,13 @@ int rows_map(CUtensorMap* map, const void* rows, int64_t num_rows, int k_dim) {
                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : BAD_MAP;
 }
 
+// The shared memory limit is a per-device attribute, cheap to set again on every launch.
 template <bool GATE_UP>
 int launch(const CUtensorMap& weights, const CUtensorMap& rows, const Problem& p, int64_t num_rows, int num_sms,
            cudaStream_t stream) {
-  static bool configured = false;
-  if (!configured) {
-    const cudaError_t error = cudaFuncSetAttribute(ws_grouped_gemm_kernel<GATE_UP>,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-    if (error != cudaSuccess) return error;
-    configured = true;
-  }
+  const cudaError_t error = cudaFuncSetAttribute(ws_grouped_gemm_kernel<GATE_UP>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  if (error != cudaSuccess) return error;
   const int64_t worst_items = (num_rows / BLOCK_M) * p.n_blocks;  // the device-side count is at most this
   const int grid = static_cast<int>(worst_items < num_sms ? worst_items : num_sms);
   if (grid == 0) return 0;
@@ -360,14 +357,16 @@ int launch(const CUtensorMap& weights, const CUtensorMap& rows, const Problem& p
 
 }  // namespace
 
+// The library links its own (static) CUDA runtime: each entry point first makes the caller's device current in it.
 extern "C" {
 
 // x (T, H), gate_up_proj (E, H, 2I), out (R, I); row_token (R,) int64, tile_expert (R/128,) int32, num_tiles (1,)
 // int32. H and I multiples of 64, R a multiple of 128. Returns 0, a cudaError_t, or a negative code above.
 int nxd_ws_gate_up(const void* x, const void* gate_up_proj, void* out, const void* row_token,
                    const void* tile_expert, const void* num_tiles, int64_t num_rows, int hidden, int inter,
-                   int num_experts, int num_sms, void* stream) {
+                   int num_experts, int num_sms, int device, void* stream) {
   if (hidden % BLOCK_K || inter % BOX_N || num_rows % BLOCK_M) return BAD_SHAPE;
+  if (const cudaError_t error = cudaSetDevice(device)) return error;
   if (!encoder()) return NO_ENCODER;
   CUtensorMap weights;
   if (int error = weight_map(&weights, gate_up_proj, num_experts, hidden, 2 * inter)) return error;
@@ -380,8 +379,9 @@ int nxd_ws_gate_up(const void* x, const void* gate_up_proj, void* out, const voi
 // activated (R, I) in tile order, down_proj (E, I, H), out (R, H); I a multiple of 64, H of 8.
 int nxd_ws_down(const void* activated, const void* down_proj, void* out, const void* row_token,
                 const void* tile_expert, const void* num_tiles, int64_t num_rows, int inter, int hidden,
-                int num_experts, int num_sms, void* stream) {
+                int num_experts, int num_sms, int device, void* stream) {
   if (inter % BLOCK_K || hidden % 8 || num_rows % BLOCK_M) return BAD_SHAPE;
+  if (const cudaError_t error = cudaSetDevice(device)) return error;
   if (!encoder()) return NO_ENCODER;
   CUtensorMap weights, rows;
   if (int error = weight_map(&weights, down_proj, num_experts, inter, hidden)) return error;
