@@ -28,17 +28,19 @@ SOURCE = Path(__file__).with_name("ws_grouped_gemm.cu")
 NVCC_FLAGS = ("-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC")
 CACHE_ENV = "NXD_MOE_CUDA_CACHE"
 BUILD_TIMEOUT_S = 300
+# Where nvcc is looked for when it is not on PATH and CUDA_HOME is unset or has none.
+DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 _lock = threading.Lock()
 _state: dict = {}  # "library": the loaded CDLL or None once tried; "noticed": the notice was given
 
 
 def find_nvcc() -> str | None:
-    """``nvcc`` on ``PATH``, else under ``$CUDA_HOME`` / ``/usr/local/cuda``; None if neither has it."""
+    """``nvcc`` on ``PATH``, else under ``$CUDA_HOME`` / :data:`DEFAULT_CUDA_HOME`; None if none has it."""
     found = shutil.which("nvcc")
     if found:
         return found
-    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+    for root in (os.environ.get("CUDA_HOME"), DEFAULT_CUDA_HOME):
         if root and os.access(Path(root, "bin", "nvcc"), os.X_OK):
             return str(Path(root, "bin", "nvcc"))
     return None
@@ -108,7 +110,7 @@ def load() -> ctypes.CDLL | None:
             _state["library"] = None
             nvcc = find_nvcc()
             if nvcc is None:
-                notice("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+                notice(f"nvcc not found (PATH, CUDA_HOME, {DEFAULT_CUDA_HOME})")
             else:
                 try:
                     _state["library"] = _declare(ctypes.CDLL(str(_build(nvcc))))
