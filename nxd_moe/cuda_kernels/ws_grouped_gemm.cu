@@ -341,13 +341,20 @@ int rows_map(CUtensorMap* map, const void* rows, int64_t num_rows, int k_dim) {
                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS ? 0 : BAD_MAP;
 }
 
-// The shared memory limit is a per-device attribute, cheap to set again on every launch.
+// The shared-memory limit is raised once per device, on the first launch there: a CUDA-graph capture (which may
+// refuse calls that are not stream work) then finds it set by the warm-up launch before it.
 template <bool GATE_UP>
 int launch(const CUtensorMap& weights, const CUtensorMap& rows, const Problem& p, int64_t num_rows, int num_sms,
-           cudaStream_t stream) {
-  const cudaError_t error = cudaFuncSetAttribute(ws_grouped_gemm_kernel<GATE_UP>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-  if (error != cudaSuccess) return error;
+           int device, cudaStream_t stream) {
+  constexpr int MAX_DEVICES = 64;
+  static bool configured[MAX_DEVICES] = {};
+  if (device < 0 || device >= MAX_DEVICES) return cudaErrorInvalidDevice;
+  if (!configured[device]) {
+    const cudaError_t error = cudaFuncSetAttribute(ws_grouped_gemm_kernel<GATE_UP>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (error != cudaSuccess) return error;
+    configured[device] = true;
+  }
   const int64_t worst_items = (num_rows / BLOCK_M) * p.n_blocks;  // the device-side count is at most this
   const int grid = static_cast<int>(worst_items < num_sms ? worst_items : num_sms);
   if (grid == 0) return 0;
@@ -373,7 +380,7 @@ int nxd_ws_gate_up(const void* x, const void* gate_up_proj, void* out, const voi
   const Problem p{static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(out),
                   static_cast<const int64_t*>(row_token), static_cast<const int32_t*>(tile_expert),
                   static_cast<const int32_t*>(num_tiles), hidden, inter, (inter + 2 * BOX_N - 1) / (2 * BOX_N), inter};
-  return launch<true>(weights, weights, p, num_rows, num_sms, static_cast<cudaStream_t>(stream));
+  return launch<true>(weights, weights, p, num_rows, num_sms, device, static_cast<cudaStream_t>(stream));
 }
 
 // activated (R, I) in tile order, down_proj (E, I, H), out (R, H); I a multiple of 64, H of 8.
@@ -389,7 +396,7 @@ int nxd_ws_down(const void* activated, const void* down_proj, void* out, const v
   const Problem p{nullptr, static_cast<__nv_bfloat16*>(out), static_cast<const int64_t*>(row_token),
                   static_cast<const int32_t*>(tile_expert), static_cast<const int32_t*>(num_tiles), inter, hidden,
                   (hidden + BOXES * BOX_N - 1) / (BOXES * BOX_N), inter};
-  return launch<false>(weights, rows, p, num_rows, num_sms, static_cast<cudaStream_t>(stream));
+  return launch<false>(weights, rows, p, num_rows, num_sms, device, static_cast<cudaStream_t>(stream));
 }
 
 const char* nxd_ws_error_string(int code) {
