@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from nxd_moe import cuda_kernels
+from nxd_moe.cuda_kernels import ws_gemm
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.experts.capacity import admit
 from nxd_moe.experts.mlp import ExpertWeights
@@ -41,6 +43,8 @@ from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
 from nxd_moe.triton_kernels.w8a8 import w8a8_expert_rows, w8a8_launch_config
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# TritonBackend(prefill_kernel=...): the Triton prefill GEMMs, or the warp-specialised CUDA C++ ones (opt-in).
+PREFILL_KERNELS = ("triton", "cuda_ws")
 
 
 def _check_device(hidden_states: torch.Tensor) -> None:
@@ -91,6 +95,12 @@ class TritonBackend(ExpertsBackend):
     ``fuse_router``: a top-k router with an fp32 weight as one kernel (:meth:`fused_router`) where the layer is not
     decoded in one launch. None (default): from :data:`~nxd_moe.triton_kernels.router.MIN_TOKENS` tokens on, where
     it was measured faster than torch's router; True: wherever it applies; False: never.
+    ``prefill_kernel``: which kernels run the prefill GEMMs (128-row tiles of 16-bit weights on Hopper).
+    ``"triton"`` (default): :mod:`~nxd_moe.triton_kernels.prefill_gemm`. ``"cuda_ws"``: the warp-specialised
+    CUDA C++ GEMMs of :mod:`~nxd_moe.cuda_kernels.ws_gemm` (built with the machine's ``nvcc`` on first use) where
+    :func:`~nxd_moe.cuda_kernels.ws_gemm.applies` (sm_90, bf16, plain SiLU-GLU, no biases, ``H``/``I`` multiples
+    of 64); elsewhere, and after a one-line notice where ``nvcc`` is missing or the build fails, the Triton ones.
+    Opt-in until measured on an H100 (``benchmarks/gpu_prefill.py``).
     """
 
     name = "triton"
@@ -102,13 +112,16 @@ class TritonBackend(ExpertsBackend):
 
     def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool | None = None,
                  persistent_prefill: bool = True, repack: bool = True,
-                 fuse_router: bool | None = None):
+                 fuse_router: bool | None = None, prefill_kernel: str = "triton"):
         if not (one_launch is None or type(one_launch) is bool):
             raise TypeError(f"TritonBackend: one_launch must be None (the measured rule), True or False, got "
                             f"{one_launch!r}")
         if not (fuse_router is None or type(fuse_router) is bool):
             raise TypeError(f"TritonBackend: fuse_router must be None (the measured rule), True or False, got "
                             f"{fuse_router!r}")
+        if prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"TritonBackend: prefill_kernel must be one of {PREFILL_KERNELS}, got "
+                             f"{prefill_kernel!r}")
         for name, value in (("persistent_prefill", persistent_prefill), ("repack", repack)):
             if type(value) is not bool:
                 raise TypeError(f"TritonBackend: {name} must be True or False, got {value!r}")
@@ -118,6 +131,7 @@ class TritonBackend(ExpertsBackend):
         self.persistent_prefill = persistent_prefill
         self.repack = repack
         self.fuse_router = fuse_router
+        self.prefill_kernel = prefill_kernel
         # Launch configurations by static shape: looked up once, not on every forward.
         self._configs: dict[tuple, dict] = {}
         # How the ops of a torch.compile'd graph find this backend (see compiled.py).
@@ -220,6 +234,9 @@ class TritonBackend(ExpertsBackend):
         affinities = routing.affinities.contiguous()
         if weights.activation_quantization is not None:  # W8A8: FP8 x FP8 GEMMs (w8a8.py)
             rows = w8a8_expert_rows(x, layout, weights, affinities if routing.prescale else None, config)
+        elif (self.prefill_kernel == "cuda_ws" and ws_gemm.applies(x, weights, layout.block_m, routing.prescale)
+              and cuda_kernels.available()):
+            rows = ws_gemm.expert_rows(x, layout, weights)
         elif self.persistent_prefill and prefill_gemm.applies(x, weights, layout.block_m):
             # Prefill tiles of 16-bit weights on Hopper+: persistent TMA GEMMs (prefill_gemm.py).
             prefill = config.get("prefill") or prefill_gemm.default_prefill_config(layout.block_m,
@@ -356,6 +373,7 @@ class TritonBackend(ExpertsBackend):
         shown += [] if self.persistent_prefill else ["persistent_prefill=False"]
         shown += [] if self.repack else ["repack=False"]
         shown += [] if self.fuse_router is None else [f"fuse_router={self.fuse_router}"]
+        shown += [] if self.prefill_kernel == "triton" else [f"prefill_kernel={self.prefill_kernel!r}"]
         return f"TritonBackend({', '.join(shown)})"
 
 
