@@ -62,6 +62,7 @@ sys.path.insert(0, str(HERE))
 
 DEFAULT_VLLM_SRC = ROOT / ".peers" / "vllm_src"
 DEFAULT_LIGER_SRC = ROOT / ".peers"
+DEFAULT_FLASHINFER_SITE = ROOT / ".peers" / "flashinfer" / "site"
 SCHEMA_VERSION = 1
 CORRECT_REL_ERR = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 
@@ -281,8 +282,9 @@ def _error(exc: BaseException) -> str:
 def contenders(case: Case, problem, args, device, dtype):
     """Yield the case's contenders one at a time (ours last: they hold a second copy of the weights), or
     ``(name, why skipped)`` pairs."""
-    from _gpu_peers import (backend_available, build_ours, grouped_mm_contender, hf_contenders, liger_contender,
-                            ours_contender, vllm_contender, vllm_kernels_only_contender)
+    from _gpu_peers import (backend_available, build_ours, flashinfer_contender, flashinfer_unavailable,
+                            grouped_mm_contender, hf_contenders, liger_contender, ours_contender, vllm_contender,
+                            vllm_kernels_only_contender)
 
     triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     yield "torch_grouped_mm", lambda: grouped_mm_contender(problem)
@@ -308,6 +310,12 @@ def contenders(case: Case, problem, args, device, dtype):
             yield "vllm_triton_kernels_only", lambda: vllm_kernels_only_contender(problem, args.vllm_src, case.tokens)
         else:
             yield "vllm_triton", f"skipped: no unpacked vLLM source at --vllm-src {args.vllm_src!r}"
+    why_not_flashinfer = ("its CUTLASS kernels need CUDA" if device.type != "cuda"
+                          else flashinfer_unavailable(args.flashinfer_site))
+    if why_not_flashinfer is None:
+        yield "flashinfer_cutlass", lambda: flashinfer_contender(problem, args.flashinfer_autotune)
+    else:
+        yield "flashinfer_cutlass", f"skipped: {why_not_flashinfer}"
 
     # triton first: the headline contender runs before anything else of ours could upset the device
     backends = ["torch"]
@@ -721,6 +729,11 @@ def parse_args(argv=None):
                                    "else an installed liger_kernel is used if any")
     p.add_argument("--liger-autotune", action="store_true",
                    help="let Liger autotune (about a minute per shape on first call); default: its pinned config")
+    p.add_argument("--flashinfer-site", default=str(DEFAULT_FLASHINFER_SITE),
+                   help="folder holding flashinfer (installed by benchmarks/flashinfer_carry.sh; default "
+                        ".peers/flashinfer/site), put first on sys.path; else an installed flashinfer is used if any")
+    p.add_argument("--flashinfer-autotune", action="store_true",
+                   help="let FlashInfer's autotuner profile its tactics on the first call; default: its default tactic")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this (default 480)")
     p.add_argument("--case-timeout-s", type=float, default=150.0, help="kill one case's process after this")
     p.add_argument("--rotations", type=int, default=None, help="inputs per sample (default 4 decode, 2 prefill)")
