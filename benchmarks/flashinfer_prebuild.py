@@ -70,6 +70,20 @@ def undefined_kernel_symbols(library: Path) -> tuple[list[str], list[str]]:
     return ours, eager
 
 
+def ninja_binary() -> str:
+    """``ninja`` on PATH, else the binary of the ``ninja`` wheel that flashinfer_carry.sh unpacked next to the
+    ``ninja`` package (``ninja-*.data/scripts/ninja``: unpacked, not pip-installed, so not on PATH)."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    import ninja
+
+    unpacked = sorted(Path(ninja.__file__).parent.parent.glob("ninja-*.data/scripts/ninja"))
+    if not unpacked:
+        raise SystemExit("no ninja on PATH and none unpacked next to the ninja package")
+    return str(unpacked[0])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs (default 2)")
@@ -100,7 +114,7 @@ def main(argv=None) -> int:
         return 0
     spec.write_ninja()
     started = time.perf_counter()
-    subprocess.run(["nice", "-n", "10", "ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path),
+    subprocess.run(["nice", "-n", "10", ninja_binary(), "-C", str(spec.build_dir), "-f", str(spec.ninja_path),
                     "-j", str(args.jobs)], check=True)
     print(f"built in {time.perf_counter() - started:.0f} s: {spec.jit_library_path}", file=sys.stderr)
     undefined, eager = undefined_kernel_symbols(spec.jit_library_path)
