@@ -20,6 +20,7 @@ Two layer functions exist (``Problem.function``):
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import os
@@ -313,9 +314,14 @@ def flashinfer_unavailable(site: str | None) -> str | None:
     """None if FlashInfer's fused MoE imports (``site`` first on ``sys.path`` when it is a folder), else why not."""
     if site and os.path.isdir(site) and site not in sys.path:
         sys.path.insert(0, site)
+    # The prebuilt module needs libnvrtc.so.13, which torch's wheel holds off the loader's path: loading the link
+    # flashinfer_carry.sh made to it satisfies that dependency by its soname.
+    nvrtc = os.path.join(os.path.dirname(os.path.abspath(site)), "cuda-extra", "lib", "libnvrtc.so") if site else ""
     try:
+        if os.path.exists(nvrtc):
+            ctypes.CDLL(nvrtc, mode=ctypes.RTLD_GLOBAL)
         importlib.import_module("flashinfer.fused_moe")
-    except Exception as error:  # ImportError, or a missing shared library (OSError) of its binding layer
+    except Exception as error:  # ImportError, or a shared library that does not load (OSError)
         first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         return (f"flashinfer does not import ({type(error).__name__}: {first_line}); carry it with "
                 f"benchmarks/flashinfer_carry.sh (site folder looked at: {site!r})")

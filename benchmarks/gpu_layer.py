@@ -10,8 +10,9 @@ experts, combine, shared expert where the case has one -- over the same weights 
   unpacked wheel, ``--liger-src``); vLLM's ``fused_moe`` Triton kernel with its shipped tuned configs (from an
   unpacked wheel, ``--vllm-src``, through ``_vllm_stubs``, whose stand-ins for vLLM's compiled ops are one kernel
   each), and the same vLLM call with its block alignment computed outside the timed region
-  (``vllm_triton_kernels_only``: a lower bound on a vLLM install's time). A peer whose files are absent is
-  skipped with a note.
+  (``vllm_triton_kernels_only``: a lower bound on a vLLM install's time); FlashInfer's CUTLASS fused MoE
+  (TensorRT-LLM's kernels, ``flashinfer_cutlass``, from the folder ``flashinfer_carry.sh`` installs,
+  ``--flashinfer-site``). A peer whose files are absent is skipped with a note.
 - ours: ``nxd_moe.MoE`` on the torch backend (the layer's own mode choice; at prefill also block size 16, and
   forced modes where a case lists them) and on ``backend="triton"`` when it is registered and imports.
 
