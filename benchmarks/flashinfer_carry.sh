@@ -15,7 +15,7 @@
 # machines lack them). The rest of FlashInfer's declared dependencies (cuda-python, cutlass-dsl, cudnn frontend,
 # nccl4py, ... ~200 MB) serve other kernels and are left out. It stages one site-packages folder: FlashInfer without
 # the parts of its 330 MB data/ that the SM90 fused MoE does not compile (kept: TensorRT-LLM's MoE sources, CUTLASS,
-# CCCL, spdlog, FlashInfer's headers; the DeepGEMM headers among them are also compiled at run time, by NVRTC, on
+# CCCL, spdlog, FlashInfer's headers; the DeepGEMM headers among them are also compiled at run time, by nvcc, on
 # the FP8 block-scale path) and PREBUILT_SO (benchmarks/flashinfer_prebuild.py's output) where FlashInfer loads
 # prebuilt modules from (flashinfer/data/aot/fused_moe_90/fused_moe_90.so). Without PREBUILT_SO the module is built
 # on the GPU machine (benchmarks/README.md). The stage is packed as one tar.xz cut into parts of $PART_BYTES

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 # under flashinfer/data/: what the fused_moe_90 build includes (from its ninja dependency files), and the DeepGEMM
-# headers (under csrc/nv_internal) that its FP8 block-scale path hands to NVRTC at run time
+# headers (under csrc/nv_internal) that its FP8 block-scale path compiles with nvcc at run time
 KEEP_DATA = ("csrc/nv_internal/", "csrc/fused_moe/cutlass_backend/", "cutlass/include/", "cutlass/tools/util/include/",
              "cccl/", "spdlog/include/", "include/")
 
