@@ -576,13 +576,13 @@ def markdown(result: dict) -> str:
         groups.setdefault(c.get("case", {}).get("group", "other"), []).append((name, c))
     for group, cases in groups.items():
         lines += [f"### {GROUP_TITLES.get(group, group)}", "",
-                  "| case | touched MB | GFLOP | roofline us | vLLM | vLLM kernels only | Liger | HF best | "
-                  "grouped_mm | nxd torch | nxd triton | triton / best peer | triton % roofline | triton TB/s | "
-                  "triton TFLOP/s |",
-                  "|" + " --- |" * 15]
+                  "| case | touched MB | GFLOP | roofline us | vLLM | vLLM kernels only | Liger | FlashInfer | "
+                  "HF best | grouped_mm | nxd torch | nxd triton | triton / best peer | triton % roofline | "
+                  "triton TB/s | triton TFLOP/s |",
+                  "|" + " --- |" * 16]
         for name, c in cases:
             if "contenders" not in c:
-                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 13)
+                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 14)
                 continue
             rows = c["contenders"]
             tri = rows.get("nxd_triton", {})
@@ -591,7 +591,8 @@ def markdown(result: dict) -> str:
             lines.append("| " + " | ".join([
                 name, f"{c['touched_weight_bytes'] / 1e6:.0f}", f"{c['useful_flop'] / 1e9:.1f}",
                 f"{c['roofline_us']:.0f}" if c.get("roofline_us") else "—", us(rows.get("vllm_triton")),
-                us(rows.get("vllm_triton_kernels_only")), us(rows.get("liger")), us(best_of(rows, "hf_")),
+                us(rows.get("vllm_triton_kernels_only")), us(rows.get("liger")), us(rows.get("flashinfer_cutlass")),
+                us(best_of(rows, "hf_")),
                 us(rows.get("torch_grouped_mm")), torch_cell, us(tri),
                 f"{tri['vs_best_peer']:.2f}x" if tri.get("vs_best_peer") else "—",
                 f"{100 * tri['vs_roofline']:.0f}%" if tri.get("vs_roofline") else "—",
