@@ -17,8 +17,9 @@ output, DeepSeek-style 128x128 block-scaled FP8 weights with bf16 activations). 
 generated CUTLASS instantiations that name bf16 and no 4-bit type, and FlashInfer's hand-written sources except the
 per-type GEMM files of the other pairs. The instantiations left out are then undefined symbols of the ``.so``; the
 library is opened lazily (``RTLD_LAZY``, as ``tvm_ffi.load_module`` does), so they bind only if called, which the
-bf16 / FP8 paths never do. :func:`undefined_kernel_symbols` lists them, and the script fails if any is referenced
-other than through a call (a data relocation would fail at load time).
+bf16 / FP8 paths never do. Those that kept code takes the address of (dispatch tables: bound at load time) get
+weak definitions that abort (:func:`abort_stubs`); :func:`undefined_kernel_symbols` then checks that no undefined
+one is left that would stop the library from loading.
 """
 
 from __future__ import annotations
@@ -70,6 +71,27 @@ def undefined_kernel_symbols(library: Path) -> tuple[list[str], list[str]]:
     return ours, eager
 
 
+def abort_stubs(symbols: list[str]) -> str:
+    """x86-64 assembly defining each of ``symbols`` as a weak function that calls ``abort``. For the left-out
+    instantiations that the kept sources take the address of (dispatch tables): such a reference is bound when the
+    library is opened, so without a definition it would not open. The bf16 / FP8 paths never call them; a call
+    would abort the process rather than run a wrong kernel."""
+    lines = ["    .text"]
+    for symbol in symbols:
+        lines += [f"    .weak {symbol}", f"    .type {symbol}, @function", f"{symbol}:", "    jmp abort@PLT"]
+    return "\n".join(lines + ['    .section .note.GNU-stack,"",@progbits', ""])
+
+
+def relink_with_abort_stubs(ninja: str, build_dir: Path, ninja_path: Path, library: Path, symbols: list[str]) -> None:
+    """Link ``library`` again (ninja's own link command) with :func:`abort_stubs` for ``symbols`` added."""
+    stubs = build_dir / "unused_instantiations.S"
+    stubs.write_text(abort_stubs(symbols))
+    subprocess.run(["cc", "-c", "-fPIC", str(stubs), "-o", str(stubs.with_suffix(".o"))], check=True)
+    commands = subprocess.run([ninja, "-C", str(build_dir), "-f", str(ninja_path), "-t", "commands", str(library)],
+                              capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    subprocess.run(f"{commands[-1]} {stubs.with_suffix('.o')}", shell=True, check=True, cwd=build_dir)
+
+
 def ninja_binary() -> str:
     """``ninja`` on PATH, else the binary of the ``ninja`` wheel that flashinfer_carry.sh unpacked next to the
     ``ninja`` package (``ninja-*.data/scripts/ninja``: unpacked, not pip-installed, so not on PATH)."""
@@ -114,14 +136,20 @@ def main(argv=None) -> int:
         return 0
     spec.write_ninja()
     started = time.perf_counter()
-    subprocess.run(["nice", "-n", "10", ninja_binary(), "-C", str(spec.build_dir), "-f", str(spec.ninja_path),
+    ninja = ninja_binary()
+    subprocess.run(["nice", "-n", "10", ninja, "-C", str(spec.build_dir), "-f", str(spec.ninja_path),
                     "-j", str(args.jobs)], check=True)
     print(f"built in {time.perf_counter() - started:.0f} s: {spec.jit_library_path}", file=sys.stderr)
     undefined, eager = undefined_kernel_symbols(spec.jit_library_path)
+    if eager:
+        print(f"{len(eager)} left-out instantiations are referenced by address: linked to aborting stubs",
+              file=sys.stderr)
+        relink_with_abort_stubs(ninja, spec.build_dir, spec.ninja_path, spec.jit_library_path, eager)
+        undefined, eager = undefined_kernel_symbols(spec.jit_library_path)
+        if eager:
+            raise SystemExit(f"undefined symbols referenced other than by calls (would fail at load): {eager[:5]}")
     print(f"{len(undefined)} kernel instantiations left undefined (bound lazily, never called by bf16 / FP8)",
           file=sys.stderr)
-    if eager:
-        raise SystemExit(f"undefined symbols referenced other than by calls (would fail at load): {eager[:5]}")
     targets = ([args.out] if args.out else []) + ([jit_env.FLASHINFER_AOT_DIR / MODULE] if args.install else [])
     for folder in targets:
         folder.mkdir(parents=True, exist_ok=True)

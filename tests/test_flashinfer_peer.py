@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,33 @@ def test_the_layer_benchmark_skips_flashinfer_with_the_reason():
 def test_flashinfer_unavailable_says_how_to_carry_it(tmp_path):
     why = _gpu_peers.flashinfer_unavailable(str(tmp_path / "no-such-site"))
     assert "flashinfer does not import" in why and "flashinfer_carry.sh" in why
+
+
+TOY = """
+extern void left_out(void) __asm__("_ZN12tensorrt_llm8left_outEv");
+extern void only_called(void) __asm__("_ZN12tensorrt_llm11only_calledEv");
+void (*const dispatch_table[])(void) = {left_out};
+void call_it(void) { only_called(); }
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("cc") and shutil.which("ninja") and shutil.which("readelf")),
+                    reason="needs cc, ninja and binutils")
+def test_prebuild_links_address_taken_left_out_instantiations_to_aborting_stubs(tmp_path):
+    """A toy library with one left-out instantiation in a dispatch table (bound at load: the library would not open)
+    and one only called (bound lazily, on a call that never comes): the first gets a weak aborting definition, the
+    second stays undefined."""
+    (tmp_path / "toy.c").write_text(TOY)
+    subprocess.run(["cc", "-c", "-fPIC", "toy.c", "-o", "toy.o"], cwd=tmp_path, check=True)
+    (tmp_path / "build.ninja").write_text(  # absolute paths, as FlashInfer's build.ninja has
+        f"rule link\n  command = cc -shared $in -o $out\nbuild {tmp_path}/toy.so: link {tmp_path}/toy.o\n")
+    ninja = shutil.which("ninja")
+    subprocess.run([ninja, "-C", str(tmp_path)], check=True, capture_output=True)
+    library = tmp_path / "toy.so"
+    undefined, eager = flashinfer_prebuild.undefined_kernel_symbols(library)
+    assert undefined == ["_ZN12tensorrt_llm11only_calledEv", "_ZN12tensorrt_llm8left_outEv"]
+    assert eager == ["_ZN12tensorrt_llm8left_outEv"]
+    flashinfer_prebuild.relink_with_abort_stubs(ninja, tmp_path, tmp_path / "build.ninja", library, eager)
+    assert flashinfer_prebuild.undefined_kernel_symbols(library) == (["_ZN12tensorrt_llm11only_calledEv"], [])
+    defined = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True).stdout
+    assert " W _ZN12tensorrt_llm8left_outEv" in defined
