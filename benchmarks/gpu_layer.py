@@ -311,12 +311,6 @@ def contenders(case: Case, problem, args, device, dtype):
             yield "vllm_triton_kernels_only", lambda: vllm_kernels_only_contender(problem, args.vllm_src, case.tokens)
         else:
             yield "vllm_triton", f"skipped: no unpacked vLLM source at --vllm-src {args.vllm_src!r}"
-    why_not_flashinfer = ("its CUTLASS kernels need CUDA" if device.type != "cuda"
-                          else flashinfer_unavailable(args.flashinfer_site))
-    if why_not_flashinfer is None:
-        yield "flashinfer_cutlass", lambda: flashinfer_contender(problem, args.flashinfer_autotune)
-    else:
-        yield "flashinfer_cutlass", f"skipped: {why_not_flashinfer}"
 
     # triton first: the headline contender runs before anything else of ours could upset the device
     backends = ["torch"]
@@ -345,6 +339,14 @@ def contenders(case: Case, problem, args, device, dtype):
                                          ours_contender(layer(backend, block), f"{name}_{mode}", case.decode, mode))
     if why is not None:
         yield "nxd_triton", f"skipped: {why}"
+    # FlashInfer last: a fault in its carried, partly built module (an aborting left-out instantiation, a CUDA
+    # error) ends the case's process, and what ran before it is kept
+    why_not_flashinfer = ("its CUTLASS kernels need CUDA" if device.type != "cuda"
+                          else flashinfer_unavailable(args.flashinfer_site))
+    if why_not_flashinfer is None:
+        yield "flashinfer_cutlass", lambda: flashinfer_contender(problem, args.flashinfer_autotune)
+    else:
+        yield "flashinfer_cutlass", f"skipped: {why_not_flashinfer}"
 
 
 def run_case(case: Case, args) -> None:
