@@ -10,9 +10,9 @@
 #
 # pack: downloads (pip download, once, into $WHEELS, default /tmp/flashinfer-wheels) flashinfer-python 0.7.2.post1
 # and the few packages its import and build need for CPython 3.12 x86-64: apache-tvm-ffi (its binding layer and
-# headers) with typing-extensions, requests and its four dependencies, nvidia-ml-py, ninja; and the cuBLAS / NVRTC
-# headers its TensorRT-LLM sources include (from the nvidia-cublas / nvidia-cuda-nvrtc wheels: the CUDA toolkits of
-# both machines lack them). The rest of FlashInfer's declared dependencies (cuda-python, cutlass-dsl, cudnn frontend,
+# headers) with typing-extensions, requests and its four dependencies, nvidia-ml-py, ninja; and the cuBLAS, NVRTC
+# and cuRAND headers its TensorRT-LLM sources include (from the nvidia-cublas, -cuda-nvrtc and -curand wheels: the
+# CUDA toolkits of both machines lack them). The rest of FlashInfer's declared dependencies (cuda-python, cutlass-dsl, cudnn frontend,
 # nccl4py, ... ~200 MB) serve other kernels and are left out. It stages one site-packages folder: FlashInfer without
 # the parts of its 330 MB data/ that the SM90 fused MoE does not compile (kept: TensorRT-LLM's MoE sources, CUTLASS,
 # CCCL, spdlog, FlashInfer's headers; the DeepGEMM headers among them are also compiled at run time, by nvcc, on
@@ -33,7 +33,7 @@ FLASHINFER_VERSION=0.7.2.post1
 # exact versions (the ones the CPU import check used)
 IMPORT_DEPS=(apache-tvm-ffi==0.1.15.post2 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.10.19.post1
              charset-normalizer==3.5.3 nvidia-ml-py==13.615.71 ninja==1.13.0 typing-extensions==4.16.0)
-HEADER_WHEELS=("nvidia-cublas>=13.0,<13.2" "nvidia-cuda-nvrtc>=13.0,<13.1")  # CUDA 13.0, as nvcc on both machines
+HEADER_WHEELS=("nvidia-cublas>=13.0,<13.2" "nvidia-cuda-nvrtc>=13.0,<13.1" "nvidia-curand>=10.4.0,<10.4.1")  # CUDA 13.0
 
 split_file() {  # FILE DIR BYTES: DIR/part-000, part-001, ... of at most BYTES each
   local file=$1 dir=$2 bytes=$3

@@ -6,9 +6,9 @@ compiling.
     FLASHINFER_WORKSPACE_BASE=/tmp/fi-ws python3 benchmarks/flashinfer_prebuild.py --jobs 16 [--install]
 
 Needs ``flashinfer`` importable (0.7.2.post1), ``nvcc`` (CUDA 12.8+; the device and the build machine both have
-13.0), ``ninja``, and the cuBLAS / NVRTC headers and ``libnvrtc`` / ``libcuda`` to link against (``--cuda-extra``:
-a folder with ``include/`` and ``lib/``; :mod:`flashinfer_carry.sh` makes one from the NVIDIA wheels). No GPU: the
-target is fixed to ``sm_90a`` (``FLASHINFER_CUDA_ARCH_LIST=9.0a``).
+13.0), ``ninja``, and the cuBLAS, NVRTC and cuRAND headers and ``libnvrtc`` / ``libcuda`` to link against
+(``--cuda-extra``: a folder with ``include/`` and ``lib/``; ``flashinfer_carry.sh`` carries the headers and links the
+libraries). No GPU: the target is fixed to ``sm_90a`` (``FLASHINFER_CUDA_ARCH_LIST=9.0a``).
 
 Why a subset: FlashInfer's module compiles 248 translation units (every activation / weight type pair the
 TensorRT-LLM MoE runner knows: fp16, fp32, int4, int8, FP4 and MXFP4 weights, the dense fpA-intB GEMMs), about 3
