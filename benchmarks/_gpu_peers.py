@@ -328,7 +328,7 @@ def flashinfer_unavailable(site: str | None) -> str | None:
     return None
 
 
-def _first(result) -> torch.Tensor:
+def flashinfer_output(result) -> torch.Tensor:
     """``cutlass_fused_moe``'s output tensor (some versions return ``[output, ...]``)."""
     return result[0] if isinstance(result, (list, tuple)) else result
 
@@ -349,8 +349,8 @@ def flashinfer_contender(problem: Problem, autotune: bool) -> Contender:
         x_in, weights = problem.expert_input(x, weights)
 
         def call():
-            return _first(cutlass_fused_moe(x_in.contiguous(), ids.to(torch.int32), weights.float(), fc1,
-                                            problem.down, x.dtype, quant_scales=[]))
+            return flashinfer_output(cutlass_fused_moe(x_in.contiguous(), ids.to(torch.int32), weights.float(), fc1,
+                                                       problem.down, x.dtype, quant_scales=[]))
 
         if autotune and x.shape not in tuned:
             tuned.add(x.shape)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 import _vllm_stubs
-from _gpu_peers import up_first
+from _gpu_peers import flashinfer_output, up_first
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x (T, H), affinities (T, E), index
 
@@ -81,9 +81,9 @@ def flashinfer_fp8_block(layer) -> tuple[Forward, dict]:
     w2, w2_scale = down.transpose(1, 2).contiguous(), down_scale.transpose(1, 2).float().contiguous()
 
     def forward(x: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        out = cutlass_fused_moe(x, index.to(torch.int32), _top_k_weights(affinities, index).float(), w1, w2, x.dtype,
-                                quant_scales=[w1_scale, w2_scale], use_deepseek_fp8_block_scale=True)
-        return out[0] if isinstance(out, (list, tuple)) else out
+        return flashinfer_output(cutlass_fused_moe(x, index.to(torch.int32), _top_k_weights(affinities, index).float(),
+                                                   w1, w2, x.dtype, quant_scales=[w1_scale, w2_scale],
+                                                   use_deepseek_fp8_block_scale=True))
 
     return forward, {"what": f"FlashInfer {flashinfer.__version__} cutlass_fused_moe, DeepSeek FP8 block-scale path "
                              "(128x128 weight blocks, activations FP8 per token and 128 columns), default tactic"}

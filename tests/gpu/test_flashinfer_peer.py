@@ -58,8 +58,8 @@ def test_bf16_layer_matches_the_float64_reference(case):
         assert_rounding_close(out.float(), ref, tolerance, "flashinfer bf16")
         # negative control: FlashInfer on our [gate; up] rows unconverted reads gate as linear and up as gate
         weights, ids = problem.route(x)
-        wrong = _gpu_peers._first(cutlass_fused_moe(x, ids.to(torch.int32), weights, problem.gate_up, problem.down,
-                                                    x.dtype, quant_scales=[]))
+        wrong = _gpu_peers.flashinfer_output(cutlass_fused_moe(x, ids.to(torch.int32), weights, problem.gate_up,
+                                                               problem.down, x.dtype, quant_scales=[]))
         assert ((wrong.float() - ref).norm() / ref.norm()).item() > 10 * tolerance
     # in a CUDA graph, on the captured input (its finalize adds with atomics: equal to rounding, not bitwise)
     x = inputs[0]
