@@ -20,6 +20,7 @@ Two layer functions exist (``Problem.function``):
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import os
@@ -280,6 +281,86 @@ def vllm_kernels_only_contender(problem: Problem, vllm_src: str, tokens: int) ->
     info = _vllm_stubs.chosen_config(module, problem.gate_up, problem.down, problem.top_k, tokens)
     return Contender("vllm_triton_kernels_only", "peer", "vLLM 0.33.0 fused_moe, alignment outside the timed region",
                      layer, note=_vllm_stubs.KERNELS_ONLY_NOTE, info={"vllm_config": info})
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FlashInfer's CUTLASS fused MoE (TensorRT-LLM's kernels; carried by flashinfer_carry.sh, never committed)
+# ---------------------------------------------------------------------------------------------------------
+
+def up_first(gate_up: torch.Tensor, scale: torch.Tensor | None = None):
+    """FlashInfer's ``fc1`` from gate/up weights laid out ``(E, 2I, H)`` with rows ``[gate; up]``: the same rows as
+    ``[up; gate]`` (TensorRT-LLM's ``w3_w1``: its SwiGLU takes the linear half from the first I rows and the gated
+    half from the next I). With ``scale`` (block scales ``(E, 2I / 128, H / 128)`` of FP8 ``gate_up``): the pair
+    ``(values, scales)``, each reordered the same way, which needs whole scale blocks per half (I a multiple of
+    128). Returns new contiguous tensors."""
+    rows = gate_up.shape[1]
+    if gate_up.dim() != 3 or rows % 2:
+        raise ValueError(f"gate_up must be (E, 2I, H) with an even row count, got {tuple(gate_up.shape)}")
+
+    def swapped(t: torch.Tensor) -> torch.Tensor:
+        half = t.shape[1] // 2
+        return torch.cat([t[:, half:], t[:, :half]], dim=1).contiguous()
+
+    if scale is None:
+        return swapped(gate_up)
+    blocks = scale.shape[1] if scale.dim() == 3 else 0
+    if not blocks or rows % blocks or blocks % 2:
+        raise ValueError(f"scale must be (E, 2I / block, H / block) with I a multiple of the block, got scale "
+                         f"{tuple(scale.shape)} for gate_up {tuple(gate_up.shape)}")
+    return swapped(gate_up), swapped(scale)
+
+
+def flashinfer_unavailable(site: str | None) -> str | None:
+    """None if FlashInfer's fused MoE imports (``site`` first on ``sys.path`` when it is a folder), else why not."""
+    if site and os.path.isdir(site) and site not in sys.path:
+        sys.path.insert(0, site)
+    # The prebuilt module needs libnvrtc.so.13, which torch's wheel holds off the loader's path: loading the link
+    # flashinfer_carry.sh made to it satisfies that dependency by its soname.
+    nvrtc = os.path.join(os.path.dirname(os.path.abspath(site)), "cuda-extra", "lib", "libnvrtc.so") if site else ""
+    try:
+        if os.path.exists(nvrtc):
+            ctypes.CDLL(nvrtc, mode=ctypes.RTLD_GLOBAL)
+        importlib.import_module("flashinfer.fused_moe")
+    except Exception as error:  # ImportError, or a shared library that does not load (OSError)
+        first_line = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        return (f"flashinfer does not import ({type(error).__name__}: {first_line}); carry it with "
+                f"benchmarks/flashinfer_carry.sh (site folder looked at: {site!r})")
+    return None
+
+
+def flashinfer_output(result) -> torch.Tensor:
+    """``cutlass_fused_moe``'s output tensor (some versions return ``[output, ...]``)."""
+    return result[0] if isinstance(result, (list, tuple)) else result
+
+
+def flashinfer_contender(problem: Problem, autotune: bool) -> Contender:
+    """FlashInfer's ``cutlass_fused_moe`` (TensorRT-LLM's CUTLASS MoE runner: expanding permutation, grouped GEMM1
+    with SwiGLU, grouped GEMM2 with the top-k combine fused into its epilogue) on a ``[up; gate]`` copy of
+    ``gate_up`` and ``down`` as is, our routing passed as ``(ids int32, weights fp32)``. ``autotune``: FlashInfer's
+    autotuner profiles its tactics on the first call (untimed); else its default tactic."""
+    import flashinfer
+    from flashinfer.fused_moe import cutlass_fused_moe
+
+    fc1 = up_first(problem.gate_up)
+    tuned = set()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        weights, ids = problem.route(x)
+        x_in, weights = problem.expert_input(x, weights)
+
+        def call():
+            return flashinfer_output(cutlass_fused_moe(x_in.contiguous(), ids.to(torch.int32), weights.float(), fc1,
+                                                       problem.down, x.dtype, quant_scales=[]))
+
+        if autotune and x.shape not in tuned:
+            tuned.add(x.shape)
+            with flashinfer.autotune(True):
+                call()
+        return problem.with_shared(x, call())
+
+    return Contender("flashinfer_cutlass", "peer", f"FlashInfer {flashinfer.__version__} cutlass_fused_moe "
+                     f"(TensorRT-LLM CUTLASS MoE, {'autotuned' if autotune else 'default tactic'})", layer,
+                     note="fc1 is a [up; gate] copy of gate_up (TensorRT-LLM's w3_w1 order)")
 
 
 def _version_of(package: str) -> str:

@@ -9,7 +9,13 @@
   GPT-OSS's MXFP4 experts on Hopper: ``routing`` + two ``matmul_ogs`` (gather / scatter fused, SwiGLU fused into
   the first), weights in its Hopper-swizzled MX layouts, bf16 activations (W4A16, as ours).
 
-Both take the bytes our quantizer stored (FP8 values and scales transposed to vLLM's ``(E, N, K)``; MxFP4 codes and
+- ``flashinfer_cutlass``: FlashInfer's ``cutlass_fused_moe`` (TensorRT-LLM's CUTLASS MoE runner, carried by
+  ``flashinfer_carry.sh``) on the ``fp8_block`` weights through its DeepSeek-style block-scale path
+  (``use_deepseek_fp8_block_scale``): 128x128 weight blocks, bf16 activations quantized to FP8 per token and 128
+  columns inside the call (W8A8, as vLLM's block path). Its SM90 FP8 x FP8 per-tensor path takes one scale per
+  expert, a format our quantizer does not store, so it is not run.
+
+All take the bytes our quantizer stored (FP8 values and scales transposed to vLLM's ``(E, N, K)``; MxFP4 codes and
 E8M0 scales as they are, made K-contiguous and swizzled), so they multiply the very same weights.
 """
 
@@ -22,6 +28,7 @@ from typing import Callable
 import torch
 
 import _vllm_stubs
+from _gpu_peers import flashinfer_output, up_first
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x (T, H), affinities (T, E), index
 
@@ -60,6 +67,26 @@ def vllm_fp8_w8a8(layer, fmt: str, peers_src: str, tokens: int, kernels_only: bo
                     "shipped configs", "note": _vllm_stubs.KERNELS_ONLY_NOTE if kernels_only else _vllm_stubs.GLUE_NOTE,
             "vllm_config": _vllm_stubs.chosen_config(module, w1, w2, top_k, tokens, block_shape)}
     return forward, info
+
+
+def flashinfer_fp8_block(layer) -> tuple[Forward, dict]:
+    """FlashInfer's CUTLASS fused MoE, DeepSeek FP8 block-scale path, on ``layer``'s ``fp8_block`` weights (flashinfer
+    must import: see ``_gpu_peers.flashinfer_unavailable``)."""
+    import flashinfer
+    from flashinfer.fused_moe import cutlass_fused_moe
+
+    gate_up, gate_up_scale, down, down_scale = _stored(layer)
+    # ours (E, K, N) with scales (E, K/128, N/128) -> its (E, N, K) with (E, N/128, K/128), fc1 rows [up; gate]
+    w1, w1_scale = up_first(gate_up.transpose(1, 2).contiguous(), gate_up_scale.transpose(1, 2).float())
+    w2, w2_scale = down.transpose(1, 2).contiguous(), down_scale.transpose(1, 2).float().contiguous()
+
+    def forward(x: torch.Tensor, affinities: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return flashinfer_output(cutlass_fused_moe(x, index.to(torch.int32), _top_k_weights(affinities, index).float(),
+                                                   w1, w2, x.dtype, quant_scales=[w1_scale, w2_scale],
+                                                   use_deepseek_fp8_block_scale=True))
+
+    return forward, {"what": f"FlashInfer {flashinfer.__version__} cutlass_fused_moe, DeepSeek FP8 block-scale path "
+                             "(128x128 weight blocks, activations FP8 per token and 128 columns), default tactic"}
 
 
 def oai_mxfp4(layer, peers_src: str) -> tuple[Forward, dict]:

@@ -10,8 +10,9 @@ experts, combine, shared expert where the case has one -- over the same weights 
   unpacked wheel, ``--liger-src``); vLLM's ``fused_moe`` Triton kernel with its shipped tuned configs (from an
   unpacked wheel, ``--vllm-src``, through ``_vllm_stubs``, whose stand-ins for vLLM's compiled ops are one kernel
   each), and the same vLLM call with its block alignment computed outside the timed region
-  (``vllm_triton_kernels_only``: a lower bound on a vLLM install's time). A peer whose files are absent is
-  skipped with a note.
+  (``vllm_triton_kernels_only``: a lower bound on a vLLM install's time); FlashInfer's CUTLASS fused MoE
+  (TensorRT-LLM's kernels, ``flashinfer_cutlass``, from the folder ``flashinfer_carry.sh`` installs,
+  ``--flashinfer-site``). A peer whose files are absent is skipped with a note.
 - ours: ``nxd_moe.MoE`` on the torch backend (the layer's own mode choice; at prefill also block size 16, and
   forced modes where a case lists them) and on ``backend="triton"`` when it is registered and imports.
 
@@ -62,6 +63,7 @@ sys.path.insert(0, str(HERE))
 
 DEFAULT_VLLM_SRC = ROOT / ".peers" / "vllm_src"
 DEFAULT_LIGER_SRC = ROOT / ".peers"
+DEFAULT_FLASHINFER_SITE = ROOT / ".peers" / "flashinfer" / "site"
 SCHEMA_VERSION = 1
 CORRECT_REL_ERR = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 
@@ -281,8 +283,9 @@ def _error(exc: BaseException) -> str:
 def contenders(case: Case, problem, args, device, dtype):
     """Yield the case's contenders one at a time (ours last: they hold a second copy of the weights), or
     ``(name, why skipped)`` pairs."""
-    from _gpu_peers import (backend_available, build_ours, grouped_mm_contender, hf_contenders, liger_contender,
-                            ours_contender, vllm_contender, vllm_kernels_only_contender)
+    from _gpu_peers import (backend_available, build_ours, flashinfer_contender, flashinfer_unavailable,
+                            grouped_mm_contender, hf_contenders, liger_contender, ours_contender, vllm_contender,
+                            vllm_kernels_only_contender)
 
     triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     yield "torch_grouped_mm", lambda: grouped_mm_contender(problem)
@@ -336,6 +339,14 @@ def contenders(case: Case, problem, args, device, dtype):
                                          ours_contender(layer(backend, block), f"{name}_{mode}", case.decode, mode))
     if why is not None:
         yield "nxd_triton", f"skipped: {why}"
+    # FlashInfer last: a fault in its carried, partly built module (an aborting left-out instantiation, a CUDA
+    # error) ends the case's process, and what ran before it is kept
+    why_not_flashinfer = ("its CUTLASS kernels need CUDA" if device.type != "cuda"
+                          else flashinfer_unavailable(args.flashinfer_site))
+    if why_not_flashinfer is None:
+        yield "flashinfer_cutlass", lambda: flashinfer_contender(problem, args.flashinfer_autotune)
+    else:
+        yield "flashinfer_cutlass", f"skipped: {why_not_flashinfer}"
 
 
 def run_case(case: Case, args) -> None:
@@ -567,13 +578,13 @@ def markdown(result: dict) -> str:
         groups.setdefault(c.get("case", {}).get("group", "other"), []).append((name, c))
     for group, cases in groups.items():
         lines += [f"### {GROUP_TITLES.get(group, group)}", "",
-                  "| case | touched MB | GFLOP | roofline us | vLLM | vLLM kernels only | Liger | HF best | "
-                  "grouped_mm | nxd torch | nxd triton | triton / best peer | triton % roofline | triton TB/s | "
-                  "triton TFLOP/s |",
-                  "|" + " --- |" * 15]
+                  "| case | touched MB | GFLOP | roofline us | vLLM | vLLM kernels only | Liger | FlashInfer | "
+                  "HF best | grouped_mm | nxd torch | nxd triton | triton / best peer | triton % roofline | "
+                  "triton TB/s | triton TFLOP/s |",
+                  "|" + " --- |" * 16]
         for name, c in cases:
             if "contenders" not in c:
-                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 13)
+                lines.append(f"| {name} | {c.get('error', 'not run')} |" + " |" * 14)
                 continue
             rows = c["contenders"]
             tri = rows.get("nxd_triton", {})
@@ -582,7 +593,8 @@ def markdown(result: dict) -> str:
             lines.append("| " + " | ".join([
                 name, f"{c['touched_weight_bytes'] / 1e6:.0f}", f"{c['useful_flop'] / 1e9:.1f}",
                 f"{c['roofline_us']:.0f}" if c.get("roofline_us") else "—", us(rows.get("vllm_triton")),
-                us(rows.get("vllm_triton_kernels_only")), us(rows.get("liger")), us(best_of(rows, "hf_")),
+                us(rows.get("vllm_triton_kernels_only")), us(rows.get("liger")), us(rows.get("flashinfer_cutlass")),
+                us(best_of(rows, "hf_")),
                 us(rows.get("torch_grouped_mm")), torch_cell, us(tri),
                 f"{tri['vs_best_peer']:.2f}x" if tri.get("vs_best_peer") else "—",
                 f"{100 * tri['vs_roofline']:.0f}%" if tri.get("vs_roofline") else "—",
@@ -721,6 +733,11 @@ def parse_args(argv=None):
                                    "else an installed liger_kernel is used if any")
     p.add_argument("--liger-autotune", action="store_true",
                    help="let Liger autotune (about a minute per shape on first call); default: its pinned config")
+    p.add_argument("--flashinfer-site", default=str(DEFAULT_FLASHINFER_SITE),
+                   help="folder holding flashinfer (installed by benchmarks/flashinfer_carry.sh; default "
+                        ".peers/flashinfer/site), put first on sys.path; else an installed flashinfer is used if any")
+    p.add_argument("--flashinfer-autotune", action="store_true",
+                   help="let FlashInfer's autotuner profile its tactics on the first call; default: its default tactic")
     p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this (default 480)")
     p.add_argument("--case-timeout-s", type=float, default=150.0, help="kill one case's process after this")
     p.add_argument("--rotations", type=int, default=None, help="inputs per sample (default 4 decode, 2 prefill)")

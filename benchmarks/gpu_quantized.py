@@ -26,7 +26,9 @@ Peers (``_quantized_peers``, from an unpacked vLLM 0.33.0 wheel at ``--vllm-src`
 is absent) multiply the same stored weights, timed the same way: vLLM's Triton FP8 W8A8 fused MoE for the FP8
 formats -- through the stand-ins of ``_vllm_stubs`` (one kernel per compiled op) and, as ``*_kernels_only``, with its
 block alignment computed outside the timed region (a lower bound on a vLLM install's time) -- and OpenAI's
-``triton_kernels`` MXFP4 ``matmul_ogs`` for ``mxfp4``. Each format reports ``vs_best_peer`` (the best peer's time /
+``triton_kernels`` MXFP4 ``matmul_ogs`` for ``mxfp4``; for the 128x128 block formats also FlashInfer's CUTLASS
+fused MoE (``flashinfer_cutlass``, its DeepSeek FP8 block-scale path, from ``--flashinfer-site``; skipped with the
+reason when flashinfer does not import). Each format reports ``vs_best_peer`` (the best peer's time /
 ours: above 1 we are faster) and each peer its error against the bf16 layer and against our layer of the same
 format.
 """
@@ -47,6 +49,7 @@ from nxd_moe.triton_kernels.backend import TritonBackend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _quantized_peers  # noqa: E402
+from _gpu_peers import flashinfer_unavailable  # noqa: E402
 
 # name: (T, E, k, H, I)
 SHAPES = {
@@ -59,8 +62,9 @@ SHAPES = {
 }
 FORMATS = ("bf16", "fp8", "fp8_block", "mxfp4", "w8a8_fp8", "w8a8_fp8_block")
 VLLM_FP8 = ("vllm_fp8_w8a8", "vllm_fp8_w8a8_kernels_only")
-PEERS = {"fp8": VLLM_FP8, "fp8_block": VLLM_FP8, "mxfp4": ("oai_mxfp4",), "w8a8_fp8": VLLM_FP8,
-         "w8a8_fp8_block": VLLM_FP8}
+FLASHINFER = "flashinfer_cutlass"
+PEERS = {"fp8": VLLM_FP8, "fp8_block": (*VLLM_FP8, FLASHINFER), "mxfp4": ("oai_mxfp4",), "w8a8_fp8": VLLM_FP8,
+         "w8a8_fp8_block": (*VLLM_FP8, FLASHINFER)}
 W8A8 = "w8a8_"
 
 
@@ -149,15 +153,21 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return round(((out.float() - reference).norm() / reference.norm()).item(), 5)
 
 
-def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affinities, index, reference, ours) -> dict:
+def time_peers(layer: ExpertMLPsV2, fmt: str, peers_src: str | None, x, affinities, index, reference, ours,
+               flashinfer_site: str | None = None) -> dict:
     """Each peer of ``fmt`` on ``layer``'s stored weights: time, errors, or why it did not run."""
     peers = {}
     for peer in PEERS.get(fmt, ()):
-        if peers_src is None or not os.path.isdir(peers_src):
-            peers[peer] = {"skipped": f"no --vllm-src directory ({peers_src})"}
+        why_not = (flashinfer_unavailable(flashinfer_site) if peer == FLASHINFER
+                   else None if peers_src is not None and os.path.isdir(peers_src)
+                   else f"no --vllm-src directory ({peers_src})")
+        if why_not:
+            peers[peer] = {"skipped": why_not}
             continue
         try:
-            if peer in VLLM_FP8:
+            if peer == FLASHINFER:
+                forward, info = _quantized_peers.flashinfer_fp8_block(layer)
+            elif peer in VLLM_FP8:
                 forward, info = _quantized_peers.vllm_fp8_w8a8(layer, fmt.removeprefix(W8A8), peers_src, x.shape[0],
                                                                kernels_only=peer.endswith("kernels_only"))
             else:
@@ -216,7 +226,8 @@ def kernel_times(layer: ExpertMLPsV2, x, affinities, index, seq_len, calls: int 
 
 
 def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMATS, candidates_on: bool = True,
-              profile_kernels: bool = False, variants_on: bool = False, paths_on: bool = True) -> dict:
+              profile_kernels: bool = False, variants_on: bool = False, paths_on: bool = True,
+              flashinfer_site: str | None = None) -> dict:
     num_tokens, num_experts, top_k, hidden, inter = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(0)
     config = RoutedExpertsMLPOpsConfig(num_experts=num_experts, top_k=top_k, hidden_size=hidden,
@@ -278,7 +289,7 @@ def run_shape(name: str, bandwidth: float, peers_src: str | None, formats=FORMAT
             except Exception as error:  # the profiler is a diagnostic: its failure is recorded, not fatal
                 result["formats"][fmt]["kernels_us"] = f"{type(error).__name__}: {error}"[:300]
         if fmt in PEERS:
-            peers = time_peers(layer, fmt, peers_src, x, affinities, index, reference, out)
+            peers = time_peers(layer, fmt, peers_src, x, affinities, index, reference, out, flashinfer_site)
             result["formats"][fmt]["peers"] = peers
             timed = [p["us"] for p in peers.values() if "us" in p]
             if timed:
@@ -311,6 +322,9 @@ def main() -> int:
                              "--decode-variants)")
     parser.add_argument("--vllm-src", default=".peers/vllm_src",
                         help="an unpacked vLLM 0.33.0 wheel (see benchmarks/README.md); absent: peers skipped")
+    parser.add_argument("--flashinfer-site", default=".peers/flashinfer/site",
+                        help="folder holding flashinfer (benchmarks/flashinfer_carry.sh install); absent and not "
+                             "installed: its peer is skipped")
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     report = {"benchmark": "gpu_quantized", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -319,7 +333,8 @@ def main() -> int:
         report["cases"][name] = run_shape(name, bandwidth, args.vllm_src,
                                             ("bf16", *(f for f in args.formats if f != "bf16")), args.candidates,
                                             args.kernel_times, args.decode_variants,
-                                            not args.decode_variants if args.paths is None else args.paths)
+                                            not args.decode_variants if args.paths is None else args.paths,
+                                            args.flashinfer_site)
         print(name, json.dumps({f: {k: v for k, v in e.items() if k in ("us", "fraction_of_copy_bandwidth",
                                                                           "speedup_vs_bf16", "rel_err_vs_bf16",
                                                                           "vs_best_peer", "error")}
