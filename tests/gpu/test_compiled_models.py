@@ -79,12 +79,16 @@ def compile_layer(moe, recorder, dynamic=False):
 # torch code around them -- reshapes, the padding select -- runs as the same aten ops under aot_eager)
 
 ROUTED = ["triton_routing", "triton_experts"]
+# A prefill the GPU rule runs blockwise: more than 1024 (token, expert) pairs (2 x 264 tokens x top-2); shorter ones
+# run as the decode of that size.
+BLOCKWISE_PREFILL = (2, 264)
 CASES = {
     # name: (layer options, input shape, the nxd_moe ops of the graph)
-    "prefill_blockwise": (dict(fuse_router=True), (2, 8),
+    "prefill_blockwise": (dict(fuse_router=True), BLOCKWISE_PREFILL,
                           ["triton_router_top_k", "triton_routing", "triton_block_mapping", "triton_experts"]),
-    "prefill_router_in_torch": (dict(fuse_router=False, shared=True), (2, 8),
+    "prefill_router_in_torch": (dict(fuse_router=False, shared=True), BLOCKWISE_PREFILL,
                                 ["triton_routing", "triton_block_mapping", "triton_experts"]),
+    "prefill_decode_sized": (dict(fuse_router=True), (2, 8), ["triton_router_top_k", *ROUTED]),
     "prefill_capacity_factor": (dict(capacity_factor=1.0), (2, 8), ROUTED),
     "decode_one_launch": (dict(shared=True), (3, 1), ["triton_moe_decode"]),
     "decode_separate_kernels": (dict(one_launch=False, fuse_router=True), (3, 1), ["triton_router_top_k", *ROUTED]),
@@ -92,7 +96,8 @@ CASES = {
     "decode_fp8_one_launch": (dict(quantization="fp8", one_launch=True, hidden=64, inter=32), (3, 1),
                               ["triton_moe_decode"]),
     "prefill_fp8_block_w8a8": (dict(quantization="fp8_block", w8a8=True, hidden=128, inter=128, num_experts=4,
-                                    shared=True), (2, 4), ["triton_routing", "triton_block_mapping", "triton_experts"]),
+                                    shared=True), BLOCKWISE_PREFILL,
+                               ["triton_routing", "triton_block_mapping", "triton_experts"]),
 }
 
 
@@ -163,18 +168,19 @@ def test_inductor_compiles_the_graph_around_the_ops():
 
 
 def test_dynamic_token_count_specializes_the_launch_configuration():
-    """``dynamic=True``: the launch configuration follows the token count, so the graph is specialised on it
-    (``TritonBackend._config``) and a new count compiles again rather than reusing another count's tile sizes."""
+    """``dynamic=True``: a blockwise prefill's launch configuration follows the token count, so the graph is
+    specialised on it (``TritonBackend._config``) and a new count compiles again rather than reusing another count's
+    tile sizes."""
     moe = layer(fuse_router=True)
     recorder = Recorder(static=False)
     compiled_layer = compile_layer(moe, recorder, dynamic=True)
     graphs = []
     with torch.no_grad():
-        for tokens in (8, 12, 8):
+        for tokens in (264, 300, 264):
             x = randn(2, tokens, 32, seed=tokens).to(DEVICE)
             assert torch.equal(compiled_layer(x), moe(x)[0]), tokens
             graphs.append(len(recorder.ops))
-    assert graphs[0] < graphs[1] == graphs[2]  # T = 24 compiled again; T = 16 again reused its graph
+    assert graphs[0] < graphs[1] == graphs[2]  # T = 600 compiled again; T = 528 again reused its graph
 
 
 def test_negative_control_a_different_layer_is_caught():
