@@ -167,6 +167,9 @@ def test_inductor_compiles_the_graph_around_the_ops():
     assert len(recorder.ops) == 2 and recorder.ops[1] == ["triton_moe_decode"]
 
 
+# Three blockwise prefills of 528-600 tokens and two compiles: ~45 s under Triton's interpreter (CPU CI: slow there),
+# seconds on a GPU (where it stays in the default run).
+@(pytest.mark.slow if not CUDA else pytest.mark.usefixtures())
 def test_dynamic_token_count_specializes_the_launch_configuration():
     """``dynamic=True``: a blockwise prefill's launch configuration follows the token count, so the graph is
     specialised on it (``TritonBackend._config``) and a new count compiles again rather than reusing another count's
