@@ -340,12 +340,35 @@ def _gate_up_sums(
     token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, k_begin, k_end, inter,
     stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
     GLU: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr,
 ):
     """The fp32 gate and up sums ``(BLOCK_M, BLOCK_N)`` of rows ``token`` and column slice ``column`` over the
     hidden rows ``k_begin .. k_end`` (``k_begin`` a multiple of ``BLOCK_K``; the whole of ``H`` unless split along
-    K). TMA loads only for the whole of ``H``: past ``k_end`` the copy engine would read the next slice. Gate and up
-    columns in separate runs (interleaved ones: :func:`_interleaved_gate_up_sums`)."""
+    K). TMA loads only for the whole of ``H``: past ``k_end`` the copy engine would read the next slice. The up
+    half of a GLU weight is read from ``w_up_ptr`` (same strides as ``w_ptr``: the second half of ``gate_up_proj``,
+    or a separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths; with
+    ``GATE_UP_INTERLEAVED`` both come from ``w_ptr`` (or ``w_desc``), see :func:`_interleaved_gate_up_sums`."""
+    if GATE_UP_INTERLEAVED:
+        tl.static_assert(FORMAT == 0, "interleaved gate/up columns are read from unquantized weights only")
+        acc, acc_up = _interleaved_gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_desc, k_begin, k_end,
+                                                inter, stride_xt, stride_we, stride_wk, stride_wn, PRECISION,
+                                                INTERPRET, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc, acc_up = _separate_gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc,
+                                             scale_ptr, k_begin, k_end, inter, stride_xt, stride_we, stride_wk,
+                                             stride_wn, stride_se, stride_sk, stride_sn, GLU, PRECISION, INTERPRET,
+                                             TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc, acc_up
+
+
+@triton.jit
+def _separate_gate_up_sums(
+    token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, k_begin, k_end, inter,
+    stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+    GLU: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """:func:`_gate_up_sums` of weights whose gate and up columns are separate runs."""
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = k_begin + tl.arange(0, BLOCK_K)
@@ -445,20 +468,13 @@ def _gate_up_tile(
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DIRECT_ROWS: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr = False,
 ):
-    """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`). The up half of a GLU
-    weight is read from ``w_up_ptr`` (same strides as ``w_ptr``: the second half of ``gate_up_proj``, or a
-    separate up projection) on the pointer path, at columns ``+ inter`` on the TMA and quantized paths; with
-    ``GATE_UP_INTERLEAVED`` both come from ``w_ptr`` (or ``w_desc``), see :func:`_interleaved_gate_up_sums`."""
+    """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`; weight halves:
+    :func:`_gate_up_sums`)."""
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
-    if GATE_UP_INTERLEAVED:
-        tl.static_assert(FORMAT == 0, "interleaved gate/up columns are read from unquantized weights only")
-        acc, acc_up = _interleaved_gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_desc, 0, hidden, inter,
-                                                stride_xt, stride_we, stride_wk, stride_wn, PRECISION, INTERPRET, TMA,
-                                                BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0,
-                                    hidden, inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
-                                    stride_sn, GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0, hidden,
+                                inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
+                                GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GATE_UP_INTERLEAVED)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
@@ -547,14 +563,10 @@ def _gate_up_partial_kernel(
     k_begin = split * k_per_split
     w_up_ptr = w_ptr + inter * stride_wn  # interleaved weights read both halves from w_ptr
     k_end = tl.minimum(k_begin + k_per_split, hidden)
-    if GATE_UP_INTERLEAVED:
-        acc, acc_up = _interleaved_gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_ptr, k_begin, k_end,
-                                                inter, stride_xt, stride_we, stride_wk, stride_wn, PRECISION,
-                                                INTERPRET, False, BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_ptr, scale_ptr, k_begin,
-                                    k_end, inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
-                                    stride_sn, GLU, PRECISION, INTERPRET, False, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_ptr, scale_ptr, k_begin,
+                                k_end, inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk,
+                                stride_sn, GLU, PRECISION, INTERPRET, False, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GATE_UP_INTERLEAVED)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     at = out_ptr + split * stride_os + rows[:, None] * stride_or + cols[None, :]
     ok = row_ok[:, None] & (cols < inter)[None, :]

@@ -412,11 +412,18 @@ def interpreted_triton():
     return TritonBackend
 
 
-@pytest.mark.parametrize("path", ["one_launch", "separate_kernels", "blockwise"])
+# Separate decode kernels with the gate/up GEMM split in two along H (16-deep K tiles of HIDDEN = 32): the partial
+# sums kernel, reached only by a launch setting.
+SPLIT_GATE_UP = {"block_m": 16, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4,
+                                            "num_stages": 2},
+                 "down": {"BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}}
+
+
+@pytest.mark.parametrize("path", ["one_launch", "separate_kernels", "split_gate_up", "blockwise"])
 @pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
 def test_triton_backend_matches_torch_backend(kind, path, interpreted_triton, monkeypatch):
     """Interleaved gate/up (GPT-OSS) and transposed views of (E, 2I, H) weights (Mixtral) through the one-launch
-    decode, the separate kernels' selective loading, and blockwise."""
+    decode, the separate kernels' selective loading (whole and split along H), and blockwise."""
     module = make_experts(kind)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(18))
     index, weight = routing(5, seed=19, case="one_expert" if path == "blockwise" else "random")
@@ -427,9 +434,19 @@ def test_triton_backend_matches_torch_backend(kind, path, interpreted_triton, mo
             got = experts_forward_pairs(interpreted_triton(), x, index, weight, layout.weights(module),
                                         layout.local_slot(x.device), ExpertsMode.BLOCKWISE, SMALL_BLOCKS).output
     else:
+        from nxd_moe.triton_kernels import grouped_gemm
+
+        partial_launches = []
+        partial_kernel = grouped_gemm._gate_up_partial_kernel
+        monkeypatch.setattr(grouped_gemm, "_gate_up_partial_kernel",
+                            type("Spy", (), {"__getitem__": lambda _, grid: partial_launches.append(grid)
+                                             or partial_kernel[grid]})())
         spy = ExpertsModeSpy(monkeypatch)
-        got = run(module, x, index, weight, backend=interpreted_triton(one_launch=path == "one_launch"))
+        backend = interpreted_triton(one_launch=path == "one_launch",
+                                     configs=SPLIT_GATE_UP if path == "split_gate_up" else None)
+        got = run(module, x, index, weight, backend=backend)
         assert spy.modes == ["selective_loading"]
+        assert [grid[1] for grid in partial_launches] == ([2] if path == "split_gate_up" else [])
     tol = fp32_tolerance(HIDDEN, INTER, TOP_K, expected.abs().max().item())
     assert (got - expected).abs().max().item() <= tol
 
