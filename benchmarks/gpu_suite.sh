@@ -4,7 +4,9 @@
 # fixed size leave workers idle behind their slowest tests: `all` runs every parallel shard in ONE pytest with
 # work stealing, and the one-process `graphs` shard beside it. From the repository root:
 #
-#   OUT=DIR bash benchmarks/gpu_suite.sh SHARD...      SHARD: decode | quantized | backend | graphs | all
+#   OUT=DIR bash benchmarks/gpu_suite.sh SHARD...      SHARD: decode | quantized | backend | other | graphs | all
+#
+# `other` is every tests/gpu file that no named shard lists (computed, so a new test file is never left out).
 #
 # Each run writes DIR/gpu_tests_<shard>.log (pytest -v: one line per finished test, so a log cut off by the time
 # limit still says what passed; failures and the slowest tests at the end) and prints its summary line. A run is
@@ -31,8 +33,17 @@ tests_of() {
                   tests/test_cli.py::test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays ;;
     # NCCL process groups and CUDA-graph captures: one process
     graphs) echo tests/gpu/test_parallel_graphs.py ;;
-    *) echo "unknown shard $1 (decode | quantized | backend | graphs | all)" >&2; return 2 ;;
+    other) other_files ;;
+    *) echo "unknown shard $1 (decode | quantized | backend | other | graphs | all)" >&2; return 2 ;;
   esac
+}
+
+other_files() {
+  local listed f
+  listed=" $(for shard in decode quantized backend graphs; do tests_of "$shard"; done | tr '\n' ' ') "
+  for f in tests/gpu/test_*.py; do
+    case "$listed" in *" $f "*) ;; *) printf '%s ' "$f" ;; esac
+  done
 }
 
 # run NAME XDIST_WORKERS TEST...: one pytest under the time limit, its log in $out, its summary on stdout
@@ -55,7 +66,7 @@ if [ "$1" = all ]; then
   # shellcheck disable=SC2046
   run graphs 0 $(tests_of graphs) &
   # shellcheck disable=SC2046
-  run parallel "$workers" $(tests_of decode) $(tests_of quantized) $(tests_of backend)
+  run parallel "$workers" $(tests_of decode) $(tests_of quantized) $(tests_of backend) $(tests_of other)
   wait
   exit 0
 fi
