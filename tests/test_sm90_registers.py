@@ -111,6 +111,15 @@ def test_one_launch_decode_compiles_without_spills(model, fmt, num_tokens, small
     _assert_no_spills(reports)
 
 
+def test_gpt_oss_interleaved_decode_compiles_without_spills():
+    """GPT-OSS-20B's one-launch decode at T=32 (bias, clamps, SwiGLU) reading transformers' interleaved gate/up
+    columns as 2 * BLOCK_N adjacent ones (the experts backend's layout; the flag set on the captured launch)."""
+    launches, _ = _launches(GPT_OSS, 32, 8, activation="swiglu_gptoss", decode=True)
+    decode = copy.deepcopy(next(launch for launch in launches if launch["kernel"] == "_decode_kernel"))
+    decode["args"]["GATE_UP_INTERLEAVED"] = {"value": True}
+    _assert_no_spills(sm90_offline.compile_launches([decode]))
+
+
 def test_a_register_hungry_tile_is_reported():
     """Negative control: the blockwise gate/up with a 256-column, 256-deep tile at 4 warps spills, and the check
     says so (the same capture and compile as above)."""
