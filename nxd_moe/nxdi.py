@@ -43,6 +43,7 @@ from nxd_moe import parallel_state
 from nxd_moe.config import BlockwiseMatmulConfig, RoutedExpertsMLPOpsConfig, RouterConfig, to_torch_dtype
 from nxd_moe.experts import ExpertMLPsV2, SharedExperts
 from nxd_moe.moe import MoE
+from nxd_moe.quantization.nxd_fields import format_of_nxd_fields
 from nxd_moe.routing import RouterTopK
 
 __all__ = ["initialize_moe_module", "initialize_moe_process_group", "routed_quantization", "NEURON_CONFIG_DEFAULTS"]
@@ -80,8 +81,6 @@ NEURON_CONFIG_DEFAULTS: dict[str, Any] = {
     "is_mxfp4_compute": False,
 }
 
-_FP8 = ("f8e4m3", "f8e4m3fn", "float8_e4m3fn")
-_PER_CHANNEL = ("per_channel_symmetric", "expert_wise_per_channel_symmetric")
 _REQUIRED = object()
 
 
@@ -134,28 +133,11 @@ class _NeuronConfig:
 
 
 def routed_quantization(neuron_config) -> str:
-    """The routed experts' weight format (:mod:`nxd_moe.quantization`) NxDI's quantization fields describe:
-    ``quantized=False`` -> ``"bf16"`` (the layer's dtype); FP8 E4M3 per channel (``per_channel_symmetric`` /
-    ``expert_wise_per_channel_symmetric``) -> ``"fp8"``; FP8 E4M3 ``blockwise_symmetric`` in 128x128 blocks ->
-    ``"fp8_block"``; ``f4e2m1fn_x4`` ``blockwise_symmetric`` -> ``"mxfp4"``. Anything else is a named error."""
+    """The routed experts' weight format NxDI's quantization fields describe
+    (:func:`nxd_moe.quantization.nxd_fields.format_of_nxd_fields`)."""
     nc = neuron_config if isinstance(neuron_config, _NeuronConfig) else _NeuronConfig(neuron_config)
-    if not nc.quantized:
-        return "bf16"
-    kind = str(getattr(nc.quantization_type, "value", nc.quantization_type)).lower()
-    dtype = nc.quantization_dtype
-    dtype = str(getattr(dtype, "name", dtype)).lower().removeprefix("torch.")
-    block = nc.quantization_block_size
-    if dtype in _FP8 and kind in _PER_CHANNEL:
-        return "fp8"
-    if dtype in _FP8 and kind == "blockwise_symmetric" and block is not None and list(block) == [128, 128]:
-        return "fp8_block"
-    if dtype == "f4e2m1fn_x4" and kind == "blockwise_symmetric":
-        return "mxfp4"
-    raise ValueError(f"neuron_config quantization_type={kind!r}, quantization_dtype={dtype!r}, "
-                     f"quantization_block_size={block!r}: nxd_moe stores routed experts as FP8 E4M3 per channel "
-                     "(per_channel_symmetric / expert_wise_per_channel_symmetric with f8e4m3), FP8 E4M3 in 128x128 "
-                     "blocks (blockwise_symmetric, block size [128, 128]) or MXFP4 (blockwise_symmetric with "
-                     "f4e2m1fn_x4); set quantized=False for bf16 experts")
+    return format_of_nxd_fields(nc.quantized, nc.quantization_type, nc.quantization_dtype,
+                                nc.quantization_block_size)
 
 
 def _phase_degrees(nc: _NeuronConfig) -> tuple[tuple[int, int], tuple[int, int]] | None:

@@ -32,7 +32,7 @@ from nxd_moe.config import (
     default_logical_nc_config,
     to_torch_dtype,
 )
-from nxd_moe.nxd_compat import adapters, mappings, parallel_state
+from nxd_moe.nxd_compat import adapters, inference, mappings, parallel_state
 from nxd_moe.parallel_state import SPMDRank
 from nxd_moe.routing import GroupLimitedRouter, RouterBase
 
@@ -110,13 +110,26 @@ moe_v2 = _module("neuronx_distributed_inference.modules.moe_v2", "NxD Inference'
                  initialize_moe_process_group=nxdi.initialize_moe_process_group)
 nxdi_modules = _package("neuronx_distributed_inference.modules", "NxD Inference's modules (moe_v2 only).",
                         moe_v2=moe_v2)
-nxdi_root = _package("neuronx_distributed_inference", "NxD Inference's MoE entry point, served by nxd_moe.",
-                     modules=nxdi_modules)
+nxdi_root = _package("neuronx_distributed_inference", "NxD Inference's MoE entry point and application, served by "
+                     "nxd_moe.", modules=nxdi_modules)
 NXDI: dict[str, types.ModuleType] = {
     "neuronx_distributed_inference": nxdi_root,
     "neuronx_distributed_inference.modules": nxdi_modules,
     "neuronx_distributed_inference.modules.moe_v2": moe_v2,
 }
+# NxDI's application (config, model classes, adapter, benchmark; nxd_moe.nxd_compat.inference), each module an
+# attribute of its package
+for _path, _names in inference.FAMILIES.items():
+    NXDI[_path] = _module(_path, f"NxD Inference's {_path.rsplit('.', 1)[-1]}, served by nxd_moe.application.",
+                          **_names)
+    _package_path = _path.rpartition(".")[0]
+    while _package_path not in NXDI:
+        NXDI[_package_path] = _package(_package_path, "NxD Inference's package (its served modules only).")
+        _package_path = _package_path.rpartition(".")[0]
+for _path, _module_object in NXDI.items():
+    _head, _, _name = _path.rpartition(".")
+    if _head in NXDI:
+        setattr(NXDI[_head], _name, _module_object)
 
 FAMILIES: dict[str, dict[str, types.ModuleType]] = {"neuronx_distributed": NXD, "neuronx_distributed_inference": NXDI}
 

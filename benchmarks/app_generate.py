@@ -1,0 +1,261 @@
+"""nxd_moe's application (``CausalLMApplication``) against transformers' compiled ``generate``, whole models.
+
+What is compared
+----------------
+One transformers model (random weights, bf16, built on the GPU from a shipped config: ``--model qwen3-30b-a3b
+--layers 0`` is the full 48-layer model), the same weights and prompts, greedy, ``--new-tokens`` tokens per sequence
+(no EOS: every contender generates them all):
+
+- ``grouped_mm``: transformers' compiled recipe (``StaticCache``, decode step under ``torch.compile(mode=
+  "reduce-overhead", fullgraph=True)``) with its default experts implementation; one ``StaticCache`` shared by every
+  ``generate`` call (``nxd_moe.models.generate.static_cache``: a new cache per call re-records the CUDA graphs);
+- ``patch_model``: the same recipe on the model with ``nxd_moe.hf.patch_model`` (run after ``grouped_mm``: patching is
+  in place);
+- ``app``: ``nxd_moe.application.CausalLMApplication`` over the patched model: one context-encoding bucket (the
+  prompt length) and one token-generation bucket (prompt + new tokens), each step a CUDA graph (token generation
+  compiled by Inductor first), greedy sampling on the device, the host reading every ``--read-every`` steps.
+
+Measured, per batch size (``--batches``): time to first token (``generate`` of one token for the compiled recipe; the
+application's own context-encoding time to the first token on the host), decode tokens/s (``B * (N - 1)`` over the
+decode wall time; medians of ``--repeats`` runs after warm-up), and for the application: the device time of one
+token-generation step (its CUDA graph replayed back to back, CUDA events) and of the context-encoding program, so
+``gpu_busy = device step time / wall time per step`` and ``ttft_over_device = time to first token / CTE device time``.
+Roofline: ``B * copy bandwidth / bytes a decode step must read`` (``benchmarks/hf_generate.py``'s, measured in the
+same run). Same greedy tokens: the fraction of the application's tokens equal to ``patch_model``'s (the same layer
+under transformers' loop), else to ``grouped_mm``'s.
+
+Output: one JSON (``--out``) and a table. Run on the GPU machine; ``--device cpu`` with a small ``--scale`` is a smoke
+test, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_generate import copy_bandwidth, decode_bytes_per_step  # noqa: E402
+
+VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def graph_ms(fn, device: torch.device, repeats: int = 20) -> float | None:
+    """Device ms of one call of ``fn`` (a graph replay), ``repeats`` back to back between two CUDA events."""
+    if device.type != "cuda":
+        return None
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def time_app(app, ids: torch.Tensor, new_tokens: int, repeats: int, read_every: int) -> dict:
+    device = app.runner.device
+    batch = ids.shape[0]
+    kwargs = dict(max_new_tokens=new_tokens, eos_token_id=[], read_every=read_every)
+    app.generate(ids, **kwargs)  # warm-up (the graphs were captured by load)
+    ttft, decode, out = [], [], None
+    for _ in range(repeats):
+        out = app.generate(ids, **kwargs)
+        ttft.append(out.timings["context_encoding_s"])
+        decode.append(out.timings["token_generation_s"])
+    t_decode = statistics.median(decode)
+    wall_step_ms = t_decode / (new_tokens - 1) * 1e3
+    config = app.config
+    runner = app.runner
+    tkg = config.token_generation_buckets[-1]
+    cte = config.context_encoding_buckets[-1]
+    saved = [t.clone() for t in runner.state_tensors()]
+    # replays from the prompt's end: every position they write stays inside the cache
+    runner.positions.fill_(ids.shape[1])
+    runner.step.fill_(1)
+    step_ms = graph_ms(lambda: runner.token_generation(tkg), device)
+    cte_ms = graph_ms(lambda: runner.context_encoding(cte), device, repeats=5)
+    for t, s in zip(runner.state_tensors(), saved):
+        t.copy_(s)
+    row = {"ttft_ms": round(statistics.median(ttft) * 1e3, 2),
+           "decode_ms_per_step": round(wall_step_ms, 3),
+           "decode_tokens_per_s": round(batch / wall_step_ms * 1e3, 1),
+           "tokens": out.tokens.tolist()}
+    if step_ms is not None:
+        row.update(device_ms_per_step=round(step_ms, 3), gpu_busy=round(step_ms / wall_step_ms, 3),
+                   context_encoding_device_ms=round(cte_ms, 2),
+                   ttft_over_device=round(statistics.median(ttft) * 1e3 / cte_ms, 3))
+    return row
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from nxd_moe.application import ApplicationConfig, CausalLMApplication
+    from nxd_moe.hf import patch_model
+    from nxd_moe.models.generate import timed_generate
+    from nxd_moe.models.hf_models import build_hf_config
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    import transformers
+    env["transformers"] = transformers.__version__
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    bandwidth = copy_bandwidth(device)
+    hf_config = build_hf_config(args.model, num_layers=args.layers or None, scale=args.scale)
+    torch.manual_seed(0)
+    with torch.device(device):  # random weights drawn on the device: a 30B model is built in seconds
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    text = model.config.get_text_config()
+    result = {"benchmark": "app_generate", "model": args.model, "layers": text.num_hidden_layers,
+              "scale": args.scale, "parameters": sum(p.numel() for p in model.parameters()),
+              "vocab_size": text.vocab_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "read_every": args.read_every, "environment": env,
+              "roofline": {"copy_TBps": None if bandwidth is None else bandwidth / 1e12}, "rows": {}}
+
+    def save():
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+    prompts = {b: torch.randint(0, text.vocab_size, (b, args.prompt_len), device=device,
+                                generator=torch.Generator(device).manual_seed(b)) for b in args.batches}
+    for b in args.batches:
+        bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2)
+        result["roofline"][f"B{b}"] = {"bytes_per_step": bytes_step, "decode_tokens_per_s":
+                                       None if bandwidth is None else b * bandwidth / bytes_step}
+    patched = False
+    for variant in [v for v in VARIANTS if v in args.variants]:
+        row = result["rows"].setdefault(variant, {})
+        started = time.perf_counter()
+        try:
+            if variant != "grouped_mm" and not patched:
+                patch_model(model)
+                patched = True
+            torch._dynamo.reset()
+            for b in args.batches:
+                ids = prompts[b]
+                if variant.startswith("app"):
+                    length = args.prompt_len + args.new_tokens
+                    config = ApplicationConfig(batch_size=b, seq_len=length, max_context_length=args.prompt_len,
+                                               torch_dtype=dtype, context_encoding_buckets=[args.prompt_len],
+                                               token_generation_buckets=[length], ctx_batch_size=args.ctx_batch or b)
+                    t0 = time.perf_counter()
+                    app = CausalLMApplication(model, config, compile_token_generation=variant == "app")
+                    app.load()
+                    load_s = time.perf_counter() - t0
+                    timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every)
+                    timing["load_s"] = round(load_s, 1)
+                    del app
+                else:
+                    timing = timed_generate(model, ids, args.new_tokens, True, args.repeats)
+                    timing["tokens"] = timing["tokens"].tolist()
+                    timing["ttft_ms"] = timing.pop("prefill_ms")
+                row[f"B{b}"] = timing
+                print(f"{variant:12s} B={b:3d} ttft {timing['ttft_ms']:9.2f} ms  decode "
+                      f"{timing['decode_tokens_per_s']:9.1f} tok/s  busy {timing.get('gpu_busy')}", flush=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                save()
+        except Exception as exc:  # a contender that cannot run is a row saying why
+            import traceback
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        row["wall_s"] = round(time.perf_counter() - started, 1)
+        save()
+    derive(result, args.batches)
+    save()
+    return result
+
+
+def derive(result: dict, batches) -> None:
+    rows = result["rows"]
+    for b in batches:
+        key = f"B{b}"
+        roof = result["roofline"].get(key, {}).get("decode_tokens_per_s")
+        peers = {v: rows[v][key]["decode_tokens_per_s"] for v in ("grouped_mm", "patch_model")
+                 if key in rows.get(v, {})}
+        for r in rows.values():
+            cell = r.get(key)
+            if not cell:
+                continue
+            if roof:
+                cell["over_roofline"] = round(cell["decode_tokens_per_s"] / roof, 3)
+            if peers:
+                best = max(peers.values())
+                cell["over_best_peer"] = round(cell["decode_tokens_per_s"] / best, 3)
+            if "grouped_mm" in peers:
+                cell["over_grouped_mm"] = round(cell["decode_tokens_per_s"] / peers["grouped_mm"], 3)
+        app = rows.get("app", {}).get(key)
+        reference = next((rows[v][key] for v in ("patch_model", "grouped_mm") if key in rows.get(v, {})), None)
+        if app and reference and "tokens" in reference:
+            a, r = torch.tensor(app["tokens"]), torch.tensor(reference["tokens"])
+            n = min(a.shape[1], r.shape[1])
+            app["same_tokens"] = round((a[:, :n] == r[:, :n]).float().mean().item(), 3)
+
+
+def table(result: dict, batches) -> str:
+    lines = [f"{result['model']} ({result['layers']} layers), prompt {result['prompt_len']}, "
+             f"{result['new_tokens']} new tokens, {result['environment'].get('gpu', result['environment']['device'])}"]
+    for v, r in result["rows"].items():
+        for b in batches:
+            c = r.get(f"B{b}")
+            if c:
+                lines.append(f"{v:12s} B={b:3d} ttft {c['ttft_ms']:8.2f} ms  {c['decode_tokens_per_s']:8.1f} tok/s  "
+                             f"roofline x{c.get('over_roofline')}  vs best peer x{c.get('over_best_peer')}  "
+                             f"busy {c.get('gpu_busy')}  same {c.get('same_tokens')}")
+        if "error" in r:
+            lines.append(f"{v:12s} error: {r['error']}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=0, help="MoE layers (0: the architecture's full depth)")
+    p.add_argument("--scale", type=int, default=1)
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--read-every", type=int, default=16)
+    p.add_argument("--ctx-batch", type=int, default=0, help="ctx_batch_size of the application (0: the batch)")
+    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(table(result, args.batches))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

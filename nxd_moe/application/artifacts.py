@@ -1,0 +1,158 @@
+"""What ``CausalLMApplication.compile(path)`` writes, and what ``load(path)`` checks.
+
+The directory, as NxD Inference lays out its compiled application where the two meet:
+
+- ``neuron_config.json``: the model's transformers config fields and, under ``neuron_config``, the application's
+  (NxDI's ``InferenceConfig.save``; ``_name_or_path`` is the checkpoint the weights are read from at load);
+- ``manifest.json``: per phase and bucket, the program -- its inputs and outputs (name, shape, dtype; which
+  outputs are the KV cache it updates in place), the HLO files when traced, the ``neuronx-cc`` command -- plus the
+  model's identity (type, layers, parameter count and a digest of the parameter names, shapes and dtypes), so
+  ``load`` refuses a directory compiled for another model;
+- ``weights/model.safetensors`` when the application was built without a checkpoint (random weights) or with
+  ``save_sharded_checkpoint``: the transformers state dict, in transformers' key names;
+- ``<phase>_<bucket>/model.hlo_module.pb`` and ``model.hlo.txt`` (:mod:`~nxd_moe.application.xla_programs`) when
+  the model is on the CPU and ``torch_xla`` is installed; otherwise the manifest says why there is no HLO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from nxd_moe.application.application import CausalLMApplication
+
+__all__ = ["CONFIG_FILE", "MANIFEST_FILE", "check_compiled", "model_identity", "program_signatures",
+           "write_compiled"]
+
+CONFIG_FILE = "neuron_config.json"
+MANIFEST_FILE = "manifest.json"
+FORMAT = 1
+
+
+def model_identity(app: "CausalLMApplication") -> dict[str, Any]:
+    """What ties a compiled directory to one model: its type, layers, parameter count and a digest of every
+    parameter's name, shape and dtype (not the values: the same model with new weights loads)."""
+    digest = hashlib.sha256()
+    count = 0
+    for name, p in app.model.state_dict().items():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        count += p.numel()
+    text = app.programs.text_config
+    return {"model_type": app.model_type, "num_hidden_layers": text.num_hidden_layers, "parameters": count,
+            "state_dict_digest": digest.hexdigest()}
+
+
+def _describe(t: torch.Tensor) -> dict[str, Any]:
+    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def program_signatures(app: "CausalLMApplication") -> dict[str, dict[str, Any]]:
+    """Per program (``context_encoding_<S>``, ``token_generation_<L>``): inputs and outputs by name with shapes
+    and dtypes; the cache outputs alias the cache inputs (state updated in place)."""
+    config, runner = app.config, app.runner
+    cache = [(name, buf) for name, buf in app.programs.cache.named_buffers()]
+    sampling = {"sampling_params": {"shape": [config.ctx_batch_size, 3], "dtype": "float32"}} if app.sampling else {}
+    out: dict[str, dict[str, Any]] = {}
+    for bucket in config.context_encoding_buckets:
+        ids, lengths, seq_ids, _ = runner.context_inputs[bucket]
+        out[f"context_encoding_{bucket}"] = {
+            "phase": "context_encoding", "bucket": bucket,
+            "inputs": {"input_ids": _describe(ids), "lengths": _describe(lengths), "seq_ids": _describe(seq_ids),
+                       **sampling, **{f"cache.{n}": _describe(b) for n, b in cache}},
+            "outputs": {"tokens": _describe(lengths), **{f"cache.{n}": _describe(b) for n, b in cache}},
+            "aliases": {f"cache.{n}": f"cache.{n}" for n, _ in cache},
+        }
+    batch = config.batch_size
+    vector = {"shape": [batch], "dtype": "int64"}
+    tkg_sampling = {"sampling_params": {"shape": [batch, 3], "dtype": "float32"}} if app.sampling else {}
+    for bucket in config.token_generation_buckets:
+        out[f"token_generation_{bucket}"] = {
+            "phase": "token_generation", "bucket": bucket,
+            "inputs": {"tokens": vector, "positions": vector, "done": {"shape": [batch], "dtype": "bool"},
+                       "eos_token_ids": _describe(runner.eos_token_ids), "pad_token_id": _describe(runner.pad_token_id),
+                       **tkg_sampling, **{f"cache.{n}": _describe(b) for n, b in cache}},
+            "outputs": {"tokens": vector, "done": {"shape": [batch], "dtype": "bool"},
+                        **{f"cache.{n}": _describe(b) for n, b in cache}},
+            "aliases": {f"cache.{n}": f"cache.{n}" for n, _ in cache},
+        }
+    return out
+
+
+def _hf_config_dict(app: "CausalLMApplication") -> dict[str, Any]:
+    config = app.model.config.to_dict()
+    if app.checkpoint is not None:
+        config["_name_or_path"] = app.checkpoint
+    return config
+
+
+def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None = None) -> dict[str, Any]:
+    """Write ``path`` (module docstring) and return the manifest. ``xla``: trace the HLO of every program (None:
+    when the model is on the CPU and ``torch_xla`` imports; True: required, an error if it cannot be)."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = app.config
+    weights = None
+    if app.checkpoint is None or config.save_sharded_checkpoint:
+        from safetensors.torch import save_file
+
+        (path / "weights").mkdir(exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in app.model.state_dict().items()}
+        save_file(state, str(path / "weights" / "model.safetensors"))
+        weights = "weights/model.safetensors"
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "model": model_identity(app), "checkpoint": app.checkpoint, "weights": weights,
+        "device": str(app.runner.device), "sampling": app.sampling,
+        "buckets": {"context_encoding": config.context_encoding_buckets,
+                    "token_generation": config.token_generation_buckets},
+        "parallel": {"tp_degree": config.tp_degree, "moe_tp_degree": config.moe_tp_degree,
+                     "moe_ep_degree": config.moe_ep_degree, "logical_nc_config": config.logical_nc_config},
+        "programs": program_signatures(app),
+    }
+    from nxd_moe.application.xla_programs import export_programs, xla_unavailable_reason
+
+    reason = xla_unavailable_reason(app)
+    if xla and reason:
+        raise RuntimeError(f"compile(xla=True): {reason}")
+    if xla is False:
+        reason = "not asked for (compile(xla=False))"
+    if reason is None:
+        export_programs(app, path, manifest["programs"])
+    else:
+        manifest["hlo"] = f"no HLO written: {reason}"
+        if xla is None:
+            warnings.warn(f"compile: no HLO written ({reason}); the programs run here as they are", stacklevel=3)
+    (path / CONFIG_FILE).write_text(json.dumps({**_hf_config_dict(app), "neuron_config": config.to_dict()},
+                                               indent=2, sort_keys=True, default=str) + "\n")
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} is not a compiled application directory: no {MANIFEST_FILE} (write one "
+                                "with compile(path))")
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{file}: format {manifest.get('format')!r}, this nxd_moe reads format {FORMAT}")
+    return manifest
+
+
+def check_compiled(app: "CausalLMApplication", path: Path) -> dict[str, Any]:
+    """The manifest of ``path``, after checking it was compiled for ``app``'s model and buckets."""
+    manifest = read_manifest(path)
+    mine = model_identity(app)
+    if manifest["model"] != mine:
+        differ = sorted(k for k in mine if manifest["model"].get(k) != mine[k])
+        raise ValueError(f"{path} was compiled for another model (differs in {differ}): compile this one")
+    config = app.config
+    buckets = {"context_encoding": config.context_encoding_buckets,
+               "token_generation": config.token_generation_buckets}
+    if manifest["buckets"] != buckets:
+        raise ValueError(f"{path} was compiled for buckets {manifest['buckets']}, the application has {buckets}")
+    return manifest

@@ -1,0 +1,135 @@
+"""On-device sampling: draws follow the distribution transformers' warpers define (temperature, then top-k, then
+top-p over the softmax), checked by a chi-square test against a float64 reference written from that definition;
+a fixed seed reproduces a run; per-sequence parameters apply per sequence; bad parameters are named."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nxd_moe.application import ApplicationConfig, CausalLMApplication, SamplingConfig, prepare_sampling_params
+from nxd_moe.application.sampling import sample_tokens
+
+V = 64
+DRAWS = 40_000
+
+
+def reference_distribution(logits: np.ndarray, top_k: int, top_p: float, temperature: float) -> np.ndarray:
+    """The probabilities transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper leave,
+    in float64: scale, keep the k largest, softmax, keep the most probable tokens until their mass reaches top_p."""
+    scaled = logits.astype(np.float64) / temperature
+    keep = np.argsort(-scaled, kind="stable")[:top_k]
+    p = np.exp(scaled[keep] - scaled[keep].max())
+    p /= p.sum()
+    mass_before = np.cumsum(p) - p
+    p = np.where(mass_before < top_p, p, 0.0)
+    out = np.zeros_like(scaled)
+    out[keep] = p / p.sum()
+    return out
+
+
+def chi_square_bound(df: int, z: float = 4.753) -> float:
+    """Upper quantile of chi-square(df) at z standard deviations (4.753: p = 1e-6), Wilson-Hilferty's cube-root
+    approximation (accurate to a few percent for df >= 3)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    kept = probs > 0
+    expected = probs[kept] * counts.sum()
+    return float(((counts[kept] - expected) ** 2 / expected).sum()), int(kept.sum()) - 1
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return torch.randn(V, generator=torch.Generator().manual_seed(5), dtype=torch.float64).float() * 2.0
+
+
+@pytest.mark.parametrize("top_k, top_p, temperature", [(12, 0.85, 0.7), (64, 0.5, 1.3), (5, 1.0, 2.0)])
+def test_draws_follow_the_warped_softmax(logits, top_k, top_p, temperature):
+    torch.manual_seed(0)
+    params = prepare_sampling_params(DRAWS, top_k, top_p, temperature)
+    draws = sample_tokens(logits.expand(DRAWS, V), params, global_topk=V).numpy()
+    probs = reference_distribution(logits.numpy(), top_k, top_p, temperature)
+    counts = np.bincount(draws, minlength=V).astype(np.float64)
+    assert counts[probs == 0].sum() == 0, "a token outside top-k / top-p was drawn"
+    stat, df = chi_square(counts, probs)
+    assert df >= 2 and stat < chi_square_bound(df), (stat, df)
+
+
+def test_the_chi_square_test_rejects_a_sampler_that_ignores_the_temperature(logits):
+    """Negative control: the same draws judged against the distribution without the temperature fail."""
+    torch.manual_seed(0)
+    draws = sample_tokens(logits.expand(DRAWS, V), prepare_sampling_params(DRAWS, 12, 0.85, 0.7), global_topk=V)
+    wrong = reference_distribution(logits.numpy(), 12, 0.85, 1.0)
+    counts = np.bincount(draws.numpy(), minlength=V).astype(np.float64)
+    stat, df = chi_square(counts[wrong > 0], wrong[wrong > 0])
+    assert counts[wrong == 0].sum() > 0 or stat > chi_square_bound(df)
+
+
+def test_top_k_one_is_the_argmax_and_global_topk_caps_the_candidates(logits):
+    rows = logits.expand(8, V)
+    assert torch.equal(sample_tokens(rows, prepare_sampling_params(8, 1, 0.9, 3.0)), rows.argmax(-1))
+    torch.manual_seed(1)
+    draws = sample_tokens(logits.expand(2000, V), prepare_sampling_params(2000, 0, 1.0, 50.0), global_topk=4)
+    assert set(draws.tolist()) <= set(logits.topk(4).indices.tolist())
+
+
+def test_sampling_params_are_checked():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        prepare_sampling_params(2, 5, 1.5, 1.0)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        prepare_sampling_params(2, 5, 0.5, 0.0)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        prepare_sampling_params(2, 2.5, 0.5, 1.0)
+    with pytest.raises(ValueError, match="3 values for a batch of 2"):
+        prepare_sampling_params(2, [1, 2, 3], 0.5, 1.0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(do_sample=True, top_p=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from nxd_moe.models.hf_models import build_hf_model
+
+    return build_hf_model("qwen3-30b-a3b", num_layers=1, scale=16, seed=4)
+
+
+def _app(model, dynamic: bool):
+    sampling = SamplingConfig(do_sample=True, top_k=40, top_p=0.95, temperature=8.0, dynamic=dynamic)
+    return CausalLMApplication(model, ApplicationConfig(batch_size=2, seq_len=40, max_context_length=8,
+                                                        torch_dtype="float32", on_device_sampling_config=sampling))
+
+
+def test_a_seed_reproduces_a_sampled_generation(model):
+    app = _app(model, dynamic=False)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(app.generate(ids, max_new_tokens=24, eos_token_id=[]).tokens)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    greedy = app.generate(ids, max_new_tokens=24, eos_token_id=[], do_sample=False).tokens
+    assert not torch.equal(runs[0], greedy)
+
+
+def test_dynamic_parameters_apply_per_sequence(model):
+    """Sequence 0 with top_k=1 takes the greedy path while sequence 1 samples; without ``dynamic`` the config's
+    parameters apply to both whatever generate is given."""
+    ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6]])
+    greedy = _app(model, dynamic=True).generate(ids, max_new_tokens=20, eos_token_id=[], do_sample=False).tokens
+    torch.manual_seed(3)
+    mixed = _app(model, dynamic=True).generate(ids, max_new_tokens=20, eos_token_id=[], top_k=[1, 40]).tokens
+    assert torch.equal(mixed[0], greedy[0]) and not torch.equal(mixed[1], greedy[1])
+    torch.manual_seed(3)
+    static = _app(model, dynamic=False).generate(ids, max_new_tokens=20, eos_token_id=[], top_k=[1, 40]).tokens
+    assert not torch.equal(static[0], greedy[0])
+
+
+def test_sampling_on_a_greedy_application_is_refused(model):
+    app = CausalLMApplication(model, ApplicationConfig(batch_size=1, seq_len=16, torch_dtype="float32"))
+    with pytest.raises(ValueError, match="do_sample=True, but the application's programs take the argmax"):
+        app.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=True)
