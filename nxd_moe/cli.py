@@ -56,6 +56,8 @@ SUBCOMMANDS = {
     "trace": "nxd_moe.trace",
     "plan": "nxd_moe.nki_kernels.plan",
     "generate": "nxd_moe.models.generate",
+    "compile": "nxd_moe.application.command",
+    "checkpoint": "nxd_moe.models.checkpoint",
 }
 
 DEFAULT_TOKENS = 512

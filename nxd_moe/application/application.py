@@ -24,6 +24,7 @@ from nxd_moe.application.generation import GenerationOutput, generate_tokens, pr
 from nxd_moe.application.programs import CausalLMPrograms
 from nxd_moe.application.runner import ProgramRunner
 from nxd_moe.application.sampling import prepare_sampling_params
+from nxd_moe.models.decoder_step import replace_polar_rotary_embeddings
 
 __all__ = ["CausalLMApplication"]
 
@@ -66,6 +67,8 @@ class CausalLMApplication:
         model = model.to(config.torch_dtype).eval()
         if getattr(model, "nxd_moe_patched", None) is None:
             patch_model(model, backend=backend, quantization=config.quantization)
+        # Llama 4's torch.polar has no XLA lowering (a host round trip per step): the same values from cos / sin
+        replace_polar_rotary_embeddings(model)
         self.model = model
         sampling = config.on_device_sampling_config
         self.sampling = sampling is not None and sampling.do_sample
@@ -121,6 +124,17 @@ class CausalLMApplication:
         model = build_hf_model(model_config, num_layers=num_layers, scale=scale, dtype=config.torch_dtype,
                                device=device, seed=seed)
         return cls(model, config, **kwargs)
+
+    @classmethod
+    def from_compiled(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu",
+                      **kwargs: Any) -> "CausalLMApplication":
+        """The application a ``compile(path)`` wrote, loaded (:func:`~nxd_moe.application.artifacts.read_model`)."""
+        from nxd_moe.application.artifacts import read_model
+
+        model, config, checkpoint = read_model(Path(path), device)
+        app = cls(model, config, checkpoint=checkpoint, **kwargs)
+        app.load(path)
+        return app
 
     # ------------------------------------------------------------------------------------------------------
     # compile / load

@@ -8,8 +8,8 @@ The directory, as NxD Inference lays out its compiled application where the two 
   outputs are the KV cache it updates in place), the HLO files when traced, the ``neuronx-cc`` command -- plus the
   model's identity (type, layers, parameter count and a digest of the parameter names, shapes and dtypes), so
   ``load`` refuses a directory compiled for another model;
-- ``weights/model.safetensors`` when the application was built without a checkpoint (random weights) or with
-  ``save_sharded_checkpoint``: the transformers state dict, in transformers' key names;
+- ``weights/`` when the application was built without a checkpoint (random weights) or with
+  ``save_sharded_checkpoint``: a transformers checkpoint of the model (``save_pretrained``: safetensors, config);
 - ``<phase>_<bucket>/model.hlo_module.pb`` and ``model.hlo.txt`` (:mod:`~nxd_moe.application.xla_programs`) when
   the model is on the CPU and ``torch_xla`` is installed; otherwise the manifest says why there is no HLO.
 """
@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from nxd_moe.application.application import CausalLMApplication
 
-__all__ = ["CONFIG_FILE", "MANIFEST_FILE", "check_compiled", "model_identity", "program_signatures",
+__all__ = ["CONFIG_FILE", "MANIFEST_FILE", "check_compiled", "model_identity", "program_signatures", "read_model",
            "write_compiled"]
 
 CONFIG_FILE = "neuron_config.json"
@@ -98,12 +98,8 @@ def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None =
     config = app.config
     weights = None
     if app.checkpoint is None or config.save_sharded_checkpoint:
-        from safetensors.torch import save_file
-
-        (path / "weights").mkdir(exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in app.model.state_dict().items()}
-        save_file(state, str(path / "weights" / "model.safetensors"))
-        weights = "weights/model.safetensors"
+        app.model.save_pretrained(path / "weights", safe_serialization=True)
+        weights = "weights"
     manifest: dict[str, Any] = {
         "format": FORMAT, "model": model_identity(app), "checkpoint": app.checkpoint, "weights": weights,
         "device": str(app.runner.device), "sampling": app.sampling,
@@ -156,3 +152,27 @@ def check_compiled(app: "CausalLMApplication", path: Path) -> dict[str, Any]:
     if manifest["buckets"] != buckets:
         raise ValueError(f"{path} was compiled for buckets {manifest['buckets']}, the application has {buckets}")
     return manifest
+
+
+def read_model(path: Path, device: torch.device | str = "cpu"):
+    """``(model, ApplicationConfig, checkpoint)`` of the compiled directory ``path``: the transformers model its
+    ``neuron_config.json`` describes, in the config's dtype on ``device``, its weights read from ``weights/`` (when
+    ``compile`` saved them) or from the checkpoint directory it names."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nxd_moe.application.config import ApplicationConfig
+
+    manifest = read_manifest(path)
+    fields = json.loads((path / CONFIG_FILE).read_text())
+    with warnings.catch_warnings():  # the fields were warned about when the directory was compiled
+        warnings.simplefilter("ignore")
+        config = ApplicationConfig(strict=False, **fields.pop("neuron_config"))
+    fields = {k: v for k, v in fields.items() if k not in ("attribute_map", "metadata", "num_cores_per_group")}
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    checkpoint = str(path / manifest["weights"]) if manifest.get("weights") else manifest.get("checkpoint")
+    if not checkpoint or not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"{path}: its weights are read from the checkpoint {checkpoint!r}, which is not a "
+                                "directory here (compile with save_sharded_checkpoint=True to keep them)")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, config=hf_config, dtype=config.torch_dtype,
+                                                 use_safetensors=True)
+    return model.to(device).eval(), config, None if manifest.get("weights") else checkpoint

@@ -45,14 +45,14 @@ SERVED = frozenset({
     "moe_tp_degree", "moe_ep_degree", "ep_degree", "world_size", "hybrid_sharding_config",
     "blockwise_matmul_config", "router_config", "capacity_factor", "quantized", "quantized_checkpoints_path",
     "quantization_type", "quantization_dtype", "quantization_block_size", "save_sharded_checkpoint", "skip_warmup",
-    "logical_nc_config", "output_logits", "on_cpu",
+    "logical_nc_config", "on_cpu",
 })
 
 # NxDI fields that choose how a Neuron device computes, not what: accepted, warned about when not at NxDI's default.
 IGNORED: dict[str, Any] = {
     # sizes NxDI derives for its own tracing
     "n_active_tokens": None, "n_positions": None, "bucket_n_active_tokens": False, "token_generation_batches": None,
-    "kv_cache_padding_size": 0, "max_batch_size": None,
+    "kv_cache_padding_size": 0,
     # parallel layouts of the attention and the compiled program (the function is the same)
     "cp_degree": 1, "mlp_cp_degree": 1, "attention_dp_degree": 1, "pp_degree": 1, "sequence_parallel_enabled": False,
     "shared_experts_sequence_parallel_enabled": False, "vocab_parallel": False, "start_rank_id": 0,
@@ -315,8 +315,6 @@ def _jsonable(value: Any) -> Any:
         return value.name
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):

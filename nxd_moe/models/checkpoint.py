@@ -57,3 +57,29 @@ def write_checkpoint(out: str | os.PathLike, config: str = "qwen3-30b-a3b", *, n
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+HELP = "write a small local checkpoint (random weights, tokenizer, generation config) of a shipped architecture"
+
+
+def add_arguments(parser) -> None:
+    from nxd_moe.cli import _positive_int
+
+    parser.add_argument("--config", required=True, help="a shipped architecture (name or YAML)")
+    parser.add_argument("--out", required=True, help="the directory to write")
+    parser.add_argument("--layers", type=_positive_int, default=2, help="MoE layers (default 2)")
+    parser.add_argument("--scale", type=_positive_int, default=16, help="divide the widths by this (default 16)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=16,
+                        help="the generation config's max_new_tokens (default 16)")
+
+
+def main(args) -> int:
+    try:
+        path = write_checkpoint(args.out, args.config, num_layers=args.layers, scale=args.scale, seed=args.seed,
+                                dtype=args.dtype, max_new_tokens=args.max_new_tokens)
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        raise SystemExit(f"nxd-moe checkpoint: error: {e}") from None
+    print(f"nxd-moe checkpoint: {args.config} ({args.layers} MoE layers, scale 1/{args.scale}) -> {path}")
+    return 0

@@ -141,6 +141,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--config", help=f"YAML path or built-in name ({', '.join(builtin_config_names())}): the "
                                          "architecture, with random weights")
     source.add_argument("--hf-model", help="a local transformers checkpoint directory (safetensors only)")
+    source.add_argument("--app", help="a compiled application directory (nxd-moe compile): generate with nxd_moe's "
+                                      "own loop (CUDA graphs per bucket on a GPU) instead of transformers'")
     parser.add_argument("--scale", type=_scale, default="auto",
                         help="with --config: divide the widths by this; 1 = full size; 'auto' (default): 1 on a GPU, "
                              "else the layer scale `nxd-moe run` picks")
@@ -161,6 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nxd_moe backend (default: triton on CUDA where it imports, else torch)")
     parser.add_argument("--repeats", type=_positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-ids", default=None, help="with --app: one prompt as comma-separated token ids")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -231,6 +234,18 @@ def format_report(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.app is not None:
+        from nxd_moe.application.command import generate_from_app
+
+        try:
+            report = generate_from_app(args)
+        except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+            raise SystemExit(f"nxd-moe generate: error: {e}") from None
+        print(json.dumps(report, indent=2) if args.json else
+              f"nxd-moe generate --app {report['app']}: batch {report['batch']}, prompt {report['prompt_len']}, "
+              f"{report['new_tokens']} new tokens on {report['device']}: time to first token {report['ttft_ms']} ms, "
+              f"decode {report['decode_tokens_per_s']} tokens/s\n{report['tokens']}")
+        return 0
     try:
         report = run(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:

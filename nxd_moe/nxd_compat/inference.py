@@ -242,37 +242,28 @@ class NeuronCausalLM:
     def get_neuron_config_cls(cls):
         return MoENeuronConfig
 
-    def _checkpoint(self) -> tuple[Path, bool]:
-        """The directory holding the weights and whether it is a compiled directory's ``weights/``."""
-        for candidate in (getattr(self.config, "_name_or_path", None), self.model_path):
-            if candidate and any(Path(candidate).glob("*.safetensors")):
-                return Path(candidate), False
-        weights = Path(self.model_path) / "weights"
-        if weights.is_dir():
-            return weights, True
-        raise FileNotFoundError(f"no safetensors weights in {getattr(self.config, '_name_or_path', None)!r} or "
-                                f"{self.model_path!r}")
-
     def _build(self) -> CausalLMApplication:
+        """The application: from a compiled directory (``model_path`` holds a manifest) or from the checkpoint the
+        config names (``_name_or_path``, else ``model_path``), on the CPU or ``$NXD_MOE_DEVICE``."""
         if self.application is not None:
             return self.application
-        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
 
+        from nxd_moe.application.artifacts import MANIFEST_FILE, read_model
+
         device = torch.device(os.environ.get(DEVICE_VARIABLE, "cpu"))
-        dtype = self.neuron_config.torch_dtype
-        hf_config = self.config.to_transformers_config(self.model_type)
-        path, compiled = self._checkpoint()
-        if compiled:
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-            model.load_state_dict(load_file(str(path / "model.safetensors")), assign=True, strict=True)
-            model = model.to(device)
+        if (Path(self.model_path) / MANIFEST_FILE).is_file():
+            model, _, checkpoint = read_model(Path(self.model_path), device)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=dtype,
-                                                         use_safetensors=True).to(device)
-        self.application = CausalLMApplication(model.eval(), self.neuron_config,
-                                               checkpoint=None if compiled else path)
+            checkpoint = next((c for c in (getattr(self.config, "_name_or_path", None), self.model_path)
+                               if c and any(Path(c).glob("*.safetensors"))), None)
+            if checkpoint is None:
+                raise FileNotFoundError(f"no safetensors checkpoint at {self.model_path!r} (or the config's "
+                                        f"_name_or_path {getattr(self.config, '_name_or_path', None)!r})")
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, config=self.config.to_transformers_config(self.model_type),
+                dtype=self.neuron_config.torch_dtype, use_safetensors=True).to(device)
+        self.application = CausalLMApplication(model.eval(), self.neuron_config, checkpoint=checkpoint)
         return self.application
 
     def compile(self, compiled_model_path: str | os.PathLike, debug: bool = False, pre_shard_weights_hook=None,

@@ -1,0 +1,74 @@
+"""The application's programs under ``torch_xla`` (CPU client): every bucket of both phases is one static XLA
+graph -- one compilation for three inputs that route differently (the first sends every token to the same experts)
+and move the cache positions, no CPU fallback, no transfer mid-program -- equal to eager, tokens exactly;
+``compile(path)`` writes one HLO per bucket and phase and the manifest that maps them. Negative control: a program
+whose sampling reads a device value on the host is reported as not static."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+torch_xla = pytest.importorskip("torch_xla")
+pytest.importorskip("transformers")
+
+from nxd_moe.application import ApplicationConfig, CausalLMApplication, SamplingConfig  # noqa: E402
+from nxd_moe.application.xla_programs import program_inputs, program_modules  # noqa: E402
+from nxd_moe.models.hf_models import build_hf_model  # noqa: E402
+from nxd_moe.trace import check_static  # noqa: E402
+
+
+def application(name: str, sampling: bool = False) -> CausalLMApplication:
+    config = ApplicationConfig(
+        batch_size=2, seq_len=32, max_context_length=16, torch_dtype="float32", context_encoding_buckets=[8, 16],
+        token_generation_buckets=[16, 32],
+        on_device_sampling_config=SamplingConfig(do_sample=True, top_k=5) if sampling else None)
+    return CausalLMApplication(build_hf_model(name, num_layers=1, scale=32, seed=2), config)
+
+
+@pytest.mark.parametrize("name, sampling", [("qwen3-30b-a3b", False), ("gpt-oss-20b", True),
+                                            ("llama4-scout", False), ("deepseek-v3", False)])
+def test_every_bucket_of_both_phases_is_one_static_graph_equal_to_eager(name, sampling):
+    app = application(name, sampling)
+    for program, (module, phase, bucket) in program_modules(app).items():
+        report = check_static(module, program_inputs(app, phase, bucket), n=3, atol=1e-4)
+        assert report.static, (program, report.to_dict())
+        assert report.matches_eager, (program, report.max_abs_diff)
+
+
+def test_compile_writes_one_hlo_per_bucket_and_phase(tmp_path):
+    app = application("qwen3-30b-a3b")
+    manifest = app.compile(tmp_path / "app", xla=True)
+    assert set(manifest["programs"]) == {"context_encoding_8", "context_encoding_16", "token_generation_16",
+                                         "token_generation_32"}
+    for name, program in manifest["programs"].items():
+        assert program["static"] and program["matches_eager"], name
+        assert (tmp_path / "app" / program["hlo"]["proto"]).stat().st_size > 0
+        text = (tmp_path / "app" / program["hlo"]["text"]).read_text()
+        assert "ENTRY" in text, name
+    assert json.loads((tmp_path / "app" / "manifest.json").read_text()) == manifest
+    # the KV cache (one layer: keys and values) goes in and comes out of each program
+    cte = manifest["programs"]["context_encoding_16"]
+    assert len([k for k in cte["inputs"] if k.startswith("cache.")]) == 2 == len(cte["aliases"])
+
+
+def test_a_host_read_inside_a_program_is_caught(monkeypatch):
+    """Negative control: a sampler that reads the largest logit on the host (``.item()``) makes the program a
+    device-to-host transfer mid-graph: check_static says it is not static."""
+    import nxd_moe.application.programs as programs
+
+    app = application("qwen3-30b-a3b")
+    original = programs.sample_tokens
+
+    def leaky(logits, params, global_topk):
+        scale = float(logits.max().item())  # a host read
+        return original(logits / scale, params, global_topk)
+
+    monkeypatch.setattr(programs, "sample_tokens", leaky)
+    module, phase, bucket = program_modules(app)["token_generation_16"]
+    report = check_static(module, program_inputs(app, phase, bucket), n=2, atol=1e-4)
+    assert not report.static
