@@ -24,6 +24,11 @@ Roofline: ``B * copy bandwidth / bytes a decode step must read`` (``benchmarks/h
 same run). Same greedy tokens: the fraction of the application's tokens equal to ``patch_model``'s (the same layer
 under transformers' loop), else to ``grouped_mm``'s.
 
+Expert parallelism: under ``torchrun --nproc-per-node N`` each rank builds the same model and runs the application
+with ``moe_ep_degree = N`` on its own ``B`` sequences (data-parallel attention, each rank E / N experts, lockstep);
+only the application variants run, and rank 0 reports the slowest rank's step and the aggregate tokens/s
+(``N * B`` per step). Compare with a one-process run at the same ``B`` per GPU.
+
 Output: one JSON (``--out``) and a table. Run on the GPU machine; ``--device cpu`` with a small ``--scale`` is a smoke
 test, not a measurement.
 """
@@ -42,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_generate import copy_bandwidth, decode_bytes_per_step  # noqa: E402
+from hf_generate import copy_bandwidth, decode_bytes_per_step, slowest  # noqa: E402
 
 VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor")
 
@@ -101,6 +106,23 @@ def time_app(app, ids: torch.Tensor, new_tokens: int, repeats: int, read_every: 
     return row
 
 
+def distributed(device: torch.device) -> tuple[int, int, torch.device]:
+    """Under torchrun: the process group (NCCL on GPUs, gloo on CPUs), this rank's GPU; the application sets up
+    expert parallelism over every rank itself (``moe_ep_degree`` = the world). One process: ``(0, 1, device)``."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), world, device
+
+
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -110,6 +132,9 @@ def run(args) -> dict:
     from nxd_moe.models.hf_models import build_hf_config
 
     device = torch.device(args.device)
+    rank, world, device = distributed(device)
+    if world > 1:
+        args.variants = [v for v in args.variants if v.startswith("app")]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
     import transformers
@@ -128,17 +153,18 @@ def run(args) -> dict:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
     text = model.config.get_text_config()
     result = {"benchmark": "app_generate", "model": args.model, "layers": text.num_hidden_layers,
+              "expert_parallel": world,
               "scale": args.scale, "parameters": sum(p.numel() for p in model.parameters()),
               "vocab_size": text.vocab_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "read_every": args.read_every, "environment": env,
               "roofline": {"copy_TBps": None if bandwidth is None else bandwidth / 1e12}, "rows": {}}
 
     def save():
-        if args.out:
+        if args.out and rank == 0:
             Path(args.out).write_text(json.dumps(result, indent=1))
 
     prompts = {b: torch.randint(0, text.vocab_size, (b, args.prompt_len), device=device,
-                                generator=torch.Generator(device).manual_seed(b)) for b in args.batches}
+                                generator=torch.Generator(device).manual_seed(b + 1000 * rank)) for b in args.batches}
     for b in args.batches:
         bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2)
         result["roofline"][f"B{b}"] = {"bytes_per_step": bytes_step, "decode_tokens_per_s":
@@ -158,13 +184,17 @@ def run(args) -> dict:
                     length = args.prompt_len + args.new_tokens
                     config = ApplicationConfig(batch_size=b, seq_len=length, max_context_length=args.prompt_len,
                                                torch_dtype=dtype, context_encoding_buckets=[args.prompt_len],
-                                               token_generation_buckets=[length], ctx_batch_size=args.ctx_batch or b)
+                                               token_generation_buckets=[length], ctx_batch_size=args.ctx_batch or b,
+                                               tp_degree=world, moe_ep_degree=world)
                     t0 = time.perf_counter()
                     app = CausalLMApplication(model, config, compile_token_generation=variant == "app")
                     app.load()
                     load_s = time.perf_counter() - t0
                     timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every)
                     timing["load_s"] = round(load_s, 1)
+                    if world > 1:  # the slowest rank's step; every rank's sequences count
+                        timing["decode_ms_per_step"] = slowest(timing["decode_ms_per_step"])
+                        timing["decode_tokens_per_s"] = round(world * b / timing["decode_ms_per_step"] * 1e3, 1)
                     del app
                 else:
                     timing = timed_generate(model, ids, args.new_tokens, True, args.repeats)

@@ -98,6 +98,11 @@ class CausalLMApplication:
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=config.moe_tp_degree,
                                                      expert_model_parallel_size=config.moe_ep_degree)
+        layout = parallel_state.get_parallel_layout()
+        if layout.moe_decode != (config.moe_tp_degree, config.moe_ep_degree):
+            raise ValueError(f"nxd_moe.parallel_state splits the MoE as (tp, ep) = {layout.moe_decode}, the config "
+                             f"as ({config.moe_tp_degree}, {config.moe_ep_degree}): initialise it to the config's "
+                             "split, or leave it to the application")
         return dist.group.WORLD
 
     # ------------------------------------------------------------------------------------------------------

@@ -758,6 +758,45 @@ def patched_generate(name: str, quantization: str | None = None, device: str = "
     return run
 
 
+def application_generate(name: str) -> Callable[[], None]:
+    """nxd_moe's application under expert parallelism (``moe_ep_degree`` = the world): each rank generates its own
+    sequences -- rank 0 two prompts of 4 and 9 tokens ending at an EOS early, rank 1 one prompt of 7 tokens (so the
+    ranks' longest prompts, batches and finishing steps differ) -- with its half of the experts, in lockstep (the
+    ranks agree on the context bucket and on when every sequence is done). Tokens equal transformers' greedy
+    ``generate`` of the unpatched model on the same prompts in one process."""
+    def run():
+        import copy
+
+        from nxd_moe.application import ApplicationConfig, CausalLMApplication
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = _tiny_model(name)
+        lengths = [4, 9] if rank == 0 else [7]
+        width = max(lengths)
+        ids = torch.zeros(len(lengths), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, n in enumerate(lengths):
+            ids[b, width - n:] = torch.randint(1, 64, (n,), generator=torch.Generator().manual_seed(31 + 3 * rank + b))
+            mask[b, width - n:] = 1
+        free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+        eos = [int(free[0, width + 2])] if rank == 0 else []  # rank 0's first sequence ends at its third token
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                  eos_token_id=eos or None)
+        config = ApplicationConfig(batch_size=2, seq_len=32, max_context_length=16, torch_dtype="float32",
+                                   context_encoding_buckets=[8, 16], token_generation_buckets=[16, 32],
+                                   tp_degree=world, moe_ep_degree=world)
+        app = CausalLMApplication(copy.deepcopy(model), config)
+        moe = app.model.get_submodule(app.model.nxd_moe_patched.patched[0]).moe
+        assert moe.expert_mlps.is_sharded and app.group is not None
+        out = app.generate(ids, mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0, read_every=3)
+        assert out.sequences.shape[0] == len(lengths)
+        n = out.sequences.shape[1]
+        assert torch.equal(out.sequences, expected[:, :n]), (out.sequences, expected)
+        assert expected[:, n:].eq(0).all()  # transformers ran on only as long as some sequence was generating
+    return run
+
+
 class _GraphRecorder:
     """A Dynamo backend that keeps the functional collectives of every graph it is given and runs the graph through
     :func:`~nxd_moe.trace.static_backend` (which refuses host-sync ops and data-dependent sizes) with ``inner``."""
@@ -960,6 +999,8 @@ SUITES["models2"] = {
     "patch_model/ep2/gpt_oss": patched_generate("gpt_oss"),
     "patch_model/ep2/mixtral_fp8": patched_generate("mixtral", "fp8", hidden=64, intermediate=64),
     "patch_model/ep2/checkpoint": patched_checkpoint,
+    "application/ep2/qwen3_moe": application_generate("qwen3_moe"),
+    "application/ep2/deepseek_v3": application_generate("deepseek_v3"),
 }
 
 
