@@ -105,3 +105,11 @@ def test_generation_stops_once_every_sequence_is_done():
     out = app.generate(ids, mask, max_new_tokens=30, eos_token_id=eos, read_every=2)
     assert int(out.lengths.max()) <= 3 and out.tokens.shape[1] == int(out.lengths.max())
     assert out.timings["steps"] <= 3 + 2 * 2
+
+
+def test_progress_bar_counts_every_token(capsys):
+    model = build_hf_model("qwen3-30b-a3b", num_layers=1, scale=16, seed=3)
+    ids, mask = left_padded(model.config.vocab_size)
+    CausalLMApplication(model, config()).generate(ids, mask, max_new_tokens=13, eos_token_id=[], read_every=5,
+                                                  progress=True)
+    assert "13/13" in capsys.readouterr().err

@@ -130,3 +130,37 @@ def test_nxdis_own_demo_script_runs_unchanged(tmp_path):
                           capture_output=True, text=True, timeout=7200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Generated outputs:" in done.stdout and (tmp_path / "benchmark_report.json").is_file()
+
+
+@pytest.mark.filterwarnings("ignore::nxd_moe.application.NxDIFieldWarning")
+def test_adapter_streams_the_prompt_then_every_token_and_refuses_what_it_does_not_apply(tmp_path):
+    """transformers' streamer protocol: the prompt first, then each new token, then end(); settings the device loop
+    does not apply (beams, repetition penalty) are refused by name."""
+    path = write_checkpoint(tmp_path / "model", "qwen3-30b-a3b", num_layers=1, scale=16, max_new_tokens=None)
+    ids = torch.tensor([[5, 6, 7]])
+    _, model = nxdi_script(path, tmp_path / "traced", FAMILIES["qwen3-30b-a3b"], ids, torch.ones_like(ids), 8)
+
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    with installed():
+        from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
+
+        adapter = HuggingFaceGenerationAdapter(model)
+        streamer = Recorder()
+        out = adapter.generate(ids, max_new_tokens=6, eos_token_id=None, streamer=streamer)
+        assert streamer.puts[0] == [[5, 6, 7]] and streamer.ended
+        assert [p[0] for p in streamer.puts[1:]] == out[0, 3:].tolist() and len(streamer.puts) == 7
+        with pytest.raises(ValueError, match="num_beams=4 is not served"):
+            adapter.generate(ids, max_new_tokens=6, num_beams=4)
+        with pytest.raises(ValueError, match="repetition_penalty=1.3 is not served"):
+            adapter.generate(ids, max_new_tokens=6, repetition_penalty=1.3)
+        with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['beam_width'\]"):
+            adapter.generate(ids, max_new_tokens=6, beam_width=2)
