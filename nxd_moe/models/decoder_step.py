@@ -58,8 +58,10 @@ def replace_polar_rotary_embeddings(model: nn.Module) -> list[str]:
     """Wrap every rotary embedding of ``model`` that calls ``torch.polar`` in a
     :class:`PolarFreeRotaryEmbedding`; returns the paths of the modules replaced (none for most families)."""
     # dynamic and longrope rotary types rescale inv_freq in a decorator around forward: left as they are
+    # (one already wrapped is skipped: the function may run twice on a model)
     paths = [path for path, module in model.named_modules() if type(module).__name__ in _POLAR_ROTARY
-             and "dynamic" not in module.rope_type and module.rope_type != "longrope"]
+             and "dynamic" not in module.rope_type and module.rope_type != "longrope"
+             and not isinstance(model.get_submodule(path.rpartition(".")[0]), PolarFreeRotaryEmbedding)]
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)

@@ -43,7 +43,7 @@ def hf_greedy(model, ids, mask, eos):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
-    model = build_hf_model(request.param, num_layers=2, scale=16, seed=3)
+    model = build_hf_model(request.param, num_layers=1, scale=32, seed=3)
     ids, mask = left_padded(model.config.get_text_config().vocab_size)
     free = hf_greedy(model, ids, mask, None)[:, ids.shape[1]:]
     # EOS: the first token a sequence emits from its 4th on that it has not emitted before (so it ends there)
@@ -65,6 +65,8 @@ def test_greedy_tokens_equal_transformers(family):
 def test_right_padded_input_gives_the_same_tokens(family):
     """NxDI's tokenizers pad on the right: the same prompts, padded there, give the same generated tokens."""
     name, model, ids, mask, (eos, _, _) = family
+    if name not in ("qwen3-30b-a3b", "llama4-scout"):
+        pytest.skip("the packing is the families' common code: two families show it")
     left = CausalLMApplication(model, config()).generate(ids, mask, max_new_tokens=12, eos_token_id=eos).tokens
     right_ids, right_mask = torch.zeros_like(ids), torch.zeros_like(mask)
     for b, n in enumerate(LENGTHS):

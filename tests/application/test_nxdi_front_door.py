@@ -60,7 +60,7 @@ def nxdi_script(model_path: Path, traced: Path, family: tuple[str, str, str], id
 def test_nxdi_script_generates_transformers_tokens(tmp_path, name):
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    path = write_checkpoint(tmp_path / "model", name, num_layers=1, scale=16, seed=6, max_new_tokens=None)
+    path = write_checkpoint(tmp_path / "model", name, num_layers=1, scale=32, seed=6, max_new_tokens=None)
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     lengths = [3, 7, 5]
     vocab = reference.config.get_text_config().vocab_size

@@ -127,3 +127,16 @@ def test_errors_name_the_argument():
         step(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]), *cache[:1])
     with pytest.raises(ValueError, match=r"cache_position must have shape \(2,\)"):
         step(torch.zeros(1, 2, dtype=torch.long), torch.tensor([0]), *cache)
+
+
+def test_replacing_polar_rotary_embeddings_twice_changes_nothing_more():
+    """The application replaces them on every model it is given; a model given twice keeps one wrapper."""
+    from nxd_moe.models.decoder_step import PolarFreeRotaryEmbedding, replace_polar_rotary_embeddings
+    from nxd_moe.models.hf_models import build_hf_model
+
+    model = build_hf_model("llama4-scout", num_layers=1, scale=64)
+    assert replace_polar_rotary_embeddings(model) and replace_polar_rotary_embeddings(model) == []
+    wrapped = [m for m in model.modules() if isinstance(m, PolarFreeRotaryEmbedding)]
+    assert len(wrapped) == 1 and not isinstance(wrapped[0].rotary, PolarFreeRotaryEmbedding)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

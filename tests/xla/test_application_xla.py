@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 torch_xla = pytest.importorskip("torch_xla")
