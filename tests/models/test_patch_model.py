@@ -331,10 +331,62 @@ def test_quantized_state_dict_in_the_checkpoint_naming():
     assert ds["model.layers.1.mlp.experts.15.down_proj.weight_scale_inv"].shape == (1, 1)
     assert ds["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert ds["model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"].shape == (2, 1)
-    for name, block in (("mixtral", r"model\.layers\.0\.mlp"), ("llama4_text", r"model\.layers\.1\.feed_forward"),
-                        ("dbrx", r"transformer\.blocks\.0\.ffn")):
-        with pytest.raises(ValueError, match=rf"state_dict of '{block}\.'.*quantized experts \('fp8'\)"):
-            patched(original(name, hidden=64, intermediate=64), quantization="fp8").state_dict()
+
+
+# (name, quantization, shared_quantization): every format a family's checkpoints have in transformers (GPT-OSS's
+# MXFP4; FP8 with 128x128 block scales wherever the Hub stores one Linear per expert, shared experts included).
+SAVED = [("qwen3_moe", "fp8_block", None), ("deepseek_v3", "fp8_block", "fp8_block"), ("deepseek_v3", None, "fp8_block"),
+         ("gpt_oss", "mxfp4", None), ("mixtral", "fp8_block", None), ("qwen2_moe", "fp8_block", None),
+         ("llama4_text", None, "fp8_block")]
+
+
+@pytest.mark.parametrize("name,quantization,shared", SAVED, ids=["-".join(map(str, c)) for c in SAVED])
+def test_a_quantized_checkpoint_reloads_through_transformers(name, quantization, shared, tmp_path):
+    """``save_pretrained`` of a model quantized on patch writes the quantized tensors and transformers'
+    ``quantization_config``; plain ``from_pretrained`` loads every tensor (no key missing, none unexpected; on a CPU
+    transformers dequantizes) and computes what the patched model computes: the stored values are dequantized
+    exactly (an E4M3 or E2M1 value times a power-of-two or float32 scale), so only fp32 summation order remains."""
+    pytest.importorskip("accelerate", reason="transformers loads quantized checkpoints with accelerate (hf extra)")
+    model = original(name, hidden=128, intermediate=128)
+    quantized = patched(model, quantization=quantization, **({} if shared is None else {"shared_quantization": shared}))
+    quantized.save_pretrained(tmp_path)
+    stored = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    narrow = {torch.float8_e4m3fn} if "fp8_block" in (quantization, shared) else {torch.uint8}
+    assert {t.dtype for t in stored.values()} & narrow
+    transformers.logging.set_verbosity_error()  # "no GPU: dequantizing": the CPU path of the same loader
+    reloaded, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert rel_err(logits(reloaded), logits(quantized)) <= RTOL
+    # Negative control: the quantization's rounding is far above that bound.
+    assert rel_err(logits(reloaded), logits(model)) > 10 * RTOL
+
+
+# (name, quantization, shared_quantization, the format to patch with instead)
+UNSAVED = [("qwen3_moe", "fp8", None, "quantization='fp8_block'"),
+           ("qwen3_moe", "mxfp4", None, "quantization='fp8_block'"),
+           ("deepseek_v3", "fp8", None, "quantization='fp8_block'"),
+           ("deepseek_v3", "fp8_block", "fp8", "shared_quantization='fp8_block'"),
+           ("gpt_oss", "fp8", None, "quantization='mxfp4'"),
+           ("gpt_oss", "fp8_block", None, "quantization='mxfp4'"),
+           ("dbrx", "fp8", None, None), ("llama4_text", "mxfp4", None, None)]
+
+
+@pytest.mark.parametrize("name,quantization,shared,instead", UNSAVED, ids=["-".join(c[:3]) if c[2] else
+                                                                         "-".join(c[:2]) for c in UNSAVED])
+def test_a_format_without_a_checkpoint_form_refuses_to_save(name, quantization, shared, instead, tmp_path):
+    """Formats transformers cannot load for the family are refused by ``save_pretrained`` (before anything is
+    written), naming the format and what to do -- never a checkpoint whose experts would load at random."""
+    model = patched(original(name, hidden=128, intermediate=128), quantization=quantization,
+                    **({} if shared is None else {"shared_quantization": shared}))
+    what, fmt = ("shared", shared) if shared == "fp8" else ("routed", quantization)
+    remedy = f"patch with {instead} to save them quantized, or " if instead else ""
+    argument = "shared_quantization" if what == "shared" else "quantization"
+    with pytest.raises(ValueError, match=rf"{what} experts stored as '{fmt}' have no checkpoint format that "
+                                         rf"transformers loads for model_type '{name}' .*; {remedy}save the model "
+                                         rf"before patching it with {argument}='{fmt}'"):
+        model.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    assert getattr(model.config, "quantization_config", None) is None
 
 
 def test_gpt_oss_mxfp4_checkpoint_loads_as_stored():
