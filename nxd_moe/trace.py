@@ -306,6 +306,7 @@ class _Step:
     output_fetch_transfers: int
     outputs: Any
     blocks: list[BlockCount]
+    routing: list[list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 def _counter(met, name: str) -> int:
@@ -337,7 +338,7 @@ def _xla_step(xla_module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], be
     args, kwargs = _to(tuple(args), device), _to(dict(kwargs), device)
     torch_xla.sync(wait=True)  # the inputs are on the device before tracing starts
     executions, transfers = _counter(met, "ExecuteComputation"), _transfers(met)
-    with torch.no_grad(), _counting_blocks(xla_module) as counters:
+    with torch.no_grad(), _counting_blocks(xla_module) as counters, _recording_routing(xla_module) as routing:
         outputs = xla_module(*args, **kwargs)
     executions_during_trace = _counter(met, "ExecuteComputation") - executions
     transfers_during_trace = _transfers(met) - transfers
@@ -353,8 +354,74 @@ def _xla_step(xla_module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], be
     transfers = _transfers(met)
     outputs = _to(outputs, "cpu")
     blocks = [r.read() for r in records]
+    fetches = _transfers(met) - transfers
     return _Step(graph_hash, executions_during_trace, transfers_during_trace, compilations, executions_at_sync,
-                 _transfers(met) - transfers, outputs, blocks)
+                 fetches, outputs, blocks, _to(routing, "cpu"))
+
+
+# Routing is discontinuous: a token whose k-th and (k+1)-th router logits nearly tie can choose another expert in
+# eager and under XLA when rounding upstream of the router differs -- 16-bit attention and norms, which XLA fuses
+# and rounds elsewhere than eager does (measured on a bf16 GPT-OSS decoder: hidden states one bf16 ulp apart,
+# float32 router logits 5e-3 apart, a token whose gap was 6e-4 flipped and moved its output by 0.4). So XLA is
+# compared with eager routed as XLA routed: the eager routers select from the logits the XLA graph computed, and
+# those logits are checked against eager's own separately; tokens whose experts differed are counted (near ties).
+
+
+def _routers(module: nn.Module) -> list[nn.Module]:
+    from nxd_moe.routing.base import RouterBase
+
+    return [m for m in module.modules() if isinstance(m, RouterBase)]
+
+
+@contextlib.contextmanager
+def _recording_routing(module: nn.Module) -> Iterator[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Per router of ``module`` (module order), per call: ``(router_logits (T, E), expert_index (T, k))``."""
+    routers = _routers(module)
+    calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
+    hooks = [router.register_forward_hook(lambda m, args, out, seen=seen: seen.append((out[0], out[2])))
+             for router, seen in zip(routers, calls)]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def _routing_pinned(module: nn.Module, routing: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> Iterator[None]:
+    """``module``'s routers select from the given logits (:func:`_recording_routing`'s, call by call) instead of
+    computing their own: every selection rule (top-k, group-limited, Sinkhorn) is a function of the logits."""
+    routers = _routers(module)
+    for router, calls in zip(routers, routing, strict=True):
+        given = iter([logits for logits, _ in calls])
+        router.get_router_logits = lambda hidden_states, given=given: next(given)
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router.get_router_logits
+
+
+@dataclass
+class _Comparison:
+    """XLA against eager on one input: outputs with eager routed as XLA routed, the router logits, and the tokens
+    whose experts differed when eager routed on its own."""
+
+    max_abs_diff: float
+    router_logits_max_abs_diff: float
+    routing_flips: int
+
+
+def _compare(module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], step: _Step) -> _Comparison:
+    with torch.no_grad(), _recording_routing(module) as own:
+        module(*args, **kwargs)
+    with torch.no_grad(), _routing_pinned(module, step.routing):
+        pinned = module(*args, **kwargs)
+    pairs = [(ours, theirs) for a, b in zip(own, step.routing, strict=True) for ours, theirs in zip(a, b, strict=True)]
+    flips = sum(int((e.sort(dim=-1).values != x.sort(dim=-1).values).any(dim=-1).sum())
+                for (_, e), (_, x) in pairs)
+    return _Comparison(_max_abs_diff(step.outputs, pinned),
+                       _max_abs_diff([x for (_, _), (x, _) in pairs], [e for (e, _), _ in pairs]), flips)
 
 
 def _xla_copy(module: nn.Module) -> nn.Module:
@@ -375,7 +442,11 @@ class StaticReport:
     - ``executions_per_step``: graphs run by each step's sync (1: the whole layer is one graph);
     - ``output_fetch_transfers``: the expected transfers that fetch the final outputs, reported apart;
     - ``fallback_ops``: operators ``torch_xla`` ran on the CPU (must be empty);
-    - ``max_abs_diff``: largest ``|XLA - eager|`` over every output and routing;
+    - ``max_abs_diff``: largest ``|XLA - eager|`` over every output and routing, eager routed as XLA routed (its
+      routers select from the XLA graph's logits: a near tie can flip under any rounding difference);
+    - ``router_logits_max_abs_diff``: largest ``|XLA - eager|`` of the router logits, eager computing its own;
+    - ``routing_flips``: per routing, the tokens (summed over MoE layers) whose experts eager, routing on its own,
+      chose otherwise than XLA -- near ties, whose logits differ by less than ``router_logits_max_abs_diff``;
     - ``blocks``: per routing, the dynamic-while block counts (empty without dynamic-while experts).
     """
 
@@ -388,6 +459,8 @@ class StaticReport:
     output_fetch_transfers: int
     fallback_ops: list[str]
     max_abs_diff: float
+    router_logits_max_abs_diff: float
+    routing_flips: list[int]
     atol: float
     blocks: list[list[BlockCount]]
 
@@ -399,7 +472,7 @@ class StaticReport:
 
     @property
     def matches_eager(self) -> bool:
-        return self.max_abs_diff <= self.atol
+        return self.max_abs_diff <= self.atol and self.router_logits_max_abs_diff <= self.atol
 
     @property
     def blocks_match_schedule(self) -> bool:
@@ -433,14 +506,12 @@ def check_static(module: nn.Module, make_inputs: Callable[[int], Inputs], n: int
     kwargs = dict(kwargs or {})
     xla_module = _xla_copy(module)
     fallbacks_before = _fallback_counts(met)
-    steps, diffs = [], []
+    steps, comparisons = [], []
     for i in range(n):
         args = tuple(make_inputs(i))
-        with torch.no_grad():
-            eager = module(*args, **kwargs)
         step = _xla_step(xla_module, args, kwargs)
         steps.append(step)
-        diffs.append(_max_abs_diff(step.outputs, eager))
+        comparisons.append(_compare(module, args, kwargs, step))
     return StaticReport(
         routings=n,
         graphs=len({s.graph_hash for s in steps}),
@@ -450,7 +521,9 @@ def check_static(module: nn.Module, make_inputs: Callable[[int], Inputs], n: int
         executions_per_step=[s.executions_at_sync for s in steps],
         output_fetch_transfers=sum(s.output_fetch_transfers for s in steps),
         fallback_ops=_new_fallbacks(met, fallbacks_before),
-        max_abs_diff=max(diffs),
+        max_abs_diff=max(c.max_abs_diff for c in comparisons),
+        router_logits_max_abs_diff=max(c.router_logits_max_abs_diff for c in comparisons),
+        routing_flips=[c.routing_flips for c in comparisons],
         atol=atol,
         blocks=[s.blocks for s in steps],
     )
@@ -477,15 +550,14 @@ def export_hlo(module: nn.Module, example_inputs: Inputs, out_dir: str | os.Path
       reads);
     - ``report.json``: the returned report -- compiled graphs, HLO op histogram (``while`` ops included), input
       and output shapes, CPU fallbacks, device-to-host transfers during tracing (must be 0) apart from the final
-      output fetch, ``max_abs_diff`` against eager, and dynamic-while block counts.
+      output fetch, ``max_abs_diff`` against eager routed as XLA routed and the router logits' own difference
+      (see :class:`StaticReport`), and dynamic-while block counts.
     """
     torch_xla = import_torch_xla()
     met = torch_xla.debug.metrics
     kwargs = dict(kwargs or {})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        eager = module(*example_inputs, **kwargs)
     xla_module = _xla_copy(module)
     fallbacks_before = _fallback_counts(met)
     hlo = {}
@@ -496,6 +568,7 @@ def export_hlo(module: nn.Module, example_inputs: Inputs, out_dir: str | os.Path
         hlo["proto"] = torch_xla._XLAC._get_xla_tensors_hlo_proto(tensors)
 
     step = _xla_step(xla_module, example_inputs, kwargs, before_sync=dump)
+    compared = _compare(module, example_inputs, kwargs, step)
     (out_dir / "model.hlo.txt").write_text(hlo["text"])
     (out_dir / "model.hlo_module.pb").write_bytes(hlo["proto"])
     histogram = hlo_op_histogram(hlo["text"])
@@ -507,18 +580,20 @@ def export_hlo(module: nn.Module, example_inputs: Inputs, out_dir: str | os.Path
         "op_histogram": histogram,
         "while_ops": histogram.get("while", 0),
         "inputs": _describe((tuple(example_inputs), kwargs)),
-        "outputs": _describe(eager),
+        "outputs": _describe(step.outputs),
         "fallback_ops": _new_fallbacks(met, fallbacks_before),
         "executions_during_trace": step.executions_during_trace,
         "transfers_during_trace": step.transfers_during_trace,
         "output_fetch_transfers": step.output_fetch_transfers,
-        "max_abs_diff": _max_abs_diff(step.outputs, eager),
+        "max_abs_diff": compared.max_abs_diff,
+        "router_logits_max_abs_diff": compared.router_logits_max_abs_diff,
+        "routing_flips": compared.routing_flips,
         "atol": atol,
         "blocks": [b.to_dict() for b in step.blocks],
     }
     report["static"] = (report["compiled_graphs"] == 1 and not report["fallback_ops"]
                         and report["executions_during_trace"] == 0 and report["transfers_during_trace"] == 0)
-    report["matches_eager"] = report["max_abs_diff"] <= atol
+    report["matches_eager"] = max(compared.max_abs_diff, compared.router_logits_max_abs_diff) <= atol
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -822,6 +897,14 @@ def _yes(flag: bool) -> str:
     return "ok" if flag else "FAILED"
 
 
+def _eager_parity(static: dict) -> str:
+    """check_static's comparison with eager, for the report line."""
+    flips = static["routing_flips"]
+    ties = f", near-tie flips {'/'.join(map(str, flips))} (eager routed as XLA routed)" if any(flips) else ""
+    return (f"max |XLA - eager| {static['max_abs_diff']:.2e}, router logits {static['router_logits_max_abs_diff']:.2e}"
+            f"{ties}")
+
+
 def format_report(report: dict, out_dir: str) -> str:
     blocks = ""
     if report["num_blocks"] is not None:
@@ -858,7 +941,7 @@ def format_report(report: dict, out_dir: str) -> str:
             f"{static['executions_during_trace']} mid-layer executions, "
             f"{static['transfers_during_trace']} mid-layer transfers "
             f"({static['output_fetch_transfers']} output fetches), fallbacks {static['fallback_ops'] or 'none'}, "
-            f"max |XLA - eager| {static['max_abs_diff']:.2e}")
+            f"{_eager_parity(static)}")
         for i, step in enumerate(static["blocks"]):
             for b in step:
                 lines.append(f"    routing {i}: computed {b['computed']} of {b['num_blocks']} blocks "
@@ -978,7 +1061,7 @@ def format_model_report(report: dict, out_dir: str) -> str:
         f"{'XLA check_static':<{LABEL}}{_yes(static['ok'])}: {static['routings']} inputs -> {static['graphs']} "
         f"graph, {static['compilations']} compilation, {static['executions_during_trace']} mid-step executions, "
         f"{static['transfers_during_trace']} mid-step transfers ({static['output_fetch_transfers']} output "
-        f"fetches), fallbacks {static['fallback_ops'] or 'none'}, max |XLA - eager| {static['max_abs_diff']:.2e}",
+        f"fetches), fallbacks {static['fallback_ops'] or 'none'}, {_eager_parity(static)}",
         f"compile for Trainium2: {report['neuronx_cc']}",
     ]
     if not model["moe_layers_traced"]:
