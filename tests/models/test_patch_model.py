@@ -335,9 +335,9 @@ def test_quantized_state_dict_in_the_checkpoint_naming():
 
 # (name, quantization, shared_quantization): every format a family's checkpoints have in transformers (GPT-OSS's
 # MXFP4; FP8 with 128x128 block scales wherever the Hub stores one Linear per expert, shared experts included).
-SAVED = [("qwen3_moe", "fp8_block", None), ("deepseek_v3", "fp8_block", "fp8_block"), ("deepseek_v3", None, "fp8_block"),
-         ("gpt_oss", "mxfp4", None), ("mixtral", "fp8_block", None), ("qwen2_moe", "fp8_block", None),
-         ("llama4_text", None, "fp8_block")]
+SAVED = [("qwen3_moe", "fp8_block", None), ("deepseek_v3", "fp8_block", "fp8_block"),
+         ("deepseek_v3", None, "fp8_block"), ("gpt_oss", "mxfp4", None), ("mixtral", "fp8_block", None),
+         ("qwen2_moe", "fp8_block", None), ("llama4_text", None, "fp8_block")]
 
 
 @pytest.mark.parametrize("name,quantization,shared", SAVED, ids=["-".join(map(str, c)) for c in SAVED])
