@@ -45,6 +45,7 @@ from nxd_moe.experts.backends import BACKENDS, get_backend
 from nxd_moe.graphs import GraphedStep, capture
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.formats import describe_weights, reported_format
 from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec
 from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
@@ -245,7 +246,7 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
         "intermediate_size": cfg.intermediate_size,
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
-        "quantization": cfg.quantization,
+        "quantization": reported_format(cfg.quantization),
         "activation_quantization": (cfg.activation_quantization if experts_activations is None
                                     else experts_activations.describe()),
         "expert_weight_bytes": expert_weight_bytes(moe.expert_mlps),
@@ -429,7 +430,8 @@ def format_report(report: dict) -> str:
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
         f"backend {report['backend']} on {report['device']}"
         + (f", {report['threads']} threads)" if report["device"] == "cpu" else ")"),
-        f"experts  weights {report['quantization']}: {report['expert_weight_bytes'] / 2**20:.2f} MiB"
+        f"experts  weights {describe_weights(report['quantization'], report['dtype'])}: "
+        f"{report['expert_weight_bytes'] / 2**20:.2f} MiB"
         + (f", activations {report['activation_quantization']}"
            if report.get("activation_quantization", "none") != "none" else ""),
         f"prefill  {p['tokens']} tokens -> {p['mode']}",

@@ -43,9 +43,13 @@ from nxd_moe.config import (
     builtin_config_names,
     load_model_config,
 )
+from nxd_moe.extras import require
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization.checkpoint import mxfp4_from_gpt_oss, mxfp4_to_gpt_oss
+
+# The transformers interop: without transformers, importing it is the error (naming the extra), not a later call.
+require("transformers", "nxd_moe.hf")
 
 __all__ = [
     "HF_QUANT_METHODS",
@@ -938,13 +942,10 @@ def __getattr__(name: str) -> Any:
 # transformers' experts interface: experts_implementation="nxd_moe" / "nxd_moe_torch" / "nxd_moe_triton".
 # Imported last so that nxd_moe.models, which builds on this module, finds every name above defined.
 
-import importlib.util  # noqa: E402
-
 from nxd_moe.models.experts_backend import (  # noqa: E402
     check_experts_support,
     register_experts_implementations,
     set_experts_implementation,
 )
 
-if importlib.util.find_spec("transformers") is not None:
-    register_experts_implementations()
+register_experts_implementations()

@@ -42,10 +42,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.experts.dynamic_while import blocks_per_iteration, dynamic_while_blockwise_forward, static_block_count
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+from nxd_moe.extras import MissingExtraError, require
 from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.formats import describe_weights, reported_format
 
 HELP = "trace one MoE layer: torch.export, torch.compile(fullgraph) and XLA checks; write HLO for neuronx-cc"
-XLA_INSTALL_HINT = "pip install -e '.[xla]' (torch 2.9 + torch_xla 2.9; run with PJRT_DEVICE=CPU on a CPU host)"
+XLA_INSTALL_HINT = "torch_xla 2.9 needs torch 2.9: install it in its own environment; PJRT_DEVICE=CPU on a CPU host"
 
 # Ops that read tensor values on the host or give outputs whose shape depends on them.
 SYNC_OPS = frozenset({"item", "_local_scalar_dense", "tolist", "numpy", "nonzero", "nonzero_static", "argwhere",
@@ -217,10 +219,11 @@ def import_torch_xla():
     """``torch_xla`` (CPU client unless ``PJRT_DEVICE`` says otherwise), or an ImportError saying how to get it."""
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
-        import torch_xla
-        import torch_xla.debug.metrics  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"torch_xla is needed for the XLA checks: {XLA_INSTALL_HINT} ({e})") from e
+        require("torch_xla.debug.metrics", "tracing under XLA")
+    except MissingExtraError as err:
+        raise MissingExtraError(f"{err} ({XLA_INSTALL_HINT})") from None
+    import torch_xla
+
     return torch_xla
 
 
@@ -836,7 +839,7 @@ def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stat
         "active_blocks": stats.get("active_blocks"),
         "dynamic_while": ("intermediate" if bcfg.use_shard_on_intermediate_dynamic_while
                           else "block" if bcfg.use_shard_on_block_dynamic_while else "off"),
-        "quantization": moe.expert_mlps.routed_experts_mlp_config.quantization,
+        "quantization": reported_format(moe.expert_mlps.routed_experts_mlp_config.quantization),
         # what the graph's weight inputs hold: the stored (8-bit / packed 4-bit) tensors, not dequantized copies
         "expert_weight_dtypes": {k: str(v.dtype).removeprefix("torch.")
                                  for k, v in experts.mlp_op.state_dict().items()},
@@ -850,6 +853,8 @@ def trace(args: argparse.Namespace) -> dict:
     from nxd_moe.build import build_moe
 
     run = setup(args)
+    if not args.skip_xla:
+        import_torch_xla()  # the HLO is what was asked for: without torch_xla, stop before any work
     dtype = run.dtype
     moe = build_moe(run.model, scale=run.scale, dtype=dtype, seed=args.seed, **run.overrides)
     atol = args.atol if args.atol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 6e-2)
@@ -868,15 +873,10 @@ def trace(args: argparse.Namespace) -> dict:
     if args.skip_xla:
         report["xla"] = {"skipped": "--skip-xla"}
     else:
-        try:
-            import_torch_xla()
-        except ImportError as e:
-            report["xla"] = {"skipped": str(e)}
-        else:
-            # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
-            static = check_static(moe, make_inputs, n=args.routings, atol=atol)
-            hlo = export_hlo(moe, example, out_dir, atol=atol)
-            report["xla"] = {"hlo": hlo, "check_static": static.to_dict()}
+        # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
+        static = check_static(moe, make_inputs, n=args.routings, atol=atol)
+        hlo = export_hlo(moe, example, out_dir, atol=atol)
+        report["xla"] = {"hlo": hlo, "check_static": static.to_dict()}
     report["ok"] = _all_ok(report)
     (out_dir / "trace.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -914,7 +914,7 @@ def format_report(report: dict, out_dir: str) -> str:
         f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
         f"{report['mode']} {report['tokens']} tokens{' with padding' if report['padding'] else ''} -> "
         f"{report['experts_mode']}{blocks}, dynamic while: {report['dynamic_while']}",
-        f"expert weights {report['quantization']}: "
+        f"expert weights {describe_weights(report['quantization'], report['dtype'])}: "
         + ", ".join(f"{k} {v}" for k, v in report["expert_weight_dtypes"].items()),
     ]
     export, compiled = report["export"], report["compile"]
@@ -949,7 +949,12 @@ def format_report(report: dict, out_dir: str) -> str:
                              f"{b['blocks_per_iteration']} per iteration; skipped {b['skipped']})")
         lines.append(f"compile for Trainium2: neuronx-cc compile {out_dir}/{hlo['files']['hlo_proto']} "
                      f"--framework XLA --target trn2 --output {out_dir}/model.neff")
-    lines.append("all checks passed" if report["ok"] else "SOME CHECKS FAILED")
+    if not report["ok"]:
+        lines.append("SOME CHECKS FAILED")
+    elif "skipped" in xla:
+        lines.append("torch.export and torch.compile checks passed; XLA checks skipped, no HLO written")
+    else:
+        lines.append("all checks passed")
     return "\n".join(lines)
 
 
@@ -1045,7 +1050,7 @@ def format_model_report(report: dict, out_dir: str) -> str:
     shape = (f"{report['tokens']} sequences x 1 new token" if report["mode"] == "decode"
              else f"1 sequence of {report['tokens']} tokens")
     rewritten = f"; rewritten for XLA: {', '.join(model['rewritten'])}" if model["rewritten"] else ""
-    experts = "unquantized" if model["quantization"] == "bf16" else model["quantization"]
+    experts = describe_weights(model["quantization"], report["dtype"])
     lines = [
         f"nxd-moe trace: {report['config']} whole decoder  ({model['class']}: {model['decoder_layers']} layers, "
         f"{model['moe_layers']} MoE; scale 1/{report['scale']}: H={report['hidden_size']}, E={report['num_experts']}, "

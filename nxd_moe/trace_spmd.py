@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from nxd_moe import parallel_state
 from nxd_moe.parallel.sharding import load_full_state_dict
+from nxd_moe.quantization.formats import describe_weights
 from nxd_moe.trace import (
     _describe,
     _fallback_counts,
@@ -699,7 +700,7 @@ def format_report(report: dict, out_dir: str) -> str:
         f", dispatch {par['dispatch']}; rank = an s32[1] input (SPMDRank)",
         f"{report['mode']} {report['tokens']} tokens per token group ({par['token_groups']} groups)"
         f"{' with padding' if report['padding'] else ''} -> {report['experts_mode']}, expert weights "
-        f"{report['quantization']}",
+        f"{describe_weights(report['quantization'], report['dtype'])}",
     ]
     ok = "ok" if static["static"] else "FAILED"
     lines.append(f"{'one program':<{LABEL}}{ok}: {static['routings']} routings x {static['world_size']} ranks -> "

@@ -81,6 +81,19 @@ def test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays(capsys):
     assert re.search(r"ms/step eager, [0-9.]+ ms/step CUDA graph", capsys.readouterr().out)
 
 
+def test_unquantized_weights_are_labelled_by_their_dtype(capsys):
+    """Not "bf16" whatever the dtype: the JSON says the format ("none": not quantized) beside the dtype, the text
+    the dtype."""
+    args = ["run", "--config", "mixtral-8x7b", "--scale", "64", "--tokens", "16", "--repeats", "1", "--no-progress"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["quantization"], report["dtype"]) == ("none", "float32")
+    assert main(args) == 0
+    assert "experts  weights float32 (unquantized): " in capsys.readouterr().out
+    assert main([*args, "--quantization", "fp8"]) == 0
+    assert "experts  weights fp8: " in capsys.readouterr().out
+
+
 def test_auto_scale_keeps_hidden_small():
     assert auto_scale(2048) == 16 and auto_scale(7168) == 32 and auto_scale(256) == 16
 

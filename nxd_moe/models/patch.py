@@ -34,7 +34,7 @@ from nxd_moe.hf import (
 )
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import shard_state_dict
-from nxd_moe.quantization.formats import get_format
+from nxd_moe.quantization.formats import get_format, reported_format
 from nxd_moe.quantization.quantizer import holds_whole_experts, quantize_experts, quantize_shared_experts
 
 __all__ = ["PatchReport", "PatchedMoEBlock", "patch_model"]
@@ -87,7 +87,8 @@ class PatchedMoEBlock(nn.Module):
 
     def extra_repr(self) -> str:
         routed, shared = layer_formats(self.moe)
-        formats = f"quantization={routed!r}" + ("" if shared is None else f", shared_quantization={shared!r}")
+        formats = f"quantization={reported_format(routed)!r}" + (
+            "" if shared is None else f", shared_quantization={reported_format(shared)!r}")
         return f"in place of {self.block_class}, backend={self.moe.expert_mlps.backend.name!r}, {formats}"
 
     @staticmethod
@@ -147,7 +148,7 @@ class PatchReport:
 
     ``patched``: module paths of the replaced blocks; ``kept``: ``(path, why)`` of each decoder layer's MLP left as
     it is (dense layers); ``backend``, ``quantization`` and ``shared_quantization`` (None without shared experts):
-    how the ``MoE`` layers compute and store their experts.
+    how the ``MoE`` layers compute and store their experts (``"none"``: not quantized, in the model's dtype).
     """
 
     model_type: str
@@ -315,5 +316,7 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         model.config.quantization_config = quantization_config
     model.nxd_moe_patched = PatchReport(
         model_type=cfg.hf_model_type, block_class=family.block_classes[0], backend=wrapper.moe.expert_mlps.backend.name,
-        quantization=formats[0], shared_quantization=formats[1], patched=tuple(paths), kept=tuple(kept))
+        quantization=reported_format(formats[0]),
+        shared_quantization=None if formats[1] is None else reported_format(formats[1]),
+        patched=tuple(paths), kept=tuple(kept))
     return model

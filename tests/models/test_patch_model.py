@@ -310,7 +310,7 @@ def test_quantized_patch_matches_its_dequantized_reference(name, quantization, s
     quantized = patched(model, quantization=quantization, shared_quantization=shared)
     report = quantized.nxd_moe_patched
     has_shared = from_hf_config(model.config).shared_experts is not None
-    assert (report.quantization, report.shared_quantization) == (quantization, (shared or "bf16") if has_shared
+    assert (report.quantization, report.shared_quantization) == (quantization, (shared or "none") if has_shared
                                                                  else None)
     assert storage_bytes(quantized) < storage_bytes(model)
     # Identical weights on both sides: only fp32 rounding remains.
@@ -479,12 +479,20 @@ def test_report_and_repr():
     model = patch_model(original("qwen2_moe", hidden=64, intermediate=64), quantization="fp8", block_size=8)
     report = model.nxd_moe_patched
     assert report == PatchReport(model_type="qwen2_moe", block_class="Qwen2MoeSparseMoeBlock", backend="torch",
-                                 quantization="fp8", shared_quantization="bf16",
+                                 quantization="fp8", shared_quantization="none",
                                  patched=("model.layers.0.mlp", "model.layers.1.mlp"), kept=())
     block = model.model.layers[0].mlp
     assert block.moe.expert_mlps.blockwise_matmul_config.block_size == 8
-    assert "in place of Qwen2MoeSparseMoeBlock, backend='torch', quantization='fp8', shared_quantization='bf16'" \
+    assert "in place of Qwen2MoeSparseMoeBlock, backend='torch', quantization='fp8', shared_quantization='none'" \
         in repr(block)
+
+
+def test_unquantized_experts_are_reported_as_none_not_bf16():
+    """A float32 model's experts are not bf16: the report and the repr say "none" (not quantized)."""
+    model = patch_model(original("qwen2_moe"))
+    assert (model.nxd_moe_patched.quantization, model.nxd_moe_patched.shared_quantization) == ("none", "none")
+    assert "quantization='none', shared_quantization='none'" in repr(model.model.layers[0].mlp)
+    assert model.model.layers[0].mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight.dtype == torch.float32
 
 
 def test_a_model_on_the_meta_device_is_patched_there_and_loads_later():
