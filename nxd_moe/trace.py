@@ -740,7 +740,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per forward (default {DEFAULT_TOKENS['prefill']} prefill, "
                              f"{DEFAULT_TOKENS['decode']} decode)")
     parser.add_argument("--scale", type=_scale, default="auto",
-                        help=f"divide H and I by this; 'auto' (default) picks a power of two >= {MIN_AUTO_SCALE}")
+                        help=f"divide H and I by this (rounded up to a multiple of 8, or of the weight format's "
+                             "block; the report says when); 'auto' (default) picks a power of two >= {MIN_AUTO_SCALE}")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     parser.add_argument("--block-size", type=_positive_int, default=None, help="override the config's block_size")
     parser.add_argument("--dynamic-while", choices=sorted(DYNAMIC_WHILE_FLAGS), default=None,
@@ -821,6 +822,8 @@ def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stat
                  experts: nn.Module | None = None) -> dict[str, Any]:
     """The report's description of the traced layer ``moe`` (``stats``: its ``ExpertsStats.summary()``);
     ``experts``: the ``ExpertMLPsV2`` whose stored weights the graph takes (default ``moe``'s)."""
+    from nxd_moe.build import scale_rounding
+
     bcfg = moe.expert_mlps.blockwise_matmul_config
     experts = moe.expert_mlps if experts is None else experts
     return {
@@ -831,6 +834,8 @@ def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stat
         "tokens": run.tokens,
         "padding": args.padding,
         "hidden_size": moe.hidden_size,
+        "scale_rounding": scale_rounding(run.model, run.scale, moe.hidden_size,
+                                         moe.expert_mlps.routed_experts_mlp_config.intermediate_size),
         "num_experts": run.model.num_experts,
         "top_k": run.model.top_k,
         "router": type(moe.router).__name__,
@@ -910,8 +915,9 @@ def format_report(report: dict, out_dir: str) -> str:
     if report["num_blocks"] is not None:
         blocks = f" (num_blocks {report['num_blocks']}, active {report['active_blocks']})"
     lines = [
-        f"nxd-moe trace: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}, "
-        f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
+        f"nxd-moe trace: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}"
+        + (f" (rounded up: {report['scale_rounding']})" if report["scale_rounding"] else "")
+        + f", E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
         f"{report['mode']} {report['tokens']} tokens{' with padding' if report['padding'] else ''} -> "
         f"{report['experts_mode']}{blocks}, dynamic while: {report['dynamic_while']}",
         f"expert weights {describe_weights(report['quantization'], report['dtype'])}: "
@@ -966,6 +972,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     """Build the transformers decoder of the config's architecture, patch its MoE blocks with nxd_moe's ``MoE``
     (torch backend), and check one ``args.mode`` step over a static KV cache under XLA; write the HLO and reports
     to ``args.out``."""
+    require("transformers", "--model-layers")
     from nxd_moe.build import scaled_model
     from nxd_moe.hf import patch_model
     from nxd_moe.models.decoder_step import StaticCacheStep, check_cache_length, replace_polar_rotary_embeddings
@@ -979,7 +986,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     tokens = args.tokens or DEFAULT_MODEL_TOKENS[args.mode]
     cache_length = args.cache_length or DEFAULT_CACHE_LENGTH
     hf_config = build_hf_config(config, num_layers=args.model_layers, scale=scale, quantization=args.quantization)
-    check_cache_length(hf_config, cache_length)
+    check_cache_length(hf_config, cache_length, "--cache-length")
     if args.mode == "prefill" and tokens > cache_length:
         raise ValueError(f"--tokens ({tokens}) must be <= --cache-length ({cache_length}) for a prefill")
     import_torch_xla()

@@ -23,14 +23,19 @@ __all__ = ["PolarFreeRotaryEmbedding", "StaticCacheStep", "check_cache_length", 
 _WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 
 
-def check_cache_length(config, cache_length: int) -> int:
-    """``cache_length``, checked against the model's ``config``: an int >= 1, at most its sliding window or
-    attention chunk (see :class:`StaticCacheStep`)."""
-    check_int("cache_length", cache_length, minimum=1)
+def check_cache_length(config, cache_length: int, name: str = "cache_length") -> int:
+    """``cache_length``, checked against the model's ``config``: an int >= 1, at most its positions
+    (``max_position_embeddings``) and its sliding window or attention chunk (see :class:`StaticCacheStep`).
+    ``name``: the argument's name in errors."""
+    check_int(name, cache_length, minimum=1)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and cache_length > positions:
+        raise ValueError(f"{name} must be <= the model's max_position_embeddings ({positions}), got {cache_length}: "
+                         "the model has no positions beyond it")
     for key in _WINDOW_KEYS:
         window = getattr(config, key, None)
         if isinstance(window, int) and cache_length > window:
-            raise ValueError(f"cache_length must be <= the model's {key} ({window}), got {cache_length}: beyond it "
+            raise ValueError(f"{name} must be <= the model's {key} ({window}), got {cache_length}: beyond it "
                              "transformers' cache rolls its buffer under Python control flow, a graph per position")
     return cache_length
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from nxd_moe.build import build_moe
+from nxd_moe.build import build_moe, check_overrides
 from nxd_moe.config import MoEModelConfig
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.hf import (
@@ -260,6 +260,7 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         if name in build_kwargs:
             raise TypeError(f"patch_model: {name!r} is the model's own (convert the model itself, e.g. model.to(), "
                             "before patching)")
+    check_overrides(build_kwargs, "patch_model")
     cfg = from_hf_config(model.config)
     if quantization is not None:
         quantization = get_format(quantization, "patch_model: quantization").name

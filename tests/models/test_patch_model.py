@@ -549,6 +549,11 @@ def test_bad_models_are_named():
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(block_size=0), ValueError, "block_size"),
     (dict(quantization="fp8_block"), ValueError, "128"),  # H = 32 is no multiple of fp8_block's 128
+    (dict(quantisation="fp8"), TypeError, r"patch_model: unknown keyword argument 'quantisation' \(did you mean "
+                                          r"'quantization'\?\)"),
+    (dict(capacity_facter=1.0), TypeError, r"patch_model: unknown keyword argument 'capacity_facter' \(did you mean "
+                                           r"'capacity_factor'\?\)"),
+    (dict(block_sise=8), TypeError, r"unknown keyword argument 'block_sise' \(did you mean 'block_size'\?\)"),
 ])
 def test_bad_arguments_are_named_and_leave_the_model_as_it_was(kwargs, error, match):
     model = original("mixtral")
