@@ -123,6 +123,12 @@ class StaticCacheStep(nn.Module):
         layer_types = getattr(self.model.config, "layer_types", None)
         return mask if layer_types is None else {layer_type: mask for layer_type in set(layer_types)}
 
+    def input_names(self, count: int) -> list[str]:
+        """The first ``count`` inputs of :meth:`forward` by name (a trace's parameter map): ``input_ids``,
+        ``cache_position``, then ``cache.<layer>.keys`` and ``cache.<layer>.values``."""
+        cache = [f"cache.{i // 2}.{('keys', 'values')[i % 2]}" for i in range(max(0, count - 2))]
+        return ["input_ids", "cache_position", *cache][:count]
+
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, *cache: torch.Tensor):
         cache_layers = self._static_cache()
         if len(cache) != 2 * len(cache_layers.layers):
