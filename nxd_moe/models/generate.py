@@ -118,18 +118,26 @@ def static_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, repeats: int) -> dict:
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, repeats: int,
+                   clock: str = "wall") -> dict:
     """Prefill ms (a one-token generate) and decode tokens/s (the rest of an ``new_tokens`` generate), medians of
     ``repeats`` runs after a warm-up run (which also compiles), and the generated tokens. Compiled runs share one
-    :func:`static_cache`."""
+    :func:`static_cache`. ``clock``: ``"wall"`` (default), or ``"process"`` -- this process's CPU time, which other
+    processes on a shared CPU do not inflate (a CPU run's comparison; with several threads it counts each)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
+    now = CLOCKS[clock]
     cache = static_cache(model, ids.shape[1] + new_tokens) if compiled else None
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
         _synchronize(ids)
-        start = time.perf_counter()
+        start = now()
         out = generate_tokens(model, ids, n, compiled, cache)
         _synchronize(ids)
-        return time.perf_counter() - start, out
+        return now() - start, out
 
     # Two warm-up runs: the first compiles (Triton kernels; Inductor under --compile), and attention libraries plan
     # once per new cache length, so the timed runs see only lengths already seen.

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from nxd_moe.build import build_moe, check_overrides
 from nxd_moe.config import MoEModelConfig
-from nxd_moe.experts.backends import ExpertsBackend
+from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.hf import (
     HF_QUANT_METHODS,
     SUPPORTED_MODEL_TYPES,
@@ -241,7 +241,11 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     converted and its tensors released, so patching needs the memory of one extra block at most.
 
     ``backend``: the experts' backend; None picks ``"triton"`` for a model on a CUDA device where Triton imports,
-    else ``"torch"``. ``quantization`` (``"fp8"``, ``"fp8_block"``, ``"mxfp4"``; None keeps the block's format):
+    else ``"torch"`` -- as ``TorchBackend(pairs=True)`` where ``grouped_mm`` takes the model's dtype (a CPU): every
+    dropless forward then multiplies the ``T*k`` (token, expert) pairs sorted by expert, as transformers' default
+    does, instead of NxD's Trainium rules (blockwise in ``block_size``-row blocks, all-experts decode), which
+    eager CPU matmuls pay in full; the same outputs. Pass ``backend="torch"`` for NxD's rules (what a trace for
+    Trainium wants). ``quantization`` (``"fp8"``, ``"fp8_block"``, ``"mxfp4"``; None keeps the block's format):
     quantize the routed experts after loading; ``shared_quantization``: the shared experts' format (bf16 unless
     given). ``build_kwargs`` go to :func:`~nxd_moe.build.build_moe` (``block_size``, ``validate_inputs``,
     experts overrides...); ``scale``, ``dtype`` and ``device`` are the model's and are refused.
@@ -282,7 +286,11 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no "
                          f"{' or '.join(family.block_classes)} to replace; every layer is dense")
     if backend is None:
-        backend = _default_backend(next(model.get_submodule(paths[0]).parameters()).device)
+        reference = next(model.get_submodule(paths[0]).parameters())
+        backend = _default_backend(reference.device)
+        dims = (cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size, cfg.hidden_size)
+        if backend == "torch" and TorchBackend().pairs_cheapest(reference.device, reference.dtype, dims):
+            backend = TorchBackend(pairs=True)  # eager on a CPU / GPU: transformers' algorithm, not Trainium's
     # Everything that can be refused is checked before the first block changes: the layer's arguments (a layer on
     # the meta device, no memory) and every block's tensors.
     probe = build_moe(cfg, device="meta", backend=backend, quantization=quantization,

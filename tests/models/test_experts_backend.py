@@ -74,7 +74,7 @@ def test_whole_model_logits_and_greedy_generate_match_eager(family, monkeypatch)
         greedy = model.generate(prompts[1][:, :6], max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                 attention_mask=torch.ones(2, 6, dtype=torch.long))
         assert not spy.modes
-        model.set_experts_implementation("nxd_moe")
+        model.set_experts_implementation("nxd_moe_torch")  # NxD's mode rules: every algorithm runs
         try:
             ours = [model(ids).logits for ids in prompts]
             ours_greedy = model.generate(prompts[1][:, :6], max_new_tokens=12, min_new_tokens=12, do_sample=False,
@@ -124,6 +124,26 @@ def test_other_dispatched_families_match_their_eager_experts(model_type, monkeyp
     assert err <= LOGITS_RTOL, f"{model_type}: logits relative error {err:.2e}"
     with pytest.raises(ValueError, match=rf"model_type '{model_type}'\) has no sparse-MoE block nxd_moe converts"):
         nxd_moe.hf.patch_model(model)
+
+
+def test_automatic_implementation_on_a_cpu_multiplies_the_pairs_at_every_size(monkeypatch):
+    """"nxd_moe" on a CPU runs the T*k pairs sorted by expert (grouped_mm, no padding) for prefill and decode sizes
+    alike -- NxD's Trainium rules padded each expert to 512-row blocks (a 300-token prefill of this model: 16x the
+    rows) and computed every expert for a decode batch -- with eager's logits; "nxd_moe_torch" keeps NxD's rules."""
+    model = tiny_model("qwen3_moe")
+    spy = ExpertsModeSpy(monkeypatch)
+    prompts = [token_ids(1, 300, seed=1), token_ids(8, 1, seed=2), token_ids(2, 20, seed=3)]
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        reference = [model(ids).logits for ids in prompts]
+        model.set_experts_implementation("nxd_moe")
+        try:
+            ours = [model(ids).logits for ids in prompts]
+        finally:
+            model.set_experts_implementation("eager")
+    assert spy.modes and set(spy.modes) == {"selective_loading"}
+    for got, want in zip(ours, reference):
+        assert ((got - want).abs().max() / want.abs().max()).item() <= LOGITS_RTOL
 
 
 def test_from_pretrained_with_experts_implementation(tmp_path, monkeypatch):
@@ -344,8 +364,9 @@ def test_no_host_sync_in_eager_calls(kind, mode, monkeypatch):
     index, weight = routing(num_tokens, seed=29)
     spy = ExpertsModeSpy(monkeypatch)
     with no_host_sync():
-        run(module, x, index, weight)
-    assert spy.modes == [mode]
+        run(module, x, index, weight, backend="torch")  # NxD's rules: each mode in turn
+        run(module, x, index, weight)  # the automatic choice on a CPU: the pairs at every size
+    assert spy.modes == [mode, "selective_loading"]
 
 
 def test_modules_of_transformers_5_17():

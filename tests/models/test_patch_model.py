@@ -495,6 +495,26 @@ def test_unquantized_experts_are_reported_as_none_not_bf16():
     assert model.model.layers[0].mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight.dtype == torch.float32
 
 
+def test_on_a_cpu_the_default_backend_multiplies_the_pairs_and_backend_torch_keeps_nxds_rules():
+    """patch_model's default on a CPU is TorchBackend(pairs=True): a prefill runs the T*k pairs (no 512-row blocks,
+    which the shipped Qwen3 block size gives backend="torch": 16x the rows of this 300-token prompt); both give
+    the unpatched model's logits."""
+    ref = reference("qwen3_moe")
+    prompt = torch.randint(0, LAYERS["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref.model(prompt).logits
+    modes = {}
+    for backend in (None, "torch"):
+        model = patched(ref.model, backend=backend)
+        moe = model.model.layers[1].mlp.moe
+        with torch.no_grad():
+            got = model(prompt).logits
+            modes[backend] = moe.expert_mlps.resolve_mode(None, 300, 300).value
+        assert rel_err(got, expected) <= RTOL
+    assert modes == {None: "selective_loading", "torch": "blockwise"}
+    assert patched(ref.model).model.layers[1].mlp.moe.expert_mlps.backend.pairs
+
+
 def test_a_model_on_the_meta_device_is_patched_there_and_loads_later():
     """Patch before loading: the layers are built on the meta device and take the checkpoint with
     ``load_state_dict(assign=True)`` in their own dtypes (the float32 router), contiguous."""
