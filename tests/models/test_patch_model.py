@@ -361,6 +361,39 @@ def test_a_quantized_checkpoint_reloads_through_transformers(name, quantization,
     assert rel_err(logits(reloaded), logits(model)) > 10 * RTOL
 
 
+@pytest.mark.parametrize("name,quantization,shared", [c for c in SAVED if "fp8_block" in c[1:]],
+                         ids=["-".join(map(str, c)) for c in SAVED if "fp8_block" in c[1:]])
+def test_the_saved_quantization_config_converts_exactly_the_quantized_modules(name, quantization, shared):
+    """Where transformers loads FP8 natively (a GPU), it replaces every nn.Linear and experts module not in
+    modules_to_not_convert by an FP8 one before loading: the saved config must leave exactly the quantized ones
+    (transformers' own replacement, run on the meta device, decides; a CPU load dequantizes and never checks it)."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 quantizer imports it")
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    model = original(name, hidden=128, intermediate=128)
+    quantized = patched(model, quantization=quantization, **({} if shared is None else {"shared_quantization": shared}))
+    config = copy.deepcopy(model.config)
+    config.quantization_config = quantized.config.quantization_config
+    quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
+    with torch.device("meta"):
+        fresh = type(model)(config)
+    quantizer._process_model_before_weight_loading(fresh)
+    converted = {path for path, module in fresh.named_modules() if type(module).__name__.startswith("FP8")}
+    tiny = MODELS[name]
+    blocks = [f"{tiny.layers}.{i}.{tiny.block_attr}" for i in tiny.moe_layers]
+    shared_name = {"deepseek_v3": "shared_experts", "llama4_text": "shared_expert"}.get(name)
+    expected = {f"{b}.experts" for b in blocks if quantization} | {
+        f"{b}.{shared_name}.{proj}" for b in blocks if shared for proj in ("gate_proj", "up_proj", "down_proj")}
+    assert converted == expected
+    # Negative control: without the list transformers would convert attention and the LM head too.
+    config.quantization_config = {**config.quantization_config, "modules_to_not_convert": None}
+    with torch.device("meta"):
+        fresh = type(model)(config)
+    AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)._process_model_before_weight_loading(
+        fresh)
+    assert {path for path, module in fresh.named_modules() if type(module).__name__.startswith("FP8")} > expected
+
+
 # (name, quantization, shared_quantization, the format to patch with instead)
 UNSAVED = [("qwen3_moe", "fp8", None, "quantization='fp8_block'"),
            ("qwen3_moe", "mxfp4", None, "quantization='fp8_block'"),
