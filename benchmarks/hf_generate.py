@@ -46,8 +46,9 @@ whole: data-parallel attention) and generates its own ``B`` sequences in lockste
 ``patch_model`` runs, and rank 0 reports the slowest rank's times and the aggregate decode tokens/s (``N * B`` per
 step). Compare with a one-process run of ``--variants patch_model`` at the same ``B`` per GPU.
 
-Output: one JSON (``--out``) and a table on stdout. Run on the GPU machine; on a CPU it runs as a smoke test
-(``--device cpu``, tiny ``--scale``), not a measurement.
+Output: one JSON (``--out``) and a table on stdout. On a CPU (``--device cpu``, a small ``--scale``) it times with
+this process's CPU time by default (``--clock process``), which a CPU shared with other work does not inflate, in
+fp32, every contender in one run: docs/performance.md's CPU table comes from such a run.
 """
 
 from __future__ import annotations
@@ -219,11 +220,14 @@ def run(args) -> dict:
     from nxd_moe.models.hf_models import build_hf_config
 
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rank, world, device = distributed_setup(device)
     if world > 1:
         args.variants = ["patch_model"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+           "clock": args.clock, "threads": torch.get_num_threads()}
     try:
         import transformers
         env["transformers"] = transformers.__version__
@@ -284,7 +288,7 @@ def run(args) -> dict:
                     if variant == "eager" and b > args.eager_max_batch:
                         row[f"B{b}"] = {"skipped": f"eager loop over experts above batch {args.eager_max_batch}"}
                         continue
-                    timing = timed_generate(model, prompts[b], args.new_tokens, compiled, args.repeats)
+                    timing = timed_generate(model, prompts[b], args.new_tokens, compiled, args.repeats, args.clock)
                     timing["tokens"] = timing["tokens"].tolist()
                     if world > 1:  # the slowest rank's times; every rank's sequences count
                         timing["prefill_ms"] = slowest(timing["prefill_ms"])
@@ -376,8 +380,14 @@ def parse_args(argv=None):
     p.add_argument("--eager-max-batch", type=int, default=16)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--clock", choices=("wall", "process"), default=None,
+                   help="wall time (default on a GPU) or this process's CPU time (default on a CPU: a shared CPU's "
+                        "other processes do not inflate it)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (a CPU run; default torch's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.clock is None:
+        args.clock = "wall" if args.device.startswith("cuda") else "process"
     if args.layers == 0:
         args.layers = None
     for m in args.modes:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from typing import Any, Mapping
@@ -10,8 +11,10 @@ from typing import Any, Mapping
 import torch
 
 from nxd_moe.config import (
+    BlockwiseMatmulConfig,
     ExpertParallelConfig,
     MoEModelConfig,
+    RoutedExpertsMLPOpsConfig,
     RouterSpec,
     check_bool,
     check_int,
@@ -39,6 +42,30 @@ def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: in
                       **common)
 
 
+def _init_fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+# The keyword arguments build_moe takes by name (the rest are overrides, below).
+_BUILD_ARGUMENTS = ("scale", "dtype", "device", "seed", "backend", "validate_inputs", "expert_parallel_config",
+                    "sequence_parallel", "model_parallel", "quantization", "shared_quantization")
+
+
+def check_overrides(overrides: Mapping[str, Any], caller: str, taken: tuple[str, ...] = _BUILD_ARGUMENTS) -> None:
+    """Raise a ``TypeError`` naming ``caller`` and the closest valid name for the first key of ``overrides`` that is
+    none of ``taken`` (:func:`build_moe`'s own keyword arguments), a :class:`RoutedExpertsMLPOpsConfig` key,
+    ``block_size`` or ``block_`` + a :class:`BlockwiseMatmulConfig` key."""
+    experts, blockwise = _init_fields(RoutedExpertsMLPOpsConfig), _init_fields(BlockwiseMatmulConfig)
+    valid = [*taken, *experts, *(f"block_{k}" for k in blockwise), "block_size"]
+    for key in overrides:
+        if key in taken or key in experts or key == "block_size" or (key.startswith("block_") and key[6:] in blockwise):
+            continue
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"{caller}: unknown keyword argument {key!r}{hint}; besides its own arguments it takes "
+                        "RoutedExpertsMLPOpsConfig keys and block_size / block_<BlockwiseMatmulConfig key>")
+
+
 def scaled_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any], scale: int,
                  quantization: str | None = None, activation_group: int | None = None) -> MoEModelConfig:
     """``config`` with H and I divided by ``scale``, rounded up to a multiple of 8, of the blocks of the
@@ -54,6 +81,14 @@ def scaled_model(config: MoEModelConfig | str | os.PathLike | Mapping[str, Any],
     if isinstance(activation_group, int) and activation_group > 0:  # a bad value is named by the experts' config
         blocks.append(activation_group)
     return model.scaled(check_int("scale", scale, minimum=1), multiple=math.lcm(8, *blocks))
+
+
+def scale_rounding(model: MoEModelConfig, scale: int, hidden_size: int, intermediate_size: int) -> str:
+    """The widths of ``model`` that ``scale`` does not divide into the scaled layer's ``hidden_size`` /
+    ``intermediate_size`` (:func:`scaled_model` rounds each up to the alignment), as reports say it:
+    ``"H 2048/3 -> 688"``; ``""`` when both divide exactly."""
+    widths = (("H", model.hidden_size, hidden_size), ("I", model.intermediate_size, intermediate_size))
+    return ", ".join(f"{name} {full}/{scale} -> {small}" for name, full, small in widths if full != small * scale)
 
 
 def build_moe(
@@ -96,6 +131,7 @@ def build_moe(
     ``shared_experts.quantization``, else ``"bf16"``) does the same for the shared experts' projections.
     """
     sequence_parallel = check_bool("sequence_parallel", sequence_parallel)
+    check_overrides(overrides, "build_moe")
     if quantization is not None:
         overrides["quantization"] = quantization
     model = load_model_config(config)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_moe import parallel_state
-from nxd_moe.build import build_moe, scaled_model
+from nxd_moe.build import build_moe, scale_rounding, scaled_model
 from nxd_moe.config import (
     ALL_TO_ALL_SPLITS,
     EXPERT_PARALLEL_DISPATCHES,
@@ -45,6 +45,7 @@ from nxd_moe.experts.backends import BACKENDS, get_backend
 from nxd_moe.graphs import GraphedStep, capture
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.formats import describe_weights, reported_format
 from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec
 from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
@@ -245,9 +246,10 @@ def _report(args: argparse.Namespace, model: MoEModelConfig, scale: int, dtype: 
         "device": str(moe.router.linear_router.weight.device),
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
+        "scale_rounding": scale_rounding(model, scale, cfg.hidden_size, cfg.intermediate_size),
         "num_experts": cfg.num_experts,
         "top_k": cfg.top_k,
-        "quantization": cfg.quantization,
+        "quantization": reported_format(cfg.quantization),
         "activation_quantization": (cfg.activation_quantization if experts_activations is None
                                     else experts_activations.describe()),
         "expert_weight_bytes": expert_weight_bytes(moe.expert_mlps),
@@ -426,12 +428,14 @@ def format_report(report: dict) -> str:
     p, d = report["prefill"], report["decode"]
     lines = [
         f"nxd-moe run: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}, "
-        f"I={report['intermediate_size']}, "
+        f"I={report['intermediate_size']}"
+        + (f" (rounded up: {report['scale_rounding']})" if report["scale_rounding"] else "") + ", "
         f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}, "
         f"shared experts={'yes' if report['shared_experts'] else 'no'}; {report['dtype']}, "
         f"backend {report['backend']} on {report['device']}"
         + (f", {report['threads']} threads)" if report["device"] == "cpu" else ")"),
-        f"experts  weights {report['quantization']}: {report['expert_weight_bytes'] / 2**20:.2f} MiB"
+        f"experts  weights {describe_weights(report['quantization'], report['dtype'])}: "
+        f"{report['expert_weight_bytes'] / 2**20:.2f} MiB"
         + (f", activations {report['activation_quantization']}"
            if report.get("activation_quantization", "none") != "none" else ""),
         f"prefill  {p['tokens']} tokens -> {p['mode']}",
@@ -476,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--config", required=True,
                        help=f"YAML path or built-in name ({', '.join(builtin_config_names())})")
     run_p.add_argument("--scale", type=_scale, default="auto",
-                       help="divide H and I by this; 1 = full size; 'auto' (default) picks a power of two >= "
+                       help="divide H and I by this (rounded up to a multiple of 8, or of the weight format's block; "
+                            "the report says when); 1 = full size; 'auto' (default) picks a power of two >= "
                             f"{MIN_AUTO_SCALE} that brings H to <= {AUTO_SCALE_MAX_HIDDEN}")
     run_p.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS,
                        help=f"prefill tokens (default {DEFAULT_TOKENS})")
@@ -523,12 +528,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    for subparser in sub.choices.values():  # main() names an unknown flag with its subcommand's usage
+        subparser.set_defaults(subcommand_parser=subparser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.subcommand_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in SUBCOMMANDS:
         return importlib.import_module(SUBCOMMANDS[args.command]).main(args)
     if args.command == "configs":

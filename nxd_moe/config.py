@@ -780,7 +780,13 @@ def load_model_config(config: str | os.PathLike | Mapping[str, Any] | MoEModelCo
                 f"config {str(config)!r} is neither a file nor a built-in config; built-in: {builtin_config_names()}"
             )
     with open(path) as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ValueError(f"{path}{where}: not valid YAML ({problem})") from None
     try:
         return MoEModelConfig.from_dict(data)
     except (TypeError, ValueError) as e:

@@ -43,11 +43,16 @@ from nxd_moe.config import (
     builtin_config_names,
     load_model_config,
 )
+from nxd_moe.extras import require
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization.checkpoint import mxfp4_from_gpt_oss, mxfp4_to_gpt_oss
 
+# The transformers interop: without transformers, importing it is the error (naming the extra), not a later call.
+require("transformers", "nxd_moe.hf")
+
 __all__ = [
+    "HF_QUANT_METHODS",
     "LAYOUTS",
     "SUPPORTED_MODEL_TYPES",
     "check_experts_support",
@@ -59,6 +64,7 @@ __all__ = [
     "patch_model",  # noqa: F822 (loaded by the module __getattr__ below)
     "register_experts_implementations",
     "set_experts_implementation",
+    "unsaved_formats",
 ]
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama4_text", "llama4",
@@ -425,6 +431,10 @@ class _Family(abc.ABC):
     container = "layers"
     owned: tuple[str, ...] = ()
     block_classes: tuple[str, ...] = ()
+    # The shared experts' module within the block (None: none); the quantized formats of the routed experts whose
+    # checkpoints transformers loads for this family (see :func:`unsaved_formats`).
+    shared: str | None = None
+    saved_quantization: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         modules = "|".join(sorted({self.module, self.hub_module}))
@@ -455,6 +465,7 @@ class _FusedFamily(_Family):
     """
 
     _PER_EXPERT = re.compile(r"^experts\.\d+\.")
+    saved_quantization = ("fp8_block",)
 
     def __init__(self, block_classes: tuple[str, ...], expert_names: tuple[str, str, str] = _SHARED_PROJS,
                  hub_module: str = "mlp", shared: str | None = None, shared_gate: bool = False,
@@ -537,6 +548,7 @@ class _GptOssFamily(_Family):
 
     owned = ("router.", "experts.")
     block_classes = ("GptOssMLP",)
+    saved_quantization = ("mxfp4",)
 
     def to_nxd(self, parts: StateDict, num_experts: int) -> dict[str, torch.Tensor]:
         out = {
@@ -585,6 +597,7 @@ class _Llama4Family(_Family):
     module = hub_module = "feed_forward"
     owned = ("router.", "experts.", "shared_expert.")
     block_classes = ("Llama4TextMoe",)
+    shared = "shared_expert"
 
     def to_nxd(self, parts: StateDict, num_experts: int) -> dict[str, torch.Tensor]:
         return {_ROUTER_W: parts["router.weight"], _GATE_UP_W: parts["experts.gate_up_proj"],
@@ -642,6 +655,29 @@ _FAMILIES: dict[str, _Family] = {
 
 def _family(cfg: MoEModelConfig) -> _Family:
     return _FAMILIES[cfg.hf_model_type]
+
+
+# transformers' ``quantization_config.quant_method`` of the quantized formats real checkpoints have: GPT-OSS's MXFP4
+# (``Mxfp4Config``) and DeepSeek-V3's FP8 with 128x128 block scales (``FineGrainedFP8Config``, which transformers
+# reads for every family whose Hub checkpoints store one Linear per expert). Shared experts: FP8 block-scaled only.
+HF_QUANT_METHODS = {"mxfp4": "mxfp4", "fp8_block": "fp8"}
+_SAVED_SHARED_QUANTIZATION = ("fp8_block",)
+
+
+def unsaved_formats(cfg: MoEModelConfig, routed: str, shared: str | None) -> str:
+    """Why a block of ``cfg``'s family whose routed / shared experts are stored as ``routed`` / ``shared`` (format
+    names; None: no shared experts) has no checkpoint transformers loads, or ``""`` if it has one."""
+    family = _family(cfg)
+    for what, fmt, saved, argument in (("routed", routed, family.saved_quantization, "quantization"),
+                                       ("shared", shared, _SAVED_SHARED_QUANTIZATION, "shared_quantization")):
+        if fmt in (None, "bf16") or fmt in saved:
+            continue
+        loads = (f"it loads {saved[0]!r}" if saved else "it loads them unquantized only")
+        instead = f"patch with {argument}={saved[0]!r} to save them quantized, or " if saved else ""
+        return (f"{what} experts stored as {fmt!r} have no checkpoint format that transformers loads for model_type "
+                f"{cfg.hf_model_type!r} ({loads}); {instead}save the model before patching it with "
+                f"{argument}={fmt!r}")
+    return ""
 
 
 def _expected_nxd(cfg: MoEModelConfig, quantization: str = "bf16",
@@ -906,13 +942,10 @@ def __getattr__(name: str) -> Any:
 # transformers' experts interface: experts_implementation="nxd_moe" / "nxd_moe_torch" / "nxd_moe_triton".
 # Imported last so that nxd_moe.models, which builds on this module, finds every name above defined.
 
-import importlib.util  # noqa: E402
-
 from nxd_moe.models.experts_backend import (  # noqa: E402
     check_experts_support,
     register_experts_implementations,
     set_experts_implementation,
 )
 
-if importlib.util.find_spec("transformers") is not None:
-    register_experts_implementations()
+register_experts_implementations()

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -42,10 +43,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.experts.dynamic_while import blocks_per_iteration, dynamic_while_blockwise_forward, static_block_count
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
+from nxd_moe.extras import MissingExtraError, require
 from nxd_moe.quantization import QUANTIZATION_CHOICES
+from nxd_moe.quantization.formats import describe_weights, reported_format
 
 HELP = "trace one MoE layer: torch.export, torch.compile(fullgraph) and XLA checks; write HLO for neuronx-cc"
-XLA_INSTALL_HINT = "pip install -e '.[xla]' (torch 2.9 + torch_xla 2.9; run with PJRT_DEVICE=CPU on a CPU host)"
+XLA_INSTALL_HINT = "torch_xla 2.9 needs torch 2.9: install it in its own environment; PJRT_DEVICE=CPU on a CPU host"
 
 # Ops that read tensor values on the host or give outputs whose shape depends on them.
 SYNC_OPS = frozenset({"item", "_local_scalar_dense", "tolist", "numpy", "nonzero", "nonzero_static", "argwhere",
@@ -217,10 +220,11 @@ def import_torch_xla():
     """``torch_xla`` (CPU client unless ``PJRT_DEVICE`` says otherwise), or an ImportError saying how to get it."""
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     try:
-        import torch_xla
-        import torch_xla.debug.metrics  # noqa: F401
-    except ImportError as e:
-        raise ImportError(f"torch_xla is needed for the XLA checks: {XLA_INSTALL_HINT} ({e})") from e
+        require("torch_xla.debug.metrics", "tracing under XLA")
+    except MissingExtraError as err:
+        raise MissingExtraError(f"{err} ({XLA_INSTALL_HINT})") from None
+    import torch_xla
+
     return torch_xla
 
 
@@ -306,6 +310,7 @@ class _Step:
     output_fetch_transfers: int
     outputs: Any
     blocks: list[BlockCount]
+    routing: list[list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 def _counter(met, name: str) -> int:
@@ -337,7 +342,7 @@ def _xla_step(xla_module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], be
     args, kwargs = _to(tuple(args), device), _to(dict(kwargs), device)
     torch_xla.sync(wait=True)  # the inputs are on the device before tracing starts
     executions, transfers = _counter(met, "ExecuteComputation"), _transfers(met)
-    with torch.no_grad(), _counting_blocks(xla_module) as counters:
+    with torch.no_grad(), _counting_blocks(xla_module) as counters, _recording_routing(xla_module) as routing:
         outputs = xla_module(*args, **kwargs)
     executions_during_trace = _counter(met, "ExecuteComputation") - executions
     transfers_during_trace = _transfers(met) - transfers
@@ -345,7 +350,7 @@ def _xla_step(xla_module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], be
     counts = _tensors([(r.computed, r.active) for r in records])
     graph_hash = torch_xla._XLAC._get_graph_hash(_tensors(outputs) + counts)
     if before_sync is not None:
-        before_sync(outputs)
+        before_sync(outputs, args)
     compilations, executions = _counter(met, "UncachedCompile"), _counter(met, "ExecuteComputation")
     torch_xla.sync(wait=True)
     compilations = _counter(met, "UncachedCompile") - compilations
@@ -353,8 +358,74 @@ def _xla_step(xla_module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], be
     transfers = _transfers(met)
     outputs = _to(outputs, "cpu")
     blocks = [r.read() for r in records]
+    fetches = _transfers(met) - transfers
     return _Step(graph_hash, executions_during_trace, transfers_during_trace, compilations, executions_at_sync,
-                 _transfers(met) - transfers, outputs, blocks)
+                 fetches, outputs, blocks, _to(routing, "cpu"))
+
+
+# Routing is discontinuous: a token whose k-th and (k+1)-th router logits nearly tie can choose another expert in
+# eager and under XLA when rounding upstream of the router differs -- 16-bit attention and norms, which XLA fuses
+# and rounds elsewhere than eager does (measured on a bf16 GPT-OSS decoder: hidden states one bf16 ulp apart,
+# float32 router logits 5e-3 apart, a token whose gap was 6e-4 flipped and moved its output by 0.4). So XLA is
+# compared with eager routed as XLA routed: the eager routers select from the logits the XLA graph computed, and
+# those logits are checked against eager's own separately; tokens whose experts differed are counted (near ties).
+
+
+def _routers(module: nn.Module) -> list[nn.Module]:
+    from nxd_moe.routing.base import RouterBase
+
+    return [m for m in module.modules() if isinstance(m, RouterBase)]
+
+
+@contextlib.contextmanager
+def _recording_routing(module: nn.Module) -> Iterator[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Per router of ``module`` (module order), per call: ``(router_logits (T, E), expert_index (T, k))``."""
+    routers = _routers(module)
+    calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
+    hooks = [router.register_forward_hook(lambda m, args, out, seen=seen: seen.append((out[0], out[2])))
+             for router, seen in zip(routers, calls)]
+    try:
+        yield calls
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@contextlib.contextmanager
+def _routing_pinned(module: nn.Module, routing: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> Iterator[None]:
+    """``module``'s routers select from the given logits (:func:`_recording_routing`'s, call by call) instead of
+    computing their own: every selection rule (top-k, group-limited, Sinkhorn) is a function of the logits."""
+    routers = _routers(module)
+    for router, calls in zip(routers, routing, strict=True):
+        given = iter([logits for logits, _ in calls])
+        router.get_router_logits = lambda hidden_states, given=given: next(given)
+    try:
+        yield
+    finally:
+        for router in routers:
+            del router.get_router_logits
+
+
+@dataclass
+class _Comparison:
+    """XLA against eager on one input: outputs with eager routed as XLA routed, the router logits, and the tokens
+    whose experts differed when eager routed on its own."""
+
+    max_abs_diff: float
+    router_logits_max_abs_diff: float
+    routing_flips: int
+
+
+def _compare(module: nn.Module, args: Inputs, kwargs: Mapping[str, Any], step: _Step) -> _Comparison:
+    with torch.no_grad(), _recording_routing(module) as own:
+        module(*args, **kwargs)
+    with torch.no_grad(), _routing_pinned(module, step.routing):
+        pinned = module(*args, **kwargs)
+    pairs = [(ours, theirs) for a, b in zip(own, step.routing, strict=True) for ours, theirs in zip(a, b, strict=True)]
+    flips = sum(int((e.sort(dim=-1).values != x.sort(dim=-1).values).any(dim=-1).sum())
+                for (_, e), (_, x) in pairs)
+    return _Comparison(_max_abs_diff(step.outputs, pinned),
+                       _max_abs_diff([x for (_, _), (x, _) in pairs], [e for (e, _), _ in pairs]), flips)
 
 
 def _xla_copy(module: nn.Module) -> nn.Module:
@@ -375,7 +446,11 @@ class StaticReport:
     - ``executions_per_step``: graphs run by each step's sync (1: the whole layer is one graph);
     - ``output_fetch_transfers``: the expected transfers that fetch the final outputs, reported apart;
     - ``fallback_ops``: operators ``torch_xla`` ran on the CPU (must be empty);
-    - ``max_abs_diff``: largest ``|XLA - eager|`` over every output and routing;
+    - ``max_abs_diff``: largest ``|XLA - eager|`` over every output and routing, eager routed as XLA routed (its
+      routers select from the XLA graph's logits: a near tie can flip under any rounding difference);
+    - ``router_logits_max_abs_diff``: largest ``|XLA - eager|`` of the router logits, eager computing its own;
+    - ``routing_flips``: per routing, the tokens (summed over MoE layers) whose experts eager, routing on its own,
+      chose otherwise than XLA -- near ties, whose logits differ by less than ``router_logits_max_abs_diff``;
     - ``blocks``: per routing, the dynamic-while block counts (empty without dynamic-while experts).
     """
 
@@ -388,6 +463,8 @@ class StaticReport:
     output_fetch_transfers: int
     fallback_ops: list[str]
     max_abs_diff: float
+    router_logits_max_abs_diff: float
+    routing_flips: list[int]
     atol: float
     blocks: list[list[BlockCount]]
 
@@ -399,7 +476,7 @@ class StaticReport:
 
     @property
     def matches_eager(self) -> bool:
-        return self.max_abs_diff <= self.atol
+        return self.max_abs_diff <= self.atol and self.router_logits_max_abs_diff <= self.atol
 
     @property
     def blocks_match_schedule(self) -> bool:
@@ -433,14 +510,12 @@ def check_static(module: nn.Module, make_inputs: Callable[[int], Inputs], n: int
     kwargs = dict(kwargs or {})
     xla_module = _xla_copy(module)
     fallbacks_before = _fallback_counts(met)
-    steps, diffs = [], []
+    steps, comparisons = [], []
     for i in range(n):
         args = tuple(make_inputs(i))
-        with torch.no_grad():
-            eager = module(*args, **kwargs)
         step = _xla_step(xla_module, args, kwargs)
         steps.append(step)
-        diffs.append(_max_abs_diff(step.outputs, eager))
+        comparisons.append(_compare(module, args, kwargs, step))
     return StaticReport(
         routings=n,
         graphs=len({s.graph_hash for s in steps}),
@@ -450,13 +525,141 @@ def check_static(module: nn.Module, make_inputs: Callable[[int], Inputs], n: int
         executions_per_step=[s.executions_at_sync for s in steps],
         output_fetch_transfers=sum(s.output_fetch_transfers for s in steps),
         fallback_ops=_new_fallbacks(met, fallbacks_before),
-        max_abs_diff=max(diffs),
+        max_abs_diff=max(c.max_abs_diff for c in comparisons),
+        router_logits_max_abs_diff=max(c.router_logits_max_abs_diff for c in comparisons),
+        routing_flips=[c.routing_flips for c in comparisons],
         atol=atol,
         blocks=[s.blocks for s in steps],
     )
 
 
 _HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%\S+ = (?:\([^()]*\)|\S+) ([a-z][a-z0-9\-]*)\(", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class ProgramParameter:
+    """HLO entry parameter ``number`` (``parameter(number)`` in the module's ENTRY computation): ``kind`` is
+    ``input`` (``name``: the forward's argument, e.g. ``hidden_states`` or ``cache.0.keys``), ``weight`` (a
+    parameter or persistent buffer of the traced module, by module path -- the rank's shard in an SPMD program),
+    ``rank`` (the
+    :class:`~nxd_moe.parallel_state.SPMDRank` tensor) or ``shared`` (a value the module's code put on the device:
+    a non-persistent buffer, named by its module path, or a table or scalar, ``shared.<number>``; the same
+    for every rank). ``sharding``: how the value relates to the whole layer's -- ``whole`` on one device; in an
+    SPMD program ``replicated``, ``split dim D: S of F`` (each rank holds ``S`` of the ``F`` entries along ``D``),
+    ``per rank`` (the rank tensor, the rank's tokens)."""
+
+    number: int
+    kind: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: str = "whole"
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "shape": list(self.shape)}
+
+
+def input_names(module: nn.Module, count: int) -> list[str]:
+    """Names of the first ``count`` positional arguments of ``module``'s forward: the module's own
+    ``input_names(count)`` where it has one, else its signature's (a ``*args`` parameter gives ``args.<i>``)."""
+    own = getattr(module, "input_names", None)
+    if callable(own):
+        return list(own(count))
+    names: list[str] = []
+    for parameter in inspect.signature(module.forward).parameters.values():
+        if parameter.kind == parameter.VAR_POSITIONAL:
+            names += [f"{parameter.name}.{i}" for i in range(count - len(names))]
+        elif parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+    return names[:count]
+
+
+def hlo_parameters(module: nn.Module, inputs: Sequence[torch.Tensor | None],
+                   outputs: Sequence[torch.Tensor]) -> tuple[list[ProgramParameter], list[torch.Tensor]]:
+    """What each entry parameter of the HLO of the lazy XLA ``outputs`` of ``module(*inputs)`` (module and inputs
+    on the XLA device, before the sync) is, in parameter order, and the device values the program takes there.
+    ``torch_xla`` makes every device tensor the graph reads a parameter: the inputs, the weights, and values the
+    code put on the device (clamp bounds, index tables, buffers outside the state dict)."""
+    from nxd_moe.parallel_state import SPMDRank
+
+    torch_xla = import_torch_xla()
+    tensor_id = torch_xla._XLAC._xla_get_tensor_id
+    names: dict[int, tuple[str, str]] = {}
+    # Module paths, not state-dict keys: a state-dict hook may rename and reshape (a patched transformers block).
+    for path, owner in module.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, tensor in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+            kind = "rank" if isinstance(owner, SPMDRank) else "weight"
+            if name in owner._non_persistent_buffers_set:  # derived on construction, never loaded: a constant
+                kind = "shared"
+            names.setdefault(tensor_id(tensor), (kind, prefix + name))
+    for name, tensor in zip(input_names(module, len(inputs)), inputs):
+        if tensor is not None:
+            names[tensor_id(tensor)] = ("input", name)
+    ids, values = torch_xla._XLAC._get_tensors_xla_device_data_node(list(outputs))
+    parameters = []
+    for number, (device_id, value) in enumerate(zip(ids, values, strict=True)):
+        kind, name = names.get(device_id, ("shared", f"shared.{number}"))
+        parameters.append(ProgramParameter(number, kind, name, tuple(value.shape),
+                                           str(value.dtype).removeprefix("torch.")))
+    return parameters, list(values)
+
+
+_HLO_ENTRY_PARAMETER = re.compile(r"^\s*%\S+ = (\S+?)(?:\{[^}]*\})? parameter\((\d+)\)", re.MULTILINE)
+# HLO element types -> torch dtype names, for the ones a trace produces
+_HLO_DTYPES = {"f32": "float32", "f64": "float64", "bf16": "bfloat16", "f16": "float16", "s64": "int64",
+               "s32": "int32", "s16": "int16", "s8": "int8", "u8": "uint8", "pred": "bool",
+               "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2"}
+
+
+def hlo_entry_parameters(hlo_text: str) -> list[tuple[list[int], str]]:
+    """``[(shape, dtype)]`` of the ENTRY computation's parameters in number order, read from the HLO text
+    (``%p3.7 = f32[8,16]{1,0} parameter(3)``); dtypes in torch's names."""
+    entry = hlo_text[hlo_text.index("\nENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    found = {}
+    for shape, number in _HLO_ENTRY_PARAMETER.findall(entry):
+        element, _, dims = shape.partition("[")
+        found[int(number)] = ([int(d) for d in dims.rstrip("]").split(",") if d], _HLO_DTYPES.get(element, element))
+    return [found[i] for i in range(len(found))]
+
+
+def save_parameter_values(parameters: Sequence[ProgramParameter], values: Sequence[torch.Tensor],
+                          out_dir: Path, weights_file: str | None) -> None:
+    """Write ``parameters.json`` and the values a runtime feeds besides the inputs: ``shared.pt`` (``{number:
+    tensor}`` of the ``shared`` parameters) and, unless ``weights_file`` is None (the SPMD export writes each
+    rank's shard instead), ``weights_file`` (``{module path: tensor}`` of the ``weight`` parameters)."""
+    (out_dir / "parameters.json").write_text(json.dumps([p.to_dict() for p in parameters], indent=2) + "\n")
+    torch.save({p.number: v.cpu() for p, v in zip(parameters, values) if p.kind == "shared"}, out_dir / "shared.pt")
+    if weights_file is not None:
+        torch.save({p.name: v.cpu() for p, v in zip(parameters, values) if p.kind == "weight"},
+                   out_dir / weights_file)
+
+
+def run_exported(out_dir: str | os.PathLike, inputs: Mapping[str, torch.Tensor],
+                 weights: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Run the HLO an export wrote to ``out_dir`` on the XLA device, fed from its files alone -- what a runtime
+    loading the compiled NEFF does: every entry parameter in ``parameters.json`` order, ``inputs[name]`` for an
+    ``input``, ``weights[name]`` for a ``weight`` (default: ``weights.pt``; an SPMD rank passes its
+    ``shards/rank{r}.pt``, which also holds its ``rank``) and ``shared.pt[number]`` for a ``shared`` one. Returns
+    the outputs on the CPU. (Single-device programs: an SPMD program's collectives need every rank.)"""
+    torch_xla = import_torch_xla()
+    import torch_xla.core.xla_builder as xb
+
+    out_dir = Path(out_dir)
+    parameters = json.loads((out_dir / "parameters.json").read_text())
+    if weights is None:
+        weights = torch.load(out_dir / "weights.pt")
+    shared = torch.load(out_dir / "shared.pt")
+    missing = [p["name"] for p in parameters if p["kind"] == "input" and p["name"] not in inputs]
+    if missing:
+        raise ValueError(f"inputs: the program takes {missing} as well (parameters.json)")
+    values = [inputs[p["name"]] if p["kind"] == "input" else shared[p["number"]] if p["kind"] == "shared"
+              else weights[p["name"]] for p in parameters]
+    computation = xb.computation_from_module_proto("exported", (out_dir / "model.hlo_module.pb").read_bytes())
+    device = torch_xla.device()
+    outputs = torch_xla._XLAC._xla_user_computation("xla::exported", [v.to(device) for v in values], computation)
+    return [o.cpu() for o in outputs]
 
 
 def hlo_op_histogram(hlo_text: str) -> dict[str, int]:
@@ -475,50 +678,60 @@ def export_hlo(module: nn.Module, example_inputs: Inputs, out_dir: str | os.Path
     - ``model.hlo.txt``: the HLO module, readable;
     - ``model.hlo_module.pb``: the serialized ``HloModuleProto`` (what ``neuronx-cc compile --framework XLA``
       reads);
+    - ``parameters.json``: each entry parameter of the HLO in order (:class:`ProgramParameter`), and the values a
+      runtime feeds besides the inputs: ``weights.pt`` (``{module path: tensor}``) and ``shared.pt``
+      (``{parameter number: tensor}``);
     - ``report.json``: the returned report -- compiled graphs, HLO op histogram (``while`` ops included), input
       and output shapes, CPU fallbacks, device-to-host transfers during tracing (must be 0) apart from the final
-      output fetch, ``max_abs_diff`` against eager, and dynamic-while block counts.
+      output fetch, ``max_abs_diff`` against eager routed as XLA routed and the router logits' own difference
+      (see :class:`StaticReport`), and dynamic-while block counts.
     """
     torch_xla = import_torch_xla()
     met = torch_xla.debug.metrics
     kwargs = dict(kwargs or {})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        eager = module(*example_inputs, **kwargs)
     xla_module = _xla_copy(module)
     fallbacks_before = _fallback_counts(met)
     hlo = {}
 
-    def dump(outputs):
+    def dump(outputs, device_inputs):
         tensors = _tensors(outputs)
         hlo["text"] = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
         hlo["proto"] = torch_xla._XLAC._get_xla_tensors_hlo_proto(tensors)
+        hlo["parameters"] = hlo_parameters(xla_module, device_inputs, tensors)
 
     step = _xla_step(xla_module, example_inputs, kwargs, before_sync=dump)
+    compared = _compare(module, example_inputs, kwargs, step)
     (out_dir / "model.hlo.txt").write_text(hlo["text"])
     (out_dir / "model.hlo_module.pb").write_bytes(hlo["proto"])
+    parameters, values = hlo["parameters"]
+    save_parameter_values(parameters, values, out_dir, "weights.pt")
     histogram = hlo_op_histogram(hlo["text"])
     report = {
-        "files": {"hlo_text": "model.hlo.txt", "hlo_proto": "model.hlo_module.pb"},
+        "files": {"hlo_text": "model.hlo.txt", "hlo_proto": "model.hlo_module.pb", "parameters": "parameters.json",
+                  "weights": "weights.pt", "shared": "shared.pt"},
         "compiled_graphs": step.executions_at_sync,
         "compilations": step.compilations,
         "hlo_instructions": sum(histogram.values()),
         "op_histogram": histogram,
         "while_ops": histogram.get("while", 0),
         "inputs": _describe((tuple(example_inputs), kwargs)),
-        "outputs": _describe(eager),
+        "parameters": [p.to_dict() for p in parameters],
+        "outputs": _describe(step.outputs),
         "fallback_ops": _new_fallbacks(met, fallbacks_before),
         "executions_during_trace": step.executions_during_trace,
         "transfers_during_trace": step.transfers_during_trace,
         "output_fetch_transfers": step.output_fetch_transfers,
-        "max_abs_diff": _max_abs_diff(step.outputs, eager),
+        "max_abs_diff": compared.max_abs_diff,
+        "router_logits_max_abs_diff": compared.router_logits_max_abs_diff,
+        "routing_flips": compared.routing_flips,
         "atol": atol,
         "blocks": [b.to_dict() for b in step.blocks],
     }
     report["static"] = (report["compiled_graphs"] == 1 and not report["fallback_ops"]
                         and report["executions_during_trace"] == 0 and report["transfers_during_trace"] == 0)
-    report["matches_eager"] = report["max_abs_diff"] <= atol
+    report["matches_eager"] = max(compared.max_abs_diff, compared.router_logits_max_abs_diff) <= atol
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
@@ -662,7 +875,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per forward (default {DEFAULT_TOKENS['prefill']} prefill, "
                              f"{DEFAULT_TOKENS['decode']} decode)")
     parser.add_argument("--scale", type=_scale, default="auto",
-                        help=f"divide H and I by this; 'auto' (default) picks a power of two >= {MIN_AUTO_SCALE}")
+                        help="divide H and I by this (rounded up to a multiple of 8, or of the weight format's "
+                             f"block; the report says when); 'auto' (default) picks a power of two >= {MIN_AUTO_SCALE}")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     parser.add_argument("--block-size", type=_positive_int, default=None, help="override the config's block_size")
     parser.add_argument("--dynamic-while", choices=sorted(DYNAMIC_WHILE_FLAGS), default=None,
@@ -743,6 +957,8 @@ def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stat
                  experts: nn.Module | None = None) -> dict[str, Any]:
     """The report's description of the traced layer ``moe`` (``stats``: its ``ExpertsStats.summary()``);
     ``experts``: the ``ExpertMLPsV2`` whose stored weights the graph takes (default ``moe``'s)."""
+    from nxd_moe.build import scale_rounding
+
     bcfg = moe.expert_mlps.blockwise_matmul_config
     experts = moe.expert_mlps if experts is None else experts
     return {
@@ -753,6 +969,8 @@ def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stat
         "tokens": run.tokens,
         "padding": args.padding,
         "hidden_size": moe.hidden_size,
+        "scale_rounding": scale_rounding(run.model, run.scale, moe.hidden_size,
+                                         moe.expert_mlps.routed_experts_mlp_config.intermediate_size),
         "num_experts": run.model.num_experts,
         "top_k": run.model.top_k,
         "router": type(moe.router).__name__,
@@ -761,7 +979,7 @@ def layer_report(args: argparse.Namespace, run: TraceSetup, moe: nn.Module, stat
         "active_blocks": stats.get("active_blocks"),
         "dynamic_while": ("intermediate" if bcfg.use_shard_on_intermediate_dynamic_while
                           else "block" if bcfg.use_shard_on_block_dynamic_while else "off"),
-        "quantization": moe.expert_mlps.routed_experts_mlp_config.quantization,
+        "quantization": reported_format(moe.expert_mlps.routed_experts_mlp_config.quantization),
         # what the graph's weight inputs hold: the stored (8-bit / packed 4-bit) tensors, not dequantized copies
         "expert_weight_dtypes": {k: str(v.dtype).removeprefix("torch.")
                                  for k, v in experts.mlp_op.state_dict().items()},
@@ -775,6 +993,8 @@ def trace(args: argparse.Namespace) -> dict:
     from nxd_moe.build import build_moe
 
     run = setup(args)
+    if not args.skip_xla:
+        import_torch_xla()  # the HLO is what was asked for: without torch_xla, stop before any work
     dtype = run.dtype
     moe = build_moe(run.model, scale=run.scale, dtype=dtype, seed=args.seed, **run.overrides)
     atol = args.atol if args.atol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 6e-2)
@@ -793,15 +1013,10 @@ def trace(args: argparse.Namespace) -> dict:
     if args.skip_xla:
         report["xla"] = {"skipped": "--skip-xla"}
     else:
-        try:
-            import_torch_xla()
-        except ImportError as e:
-            report["xla"] = {"skipped": str(e)}
-        else:
-            # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
-            static = check_static(moe, make_inputs, n=args.routings, atol=atol)
-            hlo = export_hlo(moe, example, out_dir, atol=atol)
-            report["xla"] = {"hlo": hlo, "check_static": static.to_dict()}
+        # check_static first: it then reports the one compilation (export_hlo reuses the compiled graph).
+        static = check_static(moe, make_inputs, n=args.routings, atol=atol)
+        hlo = export_hlo(moe, example, out_dir, atol=atol)
+        report["xla"] = {"hlo": hlo, "check_static": static.to_dict()}
     report["ok"] = _all_ok(report)
     (out_dir / "trace.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -822,16 +1037,34 @@ def _yes(flag: bool) -> str:
     return "ok" if flag else "FAILED"
 
 
+def _parameters_line(hlo: dict, out_dir: str) -> str:
+    """The HLO's entry parameters by kind, and where their map and values are."""
+    kinds = Counter(p["kind"] for p in hlo["parameters"])
+    files = hlo["files"]
+    return (f"{'HLO parameters':<{LABEL}}{len(hlo['parameters'])}: {kinds['input']} inputs, {kinds['weight']} weights "
+            f"-> {out_dir}/{files['weights']}, {kinds['shared']} shared -> {out_dir}/{files['shared']}; map "
+            f"{out_dir}/{files['parameters']}")
+
+
+def _eager_parity(static: dict) -> str:
+    """check_static's comparison with eager, for the report line."""
+    flips = static["routing_flips"]
+    ties = f", near-tie flips {'/'.join(map(str, flips))} (eager routed as XLA routed)" if any(flips) else ""
+    return (f"max |XLA - eager| {static['max_abs_diff']:.2e}, router logits {static['router_logits_max_abs_diff']:.2e}"
+            f"{ties}")
+
+
 def format_report(report: dict, out_dir: str) -> str:
     blocks = ""
     if report["num_blocks"] is not None:
         blocks = f" (num_blocks {report['num_blocks']}, active {report['active_blocks']})"
     lines = [
-        f"nxd-moe trace: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}, "
-        f"E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
+        f"nxd-moe trace: {report['config']}  (scale 1/{report['scale']}: H={report['hidden_size']}"
+        + (f" (rounded up: {report['scale_rounding']})" if report["scale_rounding"] else "")
+        + f", E={report['num_experts']}, k={report['top_k']}, router={report['router']}; {report['dtype']})",
         f"{report['mode']} {report['tokens']} tokens{' with padding' if report['padding'] else ''} -> "
         f"{report['experts_mode']}{blocks}, dynamic while: {report['dynamic_while']}",
-        f"expert weights {report['quantization']}: "
+        f"expert weights {describe_weights(report['quantization'], report['dtype'])}: "
         + ", ".join(f"{k} {v}" for k, v in report["expert_weight_dtypes"].items()),
     ]
     export, compiled = report["export"], report["compile"]
@@ -852,13 +1085,14 @@ def format_report(report: dict, out_dir: str) -> str:
             f"{hlo['compiled_graphs']} graph, {hlo['hlo_instructions']} instructions, {hlo['while_ops']} while, "
             f"CPU fallbacks {hlo['fallback_ops'] or 'none'}, host transfers during trace "
             f"{hlo['transfers_during_trace']} -> {out_dir}/{hlo['files']['hlo_proto']}")
+        lines.append(_parameters_line(hlo, out_dir))
         lines.append(
             f"{'XLA check_static':<{LABEL}}{_yes(static['ok'])}: {static['routings']} routings -> "
             f"{static['graphs']} graph, {static['compilations']} compilation, "
             f"{static['executions_during_trace']} mid-layer executions, "
             f"{static['transfers_during_trace']} mid-layer transfers "
             f"({static['output_fetch_transfers']} output fetches), fallbacks {static['fallback_ops'] or 'none'}, "
-            f"max |XLA - eager| {static['max_abs_diff']:.2e}")
+            f"{_eager_parity(static)}")
         for i, step in enumerate(static["blocks"]):
             for b in step:
                 lines.append(f"    routing {i}: computed {b['computed']} of {b['num_blocks']} blocks "
@@ -866,7 +1100,12 @@ def format_report(report: dict, out_dir: str) -> str:
                              f"{b['blocks_per_iteration']} per iteration; skipped {b['skipped']})")
         lines.append(f"compile for Trainium2: neuronx-cc compile {out_dir}/{hlo['files']['hlo_proto']} "
                      f"--framework XLA --target trn2 --output {out_dir}/model.neff")
-    lines.append("all checks passed" if report["ok"] else "SOME CHECKS FAILED")
+    if not report["ok"]:
+        lines.append("SOME CHECKS FAILED")
+    elif "skipped" in xla:
+        lines.append("torch.export and torch.compile checks passed; XLA checks skipped, no HLO written")
+    else:
+        lines.append("all checks passed")
     return "\n".join(lines)
 
 
@@ -878,6 +1117,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     """Build the transformers decoder of the config's architecture, patch its MoE blocks with nxd_moe's ``MoE``
     (torch backend), and check one ``args.mode`` step over a static KV cache under XLA; write the HLO and reports
     to ``args.out``."""
+    require("transformers", "--model-layers")
     from nxd_moe.build import scaled_model
     from nxd_moe.hf import patch_model
     from nxd_moe.models.decoder_step import StaticCacheStep, check_cache_length, replace_polar_rotary_embeddings
@@ -891,7 +1131,7 @@ def trace_model(args: argparse.Namespace) -> dict:
     tokens = args.tokens or DEFAULT_MODEL_TOKENS[args.mode]
     cache_length = args.cache_length or DEFAULT_CACHE_LENGTH
     hf_config = build_hf_config(config, num_layers=args.model_layers, scale=scale, quantization=args.quantization)
-    check_cache_length(hf_config, cache_length)
+    check_cache_length(hf_config, cache_length, "--cache-length")
     if args.mode == "prefill" and tokens > cache_length:
         raise ValueError(f"--tokens ({tokens}) must be <= --cache-length ({cache_length}) for a prefill")
     import_torch_xla()
@@ -962,7 +1202,7 @@ def format_model_report(report: dict, out_dir: str) -> str:
     shape = (f"{report['tokens']} sequences x 1 new token" if report["mode"] == "decode"
              else f"1 sequence of {report['tokens']} tokens")
     rewritten = f"; rewritten for XLA: {', '.join(model['rewritten'])}" if model["rewritten"] else ""
-    experts = "unquantized" if model["quantization"] == "bf16" else model["quantization"]
+    experts = describe_weights(model["quantization"], report["dtype"])
     lines = [
         f"nxd-moe trace: {report['config']} whole decoder  ({model['class']}: {model['decoder_layers']} layers, "
         f"{model['moe_layers']} MoE; scale 1/{report['scale']}: H={report['hidden_size']}, E={report['num_experts']}, "
@@ -975,10 +1215,11 @@ def format_model_report(report: dict, out_dir: str) -> str:
         f"{hlo['compiled_graphs']} graph, {hlo['hlo_instructions']} instructions, CPU fallbacks "
         f"{hlo['fallback_ops'] or 'none'}, host transfers during trace {hlo['transfers_during_trace']} -> "
         f"{out_dir}/{hlo['files']['hlo_proto']}",
+        _parameters_line(hlo, out_dir),
         f"{'XLA check_static':<{LABEL}}{_yes(static['ok'])}: {static['routings']} inputs -> {static['graphs']} "
         f"graph, {static['compilations']} compilation, {static['executions_during_trace']} mid-step executions, "
         f"{static['transfers_during_trace']} mid-step transfers ({static['output_fetch_transfers']} output "
-        f"fetches), fallbacks {static['fallback_ops'] or 'none'}, max |XLA - eager| {static['max_abs_diff']:.2e}",
+        f"fetches), fallbacks {static['fallback_ops'] or 'none'}, {_eager_parity(static)}",
         f"compile for Trainium2: {report['neuronx_cc']}",
     ]
     if not model["moe_layers_traced"]:

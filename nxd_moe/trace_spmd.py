@@ -34,25 +34,28 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from nxd_moe import parallel_state
 from nxd_moe.parallel.sharding import load_full_state_dict
+from nxd_moe.quantization.formats import describe_weights
 from nxd_moe.trace import (
     _describe,
     _fallback_counts,
     _new_fallbacks,
     _tensors,
     _transfers,
+    ProgramParameter,
     hlo_op_histogram,
+    hlo_parameters,
     import_torch_xla,
+    save_parameter_values,
 )
 
 COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce")
-INPUT_NAMES = ("hidden_states", "padding_mask")
 
 
 @dataclass(frozen=True)
@@ -209,22 +212,6 @@ def to_devices(ranks: Sequence[nn.Module], devices: Sequence[str]) -> list[nn.Mo
 # one rank's program
 
 
-@dataclass(frozen=True)
-class ProgramParameter:
-    """HLO parameter ``number``: ``kind`` is ``input`` (``name``: the forward's argument), ``weight`` (a state-dict
-    key of the rank's shard), ``rank`` (the :class:`~nxd_moe.parallel_state.SPMDRank` tensor) or ``shared`` (a
-    value the program's code put on the device -- a table, a scalar -- the same for every rank)."""
-
-    number: int
-    kind: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "shape": list(self.shape)}
-
-
 @dataclass
 class RankProgram:
     """One rank's traced forward, not yet run: its HLO, graph hash, the device tensors it takes in HLO parameter
@@ -276,25 +263,9 @@ def trace_rank(module: nn.Module, inputs: Sequence[torch.Tensor | None]) -> Rank
     transfers = _transfers(met) - transfers
     if host_sync is not None:
         return RankProgram("", b"", [], [], [], transfers, host_sync)
-    names = {}
-    for i, t in enumerate(inputs):
-        if t is not None:
-            names[torch_xla._XLAC._xla_get_tensor_id(t)] = ("input", INPUT_NAMES[i])
-    for key, t in module.state_dict(keep_vars=True).items():
-        kind = "rank" if isinstance(_owner(module, key), parallel_state.SPMDRank) else "weight"
-        names[torch_xla._XLAC._xla_get_tensor_id(t)] = (kind, key)
-    ids, values = torch_xla._XLAC._get_tensors_xla_device_data_node(outputs)
-    parameters = []
-    for number, (tensor_id, value) in enumerate(zip(ids, values, strict=True)):
-        kind, name = names.get(tensor_id, ("shared", f"shared.{number}"))
-        parameters.append(ProgramParameter(number, kind, name, tuple(value.shape),
-                                           str(value.dtype).removeprefix("torch.")))
+    parameters, values = hlo_parameters(module, inputs, outputs)
     return RankProgram(torch_xla._XLAC._get_xla_tensors_hlo(outputs), torch_xla._XLAC._get_graph_hash(outputs),
-                       list(values), parameters, outputs, transfers)
-
-
-def _owner(module: nn.Module, key: str) -> nn.Module:
-    return module.get_submodule(key.rpartition(".")[0])
+                       values, parameters, outputs, transfers)
 
 
 def compile_program(program: RankProgram) -> int:
@@ -584,13 +555,25 @@ def check_spmd(full: nn.Module, ranks: Sequence[nn.Module], layout: SPMDLayout,
         hlo_text="" if first is None else first.hlo_text)
 
 
+def _sharding(parameter: ProgramParameter, whole: Mapping[str, torch.Size]) -> str:
+    """How ``parameter`` of a rank's program relates to the whole layer (``whole``: its state dict's shapes)."""
+    if parameter.kind in ("input", "rank"):
+        return "per rank"
+    full = whole.get(parameter.name)
+    if parameter.kind == "shared" or full is None or tuple(full) == parameter.shape:
+        return "replicated"
+    split = [f"dim {d}: {s} of {f}" for d, (s, f) in enumerate(zip(parameter.shape, full)) if s != f]
+    return "split " + ", ".join(split)
+
+
 def export_spmd(ranks: Sequence[nn.Module], layout: SPMDLayout, example: Sequence[torch.Tensor], mode: str,
-                out_dir: str | os.PathLike) -> dict:
+                out_dir: str | os.PathLike, whole: Mapping[str, torch.Size]) -> dict:
     """Trace rank 0's program on ``example`` (the block input) and write to ``out_dir``: ``model.hlo.txt`` /
     ``model.hlo_module.pb`` (the program every rank runs), ``shards/rank{r}.pt`` (rank ``r``'s state dict: its
     weights and its ``SPMDRank``), ``shared.pt`` (the values every rank passes for the ``shared`` parameters) and
-    ``parameters.json`` (what each HLO parameter is: how to feed the compiled program on each rank). Returns
-    the files and the parameter list. Run :func:`check_spmd` first: this writes, it does not check."""
+    ``parameters.json`` (what each HLO parameter is and how it is sharded against ``whole``, the single-device
+    layer's state-dict shapes: how to feed the compiled program on each rank). Returns the files and the parameter
+    list. Run :func:`check_spmd` first: this writes, it does not check."""
     out_dir = Path(out_dir)
     (out_dir / "shards").mkdir(parents=True, exist_ok=True)
     with session(layout, [device_of(m) for m in ranks]):
@@ -601,10 +584,9 @@ def export_spmd(ranks: Sequence[nn.Module], layout: SPMDLayout, example: Sequenc
         (out_dir / "model.hlo_module.pb").write_bytes(program.hlo_proto())
     for rank, module in enumerate(ranks):
         torch.save({k: v.cpu() for k, v in module.state_dict().items()}, out_dir / "shards" / f"rank{rank}.pt")
-    shared = {p.number: a.cpu() for p, a in zip(program.parameters, program.arguments) if p.kind == "shared"}
-    torch.save(shared, out_dir / "shared.pt")
-    parameters = [p.to_dict() for p in program.parameters]
-    (out_dir / "parameters.json").write_text(json.dumps(parameters, indent=2) + "\n")
+    mapped = [dataclasses.replace(p, sharding=_sharding(p, whole)) for p in program.parameters]
+    save_parameter_values(mapped, program.arguments, out_dir, None)
+    parameters = [p.to_dict() for p in mapped]
     return {
         "files": {"hlo_text": "model.hlo.txt", "hlo_proto": "model.hlo_module.pb", "parameters": "parameters.json",
                   "shared": "shared.pt", "shards": [f"shards/rank{r}.pt" for r in range(len(ranks))]},
@@ -665,7 +647,8 @@ def trace(args: argparse.Namespace, layout: SPMDLayout) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     static = check_spmd(full, ranks, layout, make_inputs, args.mode, n=args.routings, atol=atol)
-    exported = export_spmd(ranks, layout, make_inputs(1), args.mode, out_dir) if static.host_sync is None else {}
+    whole = {k: v.shape for k, v in full.state_dict().items()}
+    exported = export_spmd(ranks, layout, make_inputs(1), args.mode, out_dir, whole) if static.host_sync is None else {}
     report = layer_report(args, run, full, stats, experts=ranks[0].expert_mlps)
     report.update({
         "parallel": {**layout.to_dict(), "dispatch": dispatch, "token_groups": layout.expert_model_parallel_size},
@@ -699,7 +682,7 @@ def format_report(report: dict, out_dir: str) -> str:
         f", dispatch {par['dispatch']}; rank = an s32[1] input (SPMDRank)",
         f"{report['mode']} {report['tokens']} tokens per token group ({par['token_groups']} groups)"
         f"{' with padding' if report['padding'] else ''} -> {report['experts_mode']}, expert weights "
-        f"{report['quantization']}",
+        f"{describe_weights(report['quantization'], report['dtype'])}",
     ]
     ok = "ok" if static["static"] else "FAILED"
     lines.append(f"{'one program':<{LABEL}}{ok}: {static['routings']} routings x {static['world_size']} ranks -> "

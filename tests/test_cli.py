@@ -81,6 +81,19 @@ def test_run_on_a_gpu_defaults_to_bf16_and_reports_graph_replays(capsys):
     assert re.search(r"ms/step eager, [0-9.]+ ms/step CUDA graph", capsys.readouterr().out)
 
 
+def test_unquantized_weights_are_labelled_by_their_dtype(capsys):
+    """Not "bf16" whatever the dtype: the JSON says the format ("none": not quantized) beside the dtype, the text
+    the dtype."""
+    args = ["run", "--config", "mixtral-8x7b", "--scale", "64", "--tokens", "16", "--repeats", "1", "--no-progress"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["quantization"], report["dtype"]) == ("none", "float32")
+    assert main(args) == 0
+    assert "experts  weights float32 (unquantized): " in capsys.readouterr().out
+    assert main([*args, "--quantization", "fp8"]) == 0
+    assert "experts  weights fp8: " in capsys.readouterr().out
+
+
 def test_auto_scale_keeps_hidden_small():
     assert auto_scale(2048) == 16 and auto_scale(7168) == 32 and auto_scale(256) == 16
 
@@ -111,3 +124,40 @@ def test_ci_runs_exactly_the_readme_test_commands():
     assert len(commands) == 2 and all(f"\n{command}\n" in readme for command in commands)
     assert readme.index(commands[0]) < readme.index(commands[1])
     assert commands[0].endswith("&& pytest") and "'.[xla,test]'" in commands[1] and "pytest tests/xla" in commands[1]
+
+
+def test_a_broken_yaml_config_is_one_line_naming_file_and_line(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: broken\nnum_experts: [1, 2\n")
+    problem = f"{path}, line 3, column 1: not valid YAML (expected ',' or ']', but got '<stream end>')\n"
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--config", str(path)])
+    assert exc.value.code == 2 and capsys.readouterr().err == f"nxd-moe: error: {problem}"
+    assert main(["plan", "--config", str(path), "--tokens", "8"]) == 2
+    assert capsys.readouterr().err == f"nxd-moe plan: error: {problem}"
+    assert main(["trace", "--config", str(path), "--skip-xla", "--out", str(tmp_path / "t")]) == 2
+    assert capsys.readouterr().err == f"nxd-moe trace: error: {problem}"
+
+
+@pytest.mark.parametrize("command", [["run", "--config", "mixtral-8x7b"], ["trace", "--config", "mixtral-8x7b",
+                                                                            "--out", "unused"]])
+def test_a_misspelled_flag_shows_the_subcommands_usage(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--tokns", "5"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: nxd-moe {command[0]} " in err and f"nxd-moe {command[0]}: error: unrecognized arguments: " \
+        "--tokns 5" in err, err
+
+
+def test_scale_that_does_not_divide_says_how_it_rounded(capsys):
+    """Mixtral's H = 4096 / 48 and I = 14336 / 48 are no integers: the layer gets 88 and 304 (multiples of 8), and
+    the report says so."""
+    args = ["run", "--config", "mixtral-8x7b", "--scale", "48", "--tokens", "8", "--decode-batch", "1",
+            "--repeats", "1", "--no-progress"]
+    assert main(args) == 0
+    assert "(scale 1/48: H=88, I=304 (rounded up: H 4096/48 -> 88, I 14336/48 -> 304), " in capsys.readouterr().out
+    assert main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["scale_rounding"] == "H 4096/48 -> 88, I 14336/48 -> 304"
+    assert main([*args[:4], "64", *args[5:], "--json"]) == 0  # 4096/64 and 14336/64 divide
+    assert json.loads(capsys.readouterr().out)["scale_rounding"] == ""

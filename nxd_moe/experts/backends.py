@@ -16,12 +16,12 @@ import importlib
 
 import torch
 
-from nxd_moe.config import BlockwiseMatmulConfig
+from nxd_moe.config import BlockwiseMatmulConfig, check_bool
 from nxd_moe.experts.blockwise import blockwise_forward
 from nxd_moe.experts.capacity import capacity_factor_forward
 from nxd_moe.experts.decode import all_experts_forward, selective_loading_forward
 from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward
-from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS
+from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS, grouped_mm_applies
 from nxd_moe.experts.local_routing import local_routing
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
@@ -120,6 +120,9 @@ class TorchBackend(ExpertsBackend):
     """Plain PyTorch on any device: the reference backend, and the one XLA traces.
 
     ``matmul``: ``"auto"`` | ``"gather"`` | ``"grouped_mm"`` (see :mod:`nxd_moe.experts.grouped_matmul`).
+    ``pairs=True``: every dropless forward runs the ``T*k`` pairs sorted by expert (selective loading) instead of
+    NxD's Trainium rules -- the cheapest on a CPU or GPU where ``grouped_mm`` applies (:meth:`pairs_cheapest`);
+    ``patch_model`` picks it there. The same function either way (dropless): only the algorithm differs.
     """
 
     name = "torch"
@@ -127,10 +130,11 @@ class TorchBackend(ExpertsBackend):
     # W8A8 as the reference: the activations are quantized and dequantized in front of each GEMM, same math.
     supports_activation_quantization = True
 
-    def __init__(self, matmul: str = "auto"):
+    def __init__(self, matmul: str = "auto", pairs: bool = False):
         if matmul not in MATMUL_IMPLS:
             raise ValueError(f"TorchBackend matmul must be one of {list(MATMUL_IMPLS)}, got {matmul!r}")
         self.matmul = matmul
+        self.pairs = check_bool("TorchBackend pairs", pairs)
 
     def blockwise(self, hidden_states, routing, mapping, weights, config):
         if config.use_dynamic_while:
@@ -147,8 +151,26 @@ class TorchBackend(ExpertsBackend):
     def all_experts(self, hidden_states, routing, weights):
         return all_experts_forward(hidden_states, routing, weights)
 
+    def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
+                    capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:
+        """NxD's rule; with ``pairs``, selective loading for every dropless forward."""
+        if self.pairs and capacity_factor is None:
+            return ExpertsMode.SELECTIVE_LOADING
+        return super().select_mode(num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
+                                   selective_loading_threshold)
+
+    def pairs_cheapest(self, device: torch.device, dtype: torch.dtype, weight_dims: tuple[int, ...]) -> bool:
+        """Whether the ``T*k`` (token, expert) pairs sorted by expert (selective loading) are this backend's
+        cheapest algorithm at every ``T`` for rows and weights of ``dtype`` on ``device`` (``weight_dims``: the
+        projections' last two dims, ``(H, 2I, I, H)``): off XLA wherever ``grouped_mm`` multiplies them, with no
+        weight copies and no padding -- what transformers' own default does. NxD's rules are Trainium's: blockwise
+        pads every expert to ``block_size`` rows (512 by default), and all-experts from ``T*k >= alpha*E``
+        computes ``E/k`` times the pairs; eager matmuls pay both in full."""
+        return (device.type != "xla" and self.matmul != "gather"
+                and grouped_mm_applies(device, dtype, dtype, weight_dims))
+
     def __repr__(self) -> str:
-        return f"TorchBackend(matmul={self.matmul!r})"
+        return f"TorchBackend(matmul={self.matmul!r}{', pairs=True' if self.pairs else ''})"
 
 
 BACKENDS: dict[str, str] = {

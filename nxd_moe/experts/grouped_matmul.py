@@ -27,19 +27,27 @@ from nxd_moe.quantization.weight import dequantized
 MATMUL_IMPLS = ("auto", "gather", "grouped_mm")
 
 
-def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def grouped_mm_applies(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
+                       weight_dims: Sequence[int]) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` multiplies rows of ``dtype`` on ``device`` by weights of
+    ``weight_dtype`` whose last two dims are ``weight_dims`` (each weight's, flattened) -- here, now (inside
+    ``torch.compile`` fewer dtypes apply)."""
     if not hasattr(torch.nn.functional, "grouped_mm"):
         return False
-    if x.device.type == "cpu":
+    if device.type == "cpu":
         dtypes = (torch.bfloat16,) if torch.compiler.is_compiling() else (torch.float32, torch.bfloat16, torch.float16)
-    elif x.device.type == "cuda":
-        dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(x.device) >= (8, 0) else ()
+    elif device.type == "cuda":
+        dtypes = (torch.bfloat16,) if torch.cuda.get_device_capability(device) >= (8, 0) else ()
     else:
         return False
-    if x.dtype not in dtypes or weight.dtype != x.dtype:
+    if dtype not in dtypes or weight_dtype != dtype:
         return False
     # grouped_mm needs 16-byte aligned row strides on both operands.
-    return all((size * x.element_size()) % 16 == 0 for size in (weight.shape[1], weight.shape[2]))
+    return all((size * dtype.itemsize) % 16 == 0 for size in weight_dims)
+
+
+def _grouped_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return grouped_mm_applies(x.device, x.dtype, weight.dtype, (weight.shape[1], weight.shape[2]))
 
 
 def resolve_matmul_impl(impl: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> str:

@@ -24,10 +24,13 @@ def local_routing(pair_expert: torch.Tensor, pair_weight: torch.Tensor, local_sl
     ``-1`` for the others."""
     mine = pair_expert >= 0
     slot = torch.where(mine, local_slot[pair_expert.clamp(min=0).long()], torch.full_like(pair_expert, -1).long())
-    hits = slot.unsqueeze(-1) == torch.arange(num_local, device=slot.device)  # (T, k, E_l)
-    mask = hits.any(dim=1)
-    zero = torch.zeros((), dtype=pair_weight.dtype, device=pair_weight.device)
-    affinities = torch.where(hits, pair_weight.unsqueeze(-1), zero).sum(dim=1)
+    # Scattered into (T, E_l + 1): the pairs not computed here land in the extra column, dropped after. A token's
+    # local slots are distinct (its experts are), so each kept entry is written once: no sum, no write order.
+    column = torch.where(slot >= 0, slot, num_local)
+    rows = (pair_expert.shape[0], num_local + 1)
+    mask = torch.zeros(rows, dtype=torch.bool, device=slot.device).scatter(1, column, True)[:, :num_local]
+    affinities = torch.zeros(rows, dtype=pair_weight.dtype, device=slot.device).scatter(
+        1, column, pair_weight)[:, :num_local]
     # Distinct keys: chosen experts rank above fillers, lower ids first within each kind.
     key = mask.to(torch.int64) * num_local + (num_local - 1 - torch.arange(num_local, device=mask.device))
     expert_index = key.topk(min(pair_expert.shape[1], num_local), dim=1).indices

@@ -23,14 +23,19 @@ __all__ = ["PolarFreeRotaryEmbedding", "StaticCacheStep", "check_cache_length", 
 _WINDOW_KEYS = ("sliding_window", "attention_chunk_size")
 
 
-def check_cache_length(config, cache_length: int) -> int:
-    """``cache_length``, checked against the model's ``config``: an int >= 1, at most its sliding window or
-    attention chunk (see :class:`StaticCacheStep`)."""
-    check_int("cache_length", cache_length, minimum=1)
+def check_cache_length(config, cache_length: int, name: str = "cache_length") -> int:
+    """``cache_length``, checked against the model's ``config``: an int >= 1, at most its positions
+    (``max_position_embeddings``) and its sliding window or attention chunk (see :class:`StaticCacheStep`).
+    ``name``: the argument's name in errors."""
+    check_int(name, cache_length, minimum=1)
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and cache_length > positions:
+        raise ValueError(f"{name} must be <= the model's max_position_embeddings ({positions}), got {cache_length}: "
+                         "the model has no positions beyond it")
     for key in _WINDOW_KEYS:
         window = getattr(config, key, None)
         if isinstance(window, int) and cache_length > window:
-            raise ValueError(f"cache_length must be <= the model's {key} ({window}), got {cache_length}: beyond it "
+            raise ValueError(f"{name} must be <= the model's {key} ({window}), got {cache_length}: beyond it "
                              "transformers' cache rolls its buffer under Python control flow, a graph per position")
     return cache_length
 
@@ -119,6 +124,12 @@ class StaticCacheStep(nn.Module):
         mask = mask.expand(batch_size, 1, -1, -1)
         layer_types = getattr(self.model.config, "layer_types", None)
         return mask if layer_types is None else {layer_type: mask for layer_type in set(layer_types)}
+
+    def input_names(self, count: int) -> list[str]:
+        """The first ``count`` inputs of :meth:`forward` by name (a trace's parameter map): ``input_ids``,
+        ``cache_position``, then ``cache.<layer>.keys`` and ``cache.<layer>.values``."""
+        cache = [f"cache.{i // 2}.{('keys', 'values')[i % 2]}" for i in range(max(0, count - 2))]
+        return ["input_ids", "cache_position", *cache][:count]
 
     def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor, *cache: torch.Tensor):
         cache_layers = self._static_cache()

@@ -7,8 +7,11 @@ Qwen3-MoE, DeepSeek-V3, GPT-OSS, ...) through a function it looks up by name in 
 nxd_moe.hf`` registers three names:
 
 - ``"nxd_moe"``: the triton backend for CUDA tensors when Triton imports (fp32 / bf16 / fp16), the torch backend
-  otherwise;
-- ``"nxd_moe_torch"``, ``"nxd_moe_triton"``: that backend always.
+  otherwise -- there, wherever ``grouped_mm`` takes the dtype (a CPU), with the ``T*k`` pairs sorted by expert at
+  every ``T``, transformers' own algorithm (:meth:`~nxd_moe.experts.backends.TorchBackend.pairs_cheapest`: NxD's
+  Trainium rules pad to 512-row blocks and compute all experts at decode, which eager matmuls pay in full);
+- ``"nxd_moe_torch"``, ``"nxd_moe_triton"``: that backend always, with its own mode rules (the torch backend's
+  are NxD's).
 
 The function reads the module's own weight tensors on every call (views, never copies: ``is_transposed=False``
 weights are used through a transposed view), so switching costs no memory. The algorithm comes from ``T`` alone
@@ -34,6 +37,7 @@ from nxd_moe.config import DEFAULT_SELECTIVE_LOADING_THRESHOLD, BlockwiseMatmulC
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.pairs import experts_forward_pairs
 
 # NxD's defaults: blockwise from T*k >= 512 assignments, selective loading while T*k < E.
@@ -243,7 +247,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     functools.partial(experts_forward, backend=TritonBackend(one_launch=False)))``.
     """
     layout = _layout_of(module)
-    if backend is None:
+    automatic = backend is None
+    if automatic:
         backend = _automatic_backend(hidden_states)
     elif isinstance(backend, str):
         backend = _backend(backend)
@@ -261,8 +266,12 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     pair_expert = top_k_index
     if layout.sentinels_always or module._is_expert_parallel:
         pair_expert = torch.where(top_k_index < layout.num_experts, top_k_index, -1)
-    mode = backend.select_mode_from_tokens(num_tokens, top_k, layout.num_experts, blockwise_matmul_config.block_size,
-                                           DEFAULT_SELECTIVE_LOADING_THRESHOLD)
+    dims = (*weights.gate_up_proj.shape[1:], *weights.down_proj.shape[1:])
+    if automatic and isinstance(backend, TorchBackend) and backend.pairs_cheapest(x.device, dtype, dims):
+        mode = ExpertsMode.SELECTIVE_LOADING  # transformers' own algorithm on a CPU / GPU, at every T (see there)
+    else:
+        mode = backend.select_mode_from_tokens(num_tokens, top_k, layout.num_experts,
+                                               blockwise_matmul_config.block_size, DEFAULT_SELECTIVE_LOADING_THRESHOLD)
     run = experts_forward_pairs(backend, x, pair_expert, top_k_weights, weights, layout.local_slot(x.device), mode,
                                 blockwise_matmul_config)
     return run.output.to(hidden_states.dtype)

@@ -18,9 +18,12 @@ from pathlib import Path
 
 import torch
 
+from nxd_moe.extras import require
+
 HELP = "generate with a whole transformers MoE model through nxd_moe and print tokens/s next to transformers' default"
 
 PATHS = ("patch", "experts")
+DEFAULT_LAYERS = 4
 # transformers' default experts implementation (its generate swaps in batched_mm for decode steps on a GPU).
 TRANSFORMERS_DEFAULT = "grouped_mm"
 
@@ -29,9 +32,13 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.de
     """A transformers model from a local checkpoint directory, read from safetensors files only.
 
     A directory holding only pickle weights (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) is refused by name: unpickling
-    runs code from the file.
+    runs code from the file. So is, before any weight is read, a model type without a sparse-MoE block nxd_moe
+    serves; a file transformers cannot read is one ``ValueError`` naming it.
     """
-    from transformers import AutoModelForCausalLM
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nxd_moe.hf import SUPPORTED_MODEL_TYPES
 
     path = Path(path)
     if not path.is_dir():
@@ -44,7 +51,14 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.de
             "it holds no weights"
         raise ValueError(f"--hf-model {str(path)!r}: only safetensors checkpoints are read, and {found}; convert it "
                          "to safetensors first")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device).eval()
+    try:
+        model_type = AutoConfig.from_pretrained(path).model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"--hf-model {str(path)!r}: model_type {model_type!r} has no sparse-MoE block nxd_moe "
+                             f"serves; supported: {list(SUPPORTED_MODEL_TYPES)}")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device).eval()
+    except (OSError, SafetensorError) as e:  # unreadable files: one line naming the checkpoint
+        raise ValueError(f"--hf-model {str(path)!r} could not be read: {type(e).__name__}: {e}") from None
 
 
 def generate_tokens(model, ids: torch.Tensor, new_tokens: int, compiled: bool, cache=None) -> torch.Tensor:
@@ -104,18 +118,26 @@ def static_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
-def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, repeats: int) -> dict:
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, repeats: int,
+                   clock: str = "wall") -> dict:
     """Prefill ms (a one-token generate) and decode tokens/s (the rest of an ``new_tokens`` generate), medians of
     ``repeats`` runs after a warm-up run (which also compiles), and the generated tokens. Compiled runs share one
-    :func:`static_cache`."""
+    :func:`static_cache`. ``clock``: ``"wall"`` (default), or ``"process"`` -- this process's CPU time, which other
+    processes on a shared CPU do not inflate (a CPU run's comparison; with several threads it counts each)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
+    now = CLOCKS[clock]
     cache = static_cache(model, ids.shape[1] + new_tokens) if compiled else None
 
     def timed(n: int) -> tuple[float, torch.Tensor]:
         _synchronize(ids)
-        start = time.perf_counter()
+        start = now()
         out = generate_tokens(model, ids, n, compiled, cache)
         _synchronize(ids)
-        return time.perf_counter() - start, out
+        return now() - start, out
 
     # Two warm-up runs: the first compiles (Triton kernels; Inductor under --compile), and attention libraries plan
     # once per new cache length, so the timed runs see only lengths already seen.
@@ -143,11 +165,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf-model", help="a local transformers checkpoint directory (safetensors only)")
     source.add_argument("--app", help="a compiled application directory (nxd-moe compile): generate with nxd_moe's "
                                       "own loop (CUDA graphs per bucket on a GPU) instead of transformers'")
-    parser.add_argument("--scale", type=_scale, default="auto",
-                        help="with --config: divide the widths by this; 1 = full size; 'auto' (default): 1 on a GPU, "
-                             "else the layer scale `nxd-moe run` picks")
-    parser.add_argument("--layers", type=int, default=4,
-                        help="with --config: decoder layers (default 4; 0 = the architecture's full depth)")
+    parser.add_argument("--scale", type=_scale, default=None,
+                        help="with --config: divide the widths by this (rounded up to a multiple of 8); 1 = full "
+                             "size; 'auto' (default): 1 on a GPU, else the layer scale `nxd-moe run` picks")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"with --config: decoder layers (default {DEFAULT_LAYERS}; 0 = the architecture's full "
+                             "depth)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--batch", type=_positive_int, default=1, help="sequences (default 1)")
@@ -168,6 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    require("transformers", "nxd-moe generate")
     from nxd_moe.cli import auto_scale, resolve_device, resolve_dtype
     from nxd_moe.config import load_model_config
     from nxd_moe.hf import patch_model
@@ -176,8 +200,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (one prefill token and at least one decode step), got "
                          f"{args.new_tokens}")
-    if args.layers < 0:
-        raise ValueError(f"--layers must be >= 0 (0 = full depth), got {args.layers}")
+    if args.hf_model is not None:
+        given = [flag for flag, value in (("--layers", args.layers), ("--scale", args.scale)) if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)}: {'they shape' if len(given) > 1 else 'it shapes'} a --config "
+                             "model; a --hf-model checkpoint is generated as it is")
+    layers = DEFAULT_LAYERS if args.layers is None else args.layers
+    if layers < 0:
+        raise ValueError(f"--layers must be >= 0 (0 = full depth), got {layers}")
     device = resolve_device(args.device, args.backend or "torch")
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
@@ -186,17 +216,29 @@ def run(args: argparse.Namespace) -> dict:
         source = {"hf_model": str(args.hf_model)}
     else:
         config = load_model_config(args.config)
-        scale = args.scale
+        scale = "auto" if args.scale is None else args.scale
         if scale == "auto":
             scale = 1 if device.type == "cuda" else auto_scale(config.hidden_size)
-        model = build_hf_model(config, num_layers=args.layers or None, scale=scale, dtype=dtype, device=device,
+        model = build_hf_model(config, num_layers=layers or None, scale=scale, dtype=dtype, device=device,
                                seed=args.seed)
         source = {"config": config.name, "scale": scale}
-    vocab = model.config.get_text_config().vocab_size
+    text_config = model.config.get_text_config()
+    positions = getattr(text_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and args.prompt_len + args.new_tokens > positions:
+        raise ValueError(f"--prompt-len + --new-tokens ({args.prompt_len + args.new_tokens}) must be <= the model's "
+                         f"max_position_embeddings ({positions})")
+    dispatched = model._can_set_experts_implementation()
+    if args.path == "experts" and not dispatched:
+        raise ValueError(f"--path experts: transformers does not dispatch {type(model).__name__}'s experts by name "
+                         "(experts_implementation); use --path patch")
+    vocab = text_config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.prompt_len), device=device,
                         generator=torch.Generator(device).manual_seed(args.seed))
     compiled = bool(args.compile)
-    model.set_experts_implementation(TRANSFORMERS_DEFAULT)
+    # transformers' default: grouped_mm where it dispatches the experts by name, else the model's own experts module
+    default = TRANSFORMERS_DEFAULT if dispatched else f"{type(model).__name__}'s own experts"
+    if dispatched:
+        model.set_experts_implementation(TRANSFORMERS_DEFAULT)
     baseline = timed_generate(model, ids, args.new_tokens, compiled, args.repeats)
     if args.path == "patch":
         patch_model(model, backend=args.backend)
@@ -207,10 +249,10 @@ def run(args: argparse.Namespace) -> dict:
     ours = timed_generate(model, ids, args.new_tokens, compiled, args.repeats)
     same = (ours.pop("tokens") == baseline.pop("tokens")).float().mean().item()
     return {
-        **source, "model_type": model.config.model_type, "layers": model.config.get_text_config().num_hidden_layers,
+        **source, "model_type": model.config.model_type, "layers": text_config.num_hidden_layers,
         "device": str(device), "dtype": str(dtype).removeprefix("torch."), "batch": args.batch,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "compiled": compiled,
-        "transformers": {"experts_implementation": TRANSFORMERS_DEFAULT, **baseline},
+        "transformers": {"experts_implementation": default, **baseline},
         "nxd_moe": {"path": ours_name, **ours},
         "speedup_decode": round(ours["decode_tokens_per_s"] / baseline["decode_tokens_per_s"], 2),
         "speedup_prefill": round(baseline["prefill_ms"] / ours["prefill_ms"], 2),

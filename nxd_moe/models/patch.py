@@ -16,10 +16,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from nxd_moe.build import build_moe
+from nxd_moe.build import build_moe, check_overrides
 from nxd_moe.config import MoEModelConfig
-from nxd_moe.experts.backends import ExpertsBackend
+from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.hf import (
+    HF_QUANT_METHODS,
     SUPPORTED_MODEL_TYPES,
     _expected_nxd,
     _family,
@@ -29,10 +30,11 @@ from nxd_moe.hf import (
     from_hf_config,
     from_hf_moe_block,
     layer_formats,
+    unsaved_formats,
 )
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import shard_state_dict
-from nxd_moe.quantization.formats import get_format
+from nxd_moe.quantization.formats import get_format, reported_format
 from nxd_moe.quantization.quantizer import holds_whole_experts, quantize_experts, quantize_shared_experts
 
 __all__ = ["PatchReport", "PatchedMoEBlock", "patch_model"]
@@ -85,7 +87,8 @@ class PatchedMoEBlock(nn.Module):
 
     def extra_repr(self) -> str:
         routed, shared = layer_formats(self.moe)
-        formats = f"quantization={routed!r}" + ("" if shared is None else f", shared_quantization={shared!r}")
+        formats = f"quantization={reported_format(routed)!r}" + (
+            "" if shared is None else f", shared_quantization={reported_format(shared)!r}")
         return f"in place of {self.block_class}, backend={self.moe.expert_mlps.backend.name!r}, {formats}"
 
     @staticmethod
@@ -96,16 +99,21 @@ class PatchedMoEBlock(nn.Module):
                                       "experts; save the checkpoint from a model patched in one process")
         own = prefix + "moe."
         nxd = {key[len(own):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(own)]}
-        # The Hub's per-expert layout is the one FP8 checkpoints have; unquantized experts keep transformers' own.
-        layout = "transformers" if layer_formats(module.moe)[0] == "bf16" else "hub"
-        try:
-            hf = _family(module.model_config).from_nxd(nxd, layout)
-        except ValueError as err:
+        routed, shared = layer_formats(module.moe)
+        unsaved = unsaved_formats(module.model_config, routed, shared)
+        if unsaved:
             raise ValueError(f"state_dict of {prefix or 'the block'!r} ({module.block_class} patched by nxd_moe): "
-                             f"{err}") from None
+                             f"{unsaved}")
+        # The Hub's per-expert layout is the one FP8 checkpoints have; unquantized experts keep transformers' own.
+        layout = "transformers" if routed == "bf16" else "hub"
+        hf = _family(module.model_config).from_nxd(nxd, layout)
         ordered = [k for k in module.hf_dtypes if k in hf] + [k for k in hf if k not in module.hf_dtypes]
         for key in ordered:
             value, dtype = hf[key], module.hf_dtypes.get(key)
+            if layout == "hub":
+                # Per-expert slices of one tensor, transposed: save_pretrained's shared-storage check needs each
+                # contiguous (it views every tensor that shares storage as 1-D).
+                value = value.contiguous()
             # Unquantized tensors in the block's dtypes (the router); FP8 and packed MXFP4 ones as stored.
             if dtype is not None and value.is_floating_point() and value.element_size() > 1:
                 value = value.to(dtype)
@@ -140,7 +148,7 @@ class PatchReport:
 
     ``patched``: module paths of the replaced blocks; ``kept``: ``(path, why)`` of each decoder layer's MLP left as
     it is (dense layers); ``backend``, ``quantization`` and ``shared_quantization`` (None without shared experts):
-    how the ``MoE`` layers compute and store their experts.
+    how the ``MoE`` layers compute and store their experts (``"none"``: not quantized, in the model's dtype).
     """
 
     model_type: str
@@ -150,6 +158,42 @@ class PatchReport:
     shared_quantization: str | None
     patched: tuple[str, ...]
     kept: tuple[tuple[str, str], ...]
+
+
+def _quantization_config(model: nn.Module, blocks: dict[str, PatchedMoEBlock], routed: str,
+                         shared: str | None) -> dict[str, Any] | None:
+    """transformers' ``quantization_config`` for the checkpoint of ``model`` whose ``blocks`` (path -> patched block)
+    store their routed / shared experts as ``routed`` / ``shared``; None where nothing is quantized or the formats
+    have no checkpoint form (``state_dict`` then refuses, naming them).
+
+    ``modules_to_not_convert`` lists every module transformers would otherwise turn into a quantized one on loading
+    (its ``nn.Linear`` modules and ``*.experts``) that holds unquantized weights here: attention, dense MLPs, the
+    routers, the shared experts when only the routed ones are quantized... Names differing only in a layer index
+    become one pattern (``model.layers.\\d+.self_attn.q_proj``) where that pattern matches no quantized module.
+    """
+    methods = {HF_QUANT_METHODS.get(routed), HF_QUANT_METHODS.get(shared)} - {None}
+    block = next(iter(blocks.values()))
+    if not methods or unsaved_formats(block.model_config, routed, shared):
+        return None
+    family_shared = _family(block.model_config).shared
+    quantized, keep = set(), {name for name, module in model.named_modules() if type(module) is nn.Linear
+                              and not any(name.startswith(path + ".") for path in blocks)}
+    for path, wrapper in blocks.items():
+        for key in wrapper.hf_dtypes:  # the block's transformers keys: its modules are the loaded model's
+            module = key.rpartition(".")[0]
+            is_quantized = (HF_QUANT_METHODS.get(routed) and module == "experts") or (
+                HF_QUANT_METHODS.get(shared) and family_shared and module.startswith(family_shared + "."))
+            (quantized if is_quantized else keep).add(f"{path}.{module}")
+    patterns = set()
+    for name in keep:
+        pattern = re.sub(r"(?<=\.)\d+(?=\.)", r"\\d+", name)
+        patterns.add(pattern if not any(re.fullmatch(pattern, q) or re.match(rf"{pattern}\.", q) for q in quantized)
+                     else name)
+    method, = methods
+    config = {"quant_method": method, "modules_to_not_convert": sorted(patterns)}
+    if method == "fp8":  # DeepSeek-V3's own: E4M3 weights, one float32 scale per 128x128 tile, dynamic activations
+        config.update(activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128])
+    return config
 
 
 def _default_backend(device: torch.device) -> str:
@@ -197,7 +241,11 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     converted and its tensors released, so patching needs the memory of one extra block at most.
 
     ``backend``: the experts' backend; None picks ``"triton"`` for a model on a CUDA device where Triton imports,
-    else ``"torch"``. ``quantization`` (``"fp8"``, ``"fp8_block"``, ``"mxfp4"``; None keeps the block's format):
+    else ``"torch"`` -- as ``TorchBackend(pairs=True)`` where ``grouped_mm`` takes the model's dtype (a CPU): every
+    dropless forward then multiplies the ``T*k`` (token, expert) pairs sorted by expert, as transformers' default
+    does, instead of NxD's Trainium rules (blockwise in ``block_size``-row blocks, all-experts decode), which
+    eager CPU matmuls pay in full; the same outputs. Pass ``backend="torch"`` for NxD's rules (what a trace for
+    Trainium wants). ``quantization`` (``"fp8"``, ``"fp8_block"``, ``"mxfp4"``; None keeps the block's format):
     quantize the routed experts after loading; ``shared_quantization``: the shared experts' format (bf16 unless
     given). ``build_kwargs`` go to :func:`~nxd_moe.build.build_moe` (``block_size``, ``validate_inputs``,
     experts overrides...); ``scale``, ``dtype`` and ``device`` are the model's and are refused.
@@ -216,6 +264,7 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         if name in build_kwargs:
             raise TypeError(f"patch_model: {name!r} is the model's own (convert the model itself, e.g. model.to(), "
                             "before patching)")
+    check_overrides(build_kwargs, "patch_model")
     cfg = from_hf_config(model.config)
     if quantization is not None:
         quantization = get_format(quantization, "patch_model: quantization").name
@@ -237,7 +286,11 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no "
                          f"{' or '.join(family.block_classes)} to replace; every layer is dense")
     if backend is None:
-        backend = _default_backend(next(model.get_submodule(paths[0]).parameters()).device)
+        reference = next(model.get_submodule(paths[0]).parameters())
+        backend = _default_backend(reference.device)
+        dims = (cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size, cfg.hidden_size)
+        if backend == "torch" and TorchBackend().pairs_cheapest(reference.device, reference.dtype, dims):
+            backend = TorchBackend(pairs=True)  # eager on a CPU / GPU: transformers' algorithm, not Trainium's
     # Everything that can be refused is checked before the first block changes: the layer's arguments (a layer on
     # the meta device, no memory) and every block's tensors.
     probe = build_moe(cfg, device="meta", backend=backend, quantization=quantization,
@@ -253,19 +306,26 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     for path in paths:
         check_hf_block(model.get_submodule(path).state_dict(), cfg, expected, f"{path}.")
     # Only paths are held, so each block's tensors go as soon as its replacement is in place.
+    wrappers = {}
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         block = getattr(parent, name)
         wrapper = PatchedMoEBlock(from_hf_moe_block(block, cfg, backend=backend, **build_kwargs), cfg, block)
         setattr(parent, name, wrapper)
+        wrappers[path] = wrapper
         del block
         if quantization is not None and quantization != layer_formats(wrapper.moe)[0]:
             quantize_experts(wrapper.moe, quantization)
         if shared_quantization is not None and shared_quantization != layer_formats(wrapper.moe)[1]:
             quantize_shared_experts(wrapper.moe, shared_quantization)
         formats = layer_formats(wrapper.moe)
+    quantization_config = _quantization_config(model, wrappers, *formats)
+    if quantization_config is not None:  # save_pretrained writes it: transformers then loads the quantized experts
+        model.config.quantization_config = quantization_config
     model.nxd_moe_patched = PatchReport(
         model_type=cfg.hf_model_type, block_class=family.block_classes[0], backend=wrapper.moe.expert_mlps.backend.name,
-        quantization=formats[0], shared_quantization=formats[1], patched=tuple(paths), kept=tuple(kept))
+        quantization=reported_format(formats[0]),
+        shared_quantization=None if formats[1] is None else reported_format(formats[1]),
+        patched=tuple(paths), kept=tuple(kept))
     return model

@@ -42,6 +42,7 @@ from nxd_moe.config import (
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.token_mapping import num_blocks, num_static_blocks, token_to_block_mapping
+from nxd_moe.extras import MissingExtraError, require
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.backend import KernelCall, blockwise_call, pads_token_rows
@@ -431,10 +432,7 @@ def format_plan(report: dict) -> str:
 
 def _pyplot():
     """matplotlib's pyplot on the file-only backend, imported on first use (an optional dependency)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'nxd-moe[plot]'") from None
+    matplotlib = require("matplotlib", "--plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -515,8 +513,8 @@ def main(args: argparse.Namespace) -> int:
         report = plan(model, args.tokens, args.tp, args.ep, args.decode_batch, args.aif_target, external)
         if args.plot:
             plot_plan(report, args.plot)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
-        print(f"nxd-moe plan: error: {e}")
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, MissingExtraError) as e:
+        print(f"nxd-moe plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     if args.plot:

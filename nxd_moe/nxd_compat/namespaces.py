@@ -80,8 +80,23 @@ moe = _package(MOE, "NxD's MoE modules, served by nxd_moe.", MoE=adapters.MoE, E
                moe_configs=moe_configs, model_utils=model_utils, shared_experts=shared_experts,
                moe_process_group=moe_process_group)
 modules = _package("neuronx_distributed.modules", "NxD's modules (MoE only).", moe=moe)
+# NxD's tensor-parallel layers (parallel_layers/layers.py): named when asked for, as unserved modules are.
+_PARALLEL_LAYERS = ("ColumnParallelLinear", "RowParallelLinear", "BaseParallelLinear", "ParallelEmbedding",
+                    "LinearWithAsyncCommunication", "OutputChannelParallelConv2d", "InputChannelParallelConv2d")
+
+
+def _layers_getattr(name: str):  # noqa: N807 -- a module's __getattr__
+    module = "neuronx_distributed.parallel_layers.layers"
+    if name in _PARALLEL_LAYERS:  # ImportError, not AttributeError: `from ... import` passes it on as it is
+        raise ImportError(f"{module}.{name} is not served by nxd_moe's NxD front door (NxD's tensor-parallel layers "
+                          "for a whole model; nxd_moe's MoE shards its own router, experts and shared experts under "
+                          f"nxd_moe.parallel_state, and this module serves SPMDRank only); docs/nxd.md lists what is",
+                          name=module)
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
 layers = _module("neuronx_distributed.parallel_layers.layers", "NxD's SPMDRank (NxD's parallel linear layers are "
-                 "not served).", SPMDRank=SPMDRank)
+                 "not served).", SPMDRank=SPMDRank, __getattr__=_layers_getattr)
 parallel_layers = _package("neuronx_distributed.parallel_layers", "NxD's parallel_state, mappings and SPMDRank.",
                            parallel_state=parallel_state, mappings=mappings, layers=layers)
 root = _package("neuronx_distributed", "NeuronxDistributed's MoE inference names, served by nxd_moe.",

@@ -290,6 +290,19 @@ ALIASES = {
 QUANTIZATION_CHOICES = tuple(FORMATS)
 
 
+def reported_format(quantization: str | QuantizationFormat | None) -> str:
+    """A weight format as reports name it: ``"none"`` for weights that are not quantized (they are in the layer's
+    dtype, whatever it is, which the internal name ``"bf16"`` does not say), else the format's name."""
+    name = get_format(quantization).name
+    return "none" if name == "bf16" else name
+
+
+def describe_weights(quantization: str | QuantizationFormat | None, dtype: torch.dtype | str) -> str:
+    """``"fp8"``, ``"mxfp4"``...; unquantized weights by their dtype: ``"float32 (unquantized)"``."""
+    name = reported_format(quantization)
+    return name if name != "none" else f"{str(dtype).removeprefix('torch.')} (unquantized)"
+
+
 def get_format(quantization: str | QuantizationFormat | None, what: str = "quantization") -> QuantizationFormat:
     """A format from its name (or NxD alias, case-insensitive), or the format itself."""
     if isinstance(quantization, QuantizationFormat):

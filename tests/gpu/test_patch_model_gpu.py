@@ -115,3 +115,22 @@ def test_gpu_memory_of_the_patched_model():
     assert patched <= 1.05 * before, (patched, before)
     assert peak <= before + 1.25 * block, (peak - before, block)
     assert after_steps() <= 1.05 * unpatched_steps
+
+
+def test_a_quantized_checkpoint_loads_natively_through_transformers_on_the_gpu(tmp_path):
+    """On an FP8-capable GPU transformers loads the FP8 checkpoint a patched model saved as FP8 (its FP8Experts
+    with 128x128 block scales; on a CPU it dequantizes, tests/models/test_patch_model.py): every tensor loads, the
+    experts stay FP8, and the logits are the patched model's up to what transformers adds -- bf16 activations and
+    their dynamic E4M3 quantization per 128 columns (2**-4 relative per element; over two layers of this model a
+    few percent of the largest logit: 0.1 leaves room, and a wrong layout, e.g. scales transposed, is O(1))."""
+    pytest.importorskip("accelerate")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("transformers' FP8 kernels need compute capability >= 8.9")
+    model = on_cuda("qwen3_moe", hidden=128, intermediate=128)
+    quantized = patch_model(copy.deepcopy(model), quantization="fp8_block")
+    quantized.save_pretrained(tmp_path)
+    reloaded, info = type(model).from_pretrained(tmp_path, device_map="cuda", dtype=torch.bfloat16,
+                                                 output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert reloaded.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert rel_err(logits(reloaded).float(), logits(quantized)) <= 0.1

@@ -74,7 +74,7 @@ def test_whole_model_logits_and_greedy_generate_match_eager(family, monkeypatch)
         greedy = model.generate(prompts[1][:, :6], max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                 attention_mask=torch.ones(2, 6, dtype=torch.long))
         assert not spy.modes
-        model.set_experts_implementation("nxd_moe")
+        model.set_experts_implementation("nxd_moe_torch")  # NxD's mode rules: every algorithm runs
         try:
             ours = [model(ids).logits for ids in prompts]
             ours_greedy = model.generate(prompts[1][:, :6], max_new_tokens=12, min_new_tokens=12, do_sample=False,
@@ -86,6 +86,64 @@ def test_whole_model_logits_and_greedy_generate_match_eager(family, monkeypatch)
         assert err <= LOGITS_RTOL, f"{family}: logits relative error {err:.2e}"
     assert torch.equal(ours_greedy, greedy)
     assert {"blockwise", "all_experts", "selective_loading"} <= set(spy.modes)
+
+
+# Families beyond the five whose experts transformers 5.23 also dispatches by name (patch_model does not take them):
+# model_type -> their MoE sizes in the names of their config class.
+OTHER_DISPATCHED = {
+    "olmoe": dict(intermediate_size=24, num_experts=8, num_experts_per_tok=2),
+    "phimoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
+    "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                     n_group=1, topk_group=1, first_k_dense_replace=0, head_dim=16),
+    "granitemoe": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2),
+    "ernie4_5_moe": dict(intermediate_size=24, moe_intermediate_size=24, moe_num_experts=8, moe_k=2),
+    "hunyuan_v1_moe": dict(intermediate_size=24, num_experts=8, moe_topk=2, head_dim=16),
+    "minimax": dict(intermediate_size=24, num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+    "deepseek_v2": dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+                        first_k_dense_replace=0, n_group=1, topk_group=1, q_lora_rank=8, kv_lora_rank=8,
+                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
+}
+
+
+@pytest.mark.parametrize("model_type", list(OTHER_DISPATCHED))
+def test_other_dispatched_families_match_their_eager_experts(model_type, monkeypatch):
+    """docs/models.md's list: each of these runs its experts through nxd_moe (the spy sees every sparse layer) and
+    gives transformers' eager logits within fp32 rounding; patch_model refuses them by name."""
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=HIDDEN, **OTHER_DISPATCHED[model_type],
+                                               **{**LAYERS, "num_key_value_heads": 2})
+    model = randomize_hf_(AutoModelForCausalLM.from_config(config, experts_implementation="eager"), seed=0).eval()
+    ids = token_ids(2, 9, seed=4)
+    with torch.no_grad():
+        reference = model(ids).logits
+        set_experts_implementation(model)
+        spy = ExpertsModeSpy(monkeypatch)
+        ours = model(ids).logits
+    experts_modules = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    assert experts_modules and len(spy.modes) == len(experts_modules)  # every experts module called nxd_moe
+    err = ((ours - reference).abs().max() / reference.abs().max()).item()
+    assert err <= LOGITS_RTOL, f"{model_type}: logits relative error {err:.2e}"
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}'\) has no sparse-MoE block nxd_moe converts"):
+        nxd_moe.hf.patch_model(model)
+
+
+def test_automatic_implementation_on_a_cpu_multiplies_the_pairs_at_every_size(monkeypatch):
+    """"nxd_moe" on a CPU runs the T*k pairs sorted by expert (grouped_mm, no padding) for prefill and decode sizes
+    alike -- NxD's Trainium rules padded each expert to 512-row blocks (a 300-token prefill of this model: 16x the
+    rows) and computed every expert for a decode batch -- with eager's logits; "nxd_moe_torch" keeps NxD's rules."""
+    model = tiny_model("qwen3_moe")
+    spy = ExpertsModeSpy(monkeypatch)
+    prompts = [token_ids(1, 300, seed=1), token_ids(8, 1, seed=2), token_ids(2, 20, seed=3)]
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        reference = [model(ids).logits for ids in prompts]
+        model.set_experts_implementation("nxd_moe")
+        try:
+            ours = [model(ids).logits for ids in prompts]
+        finally:
+            model.set_experts_implementation("eager")
+    assert spy.modes and set(spy.modes) == {"selective_loading"}
+    for got, want in zip(ours, reference):
+        assert ((got - want).abs().max() / want.abs().max()).item() <= LOGITS_RTOL
 
 
 def test_from_pretrained_with_experts_implementation(tmp_path, monkeypatch):
@@ -306,8 +364,9 @@ def test_no_host_sync_in_eager_calls(kind, mode, monkeypatch):
     index, weight = routing(num_tokens, seed=29)
     spy = ExpertsModeSpy(monkeypatch)
     with no_host_sync():
-        run(module, x, index, weight)
-    assert spy.modes == [mode]
+        run(module, x, index, weight, backend="torch")  # NxD's rules: each mode in turn
+        run(module, x, index, weight)  # the automatic choice on a CPU: the pairs at every size
+    assert spy.modes == [mode, "selective_loading"]
 
 
 def test_modules_of_transformers_5_17():

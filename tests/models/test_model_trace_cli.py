@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 
 import pytest
 
@@ -38,7 +39,23 @@ def test_bad_arguments_exit_2_naming_them(tmp_path, capsys, args, message):
 def test_cache_longer_than_the_sliding_window_is_refused(tmp_path, capsys):
     assert cli_main(["trace", "--config", "gpt-oss-20b", "--model-layers", "1", "--cache-length", "129",
                      "--out", str(tmp_path)]) == 2
-    assert "cache_length must be <= the model's sliding_window (128), got 129" in capsys.readouterr().err
+    assert "--cache-length must be <= the model's sliding_window (128), got 129" in capsys.readouterr().err
+
+
+def test_cache_longer_than_the_models_positions_is_refused(tmp_path, capsys):
+    """Qwen3-30B-A3B has 40,960 positions: a longer cache is named, not accepted."""
+    assert cli_main(trace(tmp_path, "--cache-length", "100000")) == 2
+    assert "--cache-length must be <= the model's max_position_embeddings (40960), got 100000" in \
+        capsys.readouterr().err
+
+
+def test_without_transformers_names_the_hf_extra(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "nxd_moe.hf")
+    assert cli_main(trace(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert err == ("nxd-moe trace: error: --model-layers needs transformers, which is not installed: pip install "
+                   "'nxd-moe[hf]'\n")
 
 
 def test_argparse_rejects_non_positive_counts(tmp_path, capsys):
@@ -57,4 +74,4 @@ def test_unknown_config(tmp_path, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is installed here")
 def test_without_torch_xla_says_how_to_get_it(tmp_path, capsys):
     assert cli_main(trace(tmp_path, "--mode", "decode")) == 2
-    assert "pip install -e '.[xla]'" in capsys.readouterr().err
+    assert "needs torch_xla, which is not installed: pip install 'nxd-moe[xla]'" in capsys.readouterr().err

@@ -310,7 +310,7 @@ def test_quantized_patch_matches_its_dequantized_reference(name, quantization, s
     quantized = patched(model, quantization=quantization, shared_quantization=shared)
     report = quantized.nxd_moe_patched
     has_shared = from_hf_config(model.config).shared_experts is not None
-    assert (report.quantization, report.shared_quantization) == (quantization, (shared or "bf16") if has_shared
+    assert (report.quantization, report.shared_quantization) == (quantization, (shared or "none") if has_shared
                                                                  else None)
     assert storage_bytes(quantized) < storage_bytes(model)
     # Identical weights on both sides: only fp32 rounding remains.
@@ -331,10 +331,95 @@ def test_quantized_state_dict_in_the_checkpoint_naming():
     assert ds["model.layers.1.mlp.experts.15.down_proj.weight_scale_inv"].shape == (1, 1)
     assert ds["model.layers.1.mlp.shared_experts.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert ds["model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv"].shape == (2, 1)
-    for name, block in (("mixtral", r"model\.layers\.0\.mlp"), ("llama4_text", r"model\.layers\.1\.feed_forward"),
-                        ("dbrx", r"transformer\.blocks\.0\.ffn")):
-        with pytest.raises(ValueError, match=rf"state_dict of '{block}\.'.*quantized experts \('fp8'\)"):
-            patched(original(name, hidden=64, intermediate=64), quantization="fp8").state_dict()
+
+
+# (name, quantization, shared_quantization): every format a family's checkpoints have in transformers (GPT-OSS's
+# MXFP4; FP8 with 128x128 block scales wherever the Hub stores one Linear per expert, shared experts included).
+SAVED = [("qwen3_moe", "fp8_block", None), ("deepseek_v3", "fp8_block", "fp8_block"),
+         ("deepseek_v3", None, "fp8_block"), ("gpt_oss", "mxfp4", None), ("mixtral", "fp8_block", None),
+         ("qwen2_moe", "fp8_block", None), ("llama4_text", None, "fp8_block")]
+
+
+@pytest.mark.parametrize("name,quantization,shared", SAVED, ids=["-".join(map(str, c)) for c in SAVED])
+def test_a_quantized_checkpoint_reloads_through_transformers(name, quantization, shared, tmp_path):
+    """``save_pretrained`` of a model quantized on patch writes the quantized tensors and transformers'
+    ``quantization_config``; plain ``from_pretrained`` loads every tensor (no key missing, none unexpected; on a CPU
+    transformers dequantizes) and computes what the patched model computes: the stored values are dequantized
+    exactly (an E4M3 or E2M1 value times a power-of-two or float32 scale), so only fp32 summation order remains."""
+    pytest.importorskip("accelerate", reason="transformers loads quantized checkpoints with accelerate (hf extra)")
+    model = original(name, hidden=128, intermediate=128)
+    quantized = patched(model, quantization=quantization, **({} if shared is None else {"shared_quantization": shared}))
+    quantized.save_pretrained(tmp_path)
+    stored = safetensors_torch.load_file(str(tmp_path / "model.safetensors"))
+    narrow = {torch.float8_e4m3fn} if "fp8_block" in (quantization, shared) else {torch.uint8}
+    assert {t.dtype for t in stored.values()} & narrow
+    transformers.logging.set_verbosity_error()  # "no GPU: dequantizing": the CPU path of the same loader
+    reloaded, info = type(model).from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert rel_err(logits(reloaded), logits(quantized)) <= RTOL
+    # Negative control: the quantization's rounding is far above that bound.
+    assert rel_err(logits(reloaded), logits(model)) > 10 * RTOL
+
+
+@pytest.mark.parametrize("name,quantization,shared", [c for c in SAVED if "fp8_block" in c[1:]],
+                         ids=["-".join(map(str, c)) for c in SAVED if "fp8_block" in c[1:]])
+def test_the_saved_quantization_config_converts_exactly_the_quantized_modules(name, quantization, shared):
+    """Where transformers loads FP8 natively (a GPU), it replaces every nn.Linear and experts module not in
+    modules_to_not_convert by an FP8 one before loading: the saved config must leave exactly the quantized ones
+    (transformers' own replacement, run on the meta device, decides; a CPU load dequantizes and never checks it)."""
+    pytest.importorskip("accelerate", reason="transformers' FP8 quantizer imports it")
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    model = original(name, hidden=128, intermediate=128)
+    quantized = patched(model, quantization=quantization, **({} if shared is None else {"shared_quantization": shared}))
+    config = copy.deepcopy(model.config)
+    config.quantization_config = quantized.config.quantization_config
+    quantizer = AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)
+    with torch.device("meta"):
+        fresh = type(model)(config)
+    quantizer._process_model_before_weight_loading(fresh)
+    converted = {path for path, module in fresh.named_modules() if type(module).__name__.startswith("FP8")}
+    tiny = MODELS[name]
+    blocks = [f"{tiny.layers}.{i}.{tiny.block_attr}" for i in tiny.moe_layers]
+    shared_name = {"deepseek_v3": "shared_experts", "llama4_text": "shared_expert"}.get(name)
+    expected = {f"{b}.experts" for b in blocks if quantization} | {
+        f"{b}.{shared_name}.{proj}" for b in blocks if shared for proj in ("gate_proj", "up_proj", "down_proj")}
+    assert converted == expected
+    # Negative control: without the list transformers would convert attention and the LM head too.
+    config.quantization_config = {**config.quantization_config, "modules_to_not_convert": None}
+    with torch.device("meta"):
+        fresh = type(model)(config)
+    AutoHfQuantizer.from_config(config.quantization_config, pre_quantized=True)._process_model_before_weight_loading(
+        fresh)
+    assert {path for path, module in fresh.named_modules() if type(module).__name__.startswith("FP8")} > expected
+
+
+# (name, quantization, shared_quantization, the format to patch with instead)
+UNSAVED = [("qwen3_moe", "fp8", None, "quantization='fp8_block'"),
+           ("qwen3_moe", "mxfp4", None, "quantization='fp8_block'"),
+           ("deepseek_v3", "fp8", None, "quantization='fp8_block'"),
+           ("deepseek_v3", "fp8_block", "fp8", "shared_quantization='fp8_block'"),
+           ("gpt_oss", "fp8", None, "quantization='mxfp4'"),
+           ("gpt_oss", "fp8_block", None, "quantization='mxfp4'"),
+           ("dbrx", "fp8", None, None), ("llama4_text", "mxfp4", None, None)]
+
+
+@pytest.mark.parametrize("name,quantization,shared,instead", UNSAVED, ids=["-".join(c[:3]) if c[2] else
+                                                                         "-".join(c[:2]) for c in UNSAVED])
+def test_a_format_without_a_checkpoint_form_refuses_to_save(name, quantization, shared, instead, tmp_path):
+    """Formats transformers cannot load for the family are refused by ``save_pretrained`` (before anything is
+    written), naming the format and what to do -- never a checkpoint whose experts would load at random."""
+    model = patched(original(name, hidden=128, intermediate=128), quantization=quantization,
+                    **({} if shared is None else {"shared_quantization": shared}))
+    what, fmt = ("shared", shared) if shared == "fp8" else ("routed", quantization)
+    remedy = f"patch with {instead} to save them quantized, or " if instead else ""
+    argument = "shared_quantization" if what == "shared" else "quantization"
+    with pytest.raises(ValueError, match=rf"{what} experts stored as '{fmt}' have no checkpoint format that "
+                                         rf"transformers loads for model_type '{name}' .*; {remedy}save the model "
+                                         rf"before patching it with {argument}='{fmt}'"):
+        model.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    assert getattr(model.config, "quantization_config", None) is None
 
 
 def test_gpt_oss_mxfp4_checkpoint_loads_as_stored():
@@ -427,12 +512,40 @@ def test_report_and_repr():
     model = patch_model(original("qwen2_moe", hidden=64, intermediate=64), quantization="fp8", block_size=8)
     report = model.nxd_moe_patched
     assert report == PatchReport(model_type="qwen2_moe", block_class="Qwen2MoeSparseMoeBlock", backend="torch",
-                                 quantization="fp8", shared_quantization="bf16",
+                                 quantization="fp8", shared_quantization="none",
                                  patched=("model.layers.0.mlp", "model.layers.1.mlp"), kept=())
     block = model.model.layers[0].mlp
     assert block.moe.expert_mlps.blockwise_matmul_config.block_size == 8
-    assert "in place of Qwen2MoeSparseMoeBlock, backend='torch', quantization='fp8', shared_quantization='bf16'" \
+    assert "in place of Qwen2MoeSparseMoeBlock, backend='torch', quantization='fp8', shared_quantization='none'" \
         in repr(block)
+
+
+def test_unquantized_experts_are_reported_as_none_not_bf16():
+    """A float32 model's experts are not bf16: the report and the repr say "none" (not quantized)."""
+    model = patch_model(original("qwen2_moe"))
+    assert (model.nxd_moe_patched.quantization, model.nxd_moe_patched.shared_quantization) == ("none", "none")
+    assert "quantization='none', shared_quantization='none'" in repr(model.model.layers[0].mlp)
+    assert model.model.layers[0].mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight.dtype == torch.float32
+
+
+def test_on_a_cpu_the_default_backend_multiplies_the_pairs_and_backend_torch_keeps_nxds_rules():
+    """patch_model's default on a CPU is TorchBackend(pairs=True): a prefill runs the T*k pairs (no 512-row blocks,
+    which the shipped Qwen3 block size gives backend="torch": 16x the rows of this 300-token prompt); both give
+    the unpatched model's logits."""
+    ref = reference("qwen3_moe")
+    prompt = torch.randint(0, LAYERS["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = ref.model(prompt).logits
+    modes = {}
+    for backend in (None, "torch"):
+        model = patched(ref.model, backend=backend)
+        moe = model.model.layers[1].mlp.moe
+        with torch.no_grad():
+            got = model(prompt).logits
+            modes[backend] = moe.expert_mlps.resolve_mode(None, 300, 300).value
+        assert rel_err(got, expected) <= RTOL
+    assert modes == {None: "selective_loading", "torch": "blockwise"}
+    assert patched(ref.model).model.layers[1].mlp.moe.expert_mlps.backend.pairs
 
 
 def test_a_model_on_the_meta_device_is_patched_there_and_loads_later():
@@ -489,6 +602,11 @@ def test_bad_models_are_named():
     (dict(backend="cuda"), ValueError, "backend must be one of"),
     (dict(block_size=0), ValueError, "block_size"),
     (dict(quantization="fp8_block"), ValueError, "128"),  # H = 32 is no multiple of fp8_block's 128
+    (dict(quantisation="fp8"), TypeError, r"patch_model: unknown keyword argument 'quantisation' \(did you mean "
+                                          r"'quantization'\?\)"),
+    (dict(capacity_facter=1.0), TypeError, r"patch_model: unknown keyword argument 'capacity_facter' \(did you mean "
+                                           r"'capacity_factor'\?\)"),
+    (dict(block_sise=8), TypeError, r"unknown keyword argument 'block_sise' \(did you mean 'block_size'\?\)"),
 ])
 def test_bad_arguments_are_named_and_leave_the_model_as_it_was(kwargs, error, match):
     model = original("mixtral")

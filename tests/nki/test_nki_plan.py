@@ -122,7 +122,8 @@ def test_plot_without_matplotlib_fails_before_simulating(tmp_path, capsys, monke
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setattr("nxd_moe.nki_kernels.plan.plan", lambda *a, **k: pytest.fail("simulated anyway"))
     assert main(["plan", "--config", "qwen3-30b-a3b", "--tokens", "256", "--plot", str(tmp_path / "x.png")]) == 2
-    assert "--plot needs matplotlib: pip install 'nxd-moe[plot]'" in capsys.readouterr().out
+    assert capsys.readouterr().err == ("nxd-moe plan: error: --plot needs matplotlib, which is not installed: pip "
+                                       "install 'nxd-moe[plot]'\n")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -133,7 +134,7 @@ def test_plot_without_matplotlib_fails_before_simulating(tmp_path, capsys, monke
 def test_bad_arguments_are_clear_errors(argv, message, capsys):
     args = ["plan", "--config", "qwen3-30b-a3b", "--tokens", "64", *argv]
     assert main(args) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
 
 
 def test_full_size_counts_without_materialising_weights():

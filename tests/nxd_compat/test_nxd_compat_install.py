@@ -98,6 +98,18 @@ def test_unserved_modules_say_why(nxd_compat_fixture):  # noqa: F811
         import neuronx_distributed.trainer  # noqa: F401
 
 
+def test_nxd_parallel_linear_layers_say_why(nxd_compat_fixture):  # noqa: F811
+    """Not Python's bare "cannot import name": the served layers module names its unserved tensor-parallel layers,
+    and stays an ordinary module for any other name."""
+    with pytest.raises(ImportError, match=r"neuronx_distributed\.parallel_layers\.layers\.ColumnParallelLinear is "
+                                          r"not served by nxd_moe's NxD front door \(NxD's tensor-parallel layers"):
+        from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear  # noqa: F401
+    from neuronx_distributed.parallel_layers import layers
+    from neuronx_distributed.parallel_layers.layers import SPMDRank  # noqa: F401
+
+    assert not hasattr(layers, "no_such_name")
+
+
 def _fake_package(tmp_path, root: str, text: str):
     package = tmp_path / root
     package.mkdir()

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from gloo_reference import layer  # noqa: E402
 from nxd_moe import trace_spmd as ts  # noqa: E402
 from nxd_moe.parallel_state import model_parallel_layout  # noqa: E402
+from nxd_moe.trace import hlo_entry_parameters  # noqa: E402
 from parallel_worker import quantized_pair  # noqa: E402
 
 WORLD = 4
@@ -332,3 +333,12 @@ def test_cli_traces_qwen3_tp2_ep2_prefill(tmp_path, capsys):
     for p in parameters:
         if p["kind"] in ("weight", "rank"):
             assert list(shard[p["name"]].shape) == p["shape"]
+    # the map is the HLO's ENTRY parameter list, with how each value is sharded (TP 2 x EP 2 of Qwen3's 128
+    # experts: 64 experts and half the intermediate columns per rank; the router whole on every rank)
+    entry = hlo_entry_parameters((tmp_path / "model.hlo.txt").read_text())
+    assert [(p["shape"], p["dtype"]) for p in parameters] == [(list(shape), dtype) for shape, dtype in entry]
+    sharding = {p["name"]: p["sharding"] for p in parameters}
+    assert sharding["router.linear_router.weight"] == "replicated"
+    assert sharding["expert_mlps.mlp_op.down_proj.weight"] == "split dim 0: 64 of 128, dim 1: 24 of 48"
+    assert sharding["hidden_states"] == sharding["expert_mlps.spmd_rank.rank"] == "per rank"
+    assert {p["sharding"] for p in parameters if p["kind"] == "shared"} <= {"replicated"}

@@ -191,3 +191,22 @@ def test_the_dynamic_while_loop_carries_the_stored_quantized_weights(mode, quant
     assert report["static"] and report["matches_eager"] and report["while_ops"] == 1, report
     loop_lines = [line for line in (tmp_path / "model.hlo.txt").read_text().splitlines() if " while(" in line]
     assert len(loop_lines) == 1 and loop_lines[0].count(stored) >= 2, loop_lines  # gate_up and down
+
+
+def test_a_router_wrong_on_the_device_fails_though_eager_follows_its_routing():
+    """Negative control for the pinned comparison (eager routed as XLA routed): router logits that go wrong only
+    under XLA change the routing both sides then use, so the outputs agree -- and the logits' own comparison
+    fails."""
+    moe = build("blockwise", "topk_softmax")
+
+    class SkewedOnTheDevice(type(moe.router)):
+        def get_router_logits(self, hidden_states):
+            logits = super().get_router_logits(hidden_states)
+            skew = torch.arange(NUM_EXPERTS, dtype=logits.dtype, device=logits.device)
+            return logits + skew if hidden_states.device.type == "xla" else logits
+
+    moe.router.__class__ = SkewedOnTheDevice
+    report = check_static(moe, moe_inputs(moe, 12, "prefill"), n=2, atol=ATOL)
+    assert report.static and report.max_abs_diff <= ATOL, report
+    assert report.router_logits_max_abs_diff >= 1.0 and not report.matches_eager and not report.ok, report
+    assert sum(report.routing_flips) > 0, report

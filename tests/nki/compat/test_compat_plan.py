@@ -52,7 +52,7 @@ def test_plan_cli_kernel_option(tmp_path, capsys):
         assert code == 0 and "prefill external kernels:" in out
         assert "broken@1 (my_external_kernels)" in out and "does not run: AssertionError: not for this shape" in out
         assert main(["plan", "--config", "qwen3-30b-a3b", "--tokens", "128", "--kernel", "nonsense"]) == 2
-        assert "MODULE:FUNCTION" in capsys.readouterr().out
+        assert "MODULE:FUNCTION" in capsys.readouterr().err
     finally:
         compat.uninstall()
         sys.modules.pop("my_external_kernels", None)
