@@ -574,16 +574,13 @@ def input_names(module: nn.Module, count: int) -> list[str]:
     return names[:count]
 
 
-def hlo_parameters(module: nn.Module, inputs: Sequence[torch.Tensor | None],
-                   outputs: Sequence[torch.Tensor]) -> tuple[list[ProgramParameter], list[torch.Tensor]]:
-    """What each entry parameter of the HLO of the lazy XLA ``outputs`` of ``module(*inputs)`` (module and inputs
-    on the XLA device, before the sync) is, in parameter order, and the device values the program takes there.
-    ``torch_xla`` makes every device tensor the graph reads a parameter: the inputs, the weights, and values the
-    code put on the device (clamp bounds, index tables, buffers outside the state dict)."""
+def module_tensor_names(module: nn.Module) -> dict[int, tuple[str, str]]:
+    """``{XLA tensor id: (kind, module path)}`` of ``module``'s parameters and buffers (on the XLA device). Taken
+    before a forward that updates a buffer in place (an application's KV cache): the update gives the buffer a new
+    value, and the program's parameter is the old one."""
     from nxd_moe.parallel_state import SPMDRank
 
-    torch_xla = import_torch_xla()
-    tensor_id = torch_xla._XLAC._xla_get_tensor_id
+    tensor_id = import_torch_xla()._XLAC._xla_get_tensor_id
     names: dict[int, tuple[str, str]] = {}
     # Module paths, not state-dict keys: a state-dict hook may rename and reshape (a patched transformers block).
     for path, owner in module.named_modules():
@@ -593,6 +590,22 @@ def hlo_parameters(module: nn.Module, inputs: Sequence[torch.Tensor | None],
             if name in owner._non_persistent_buffers_set:  # derived on construction, never loaded: a constant
                 kind = "shared"
             names.setdefault(tensor_id(tensor), (kind, prefix + name))
+    return names
+
+
+def hlo_parameters(module: nn.Module, inputs: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor],
+                   before: dict[int, tuple[str, str]] | None = None
+                   ) -> tuple[list[ProgramParameter], list[torch.Tensor]]:
+    """What each entry parameter of the HLO of the lazy XLA ``outputs`` of ``module(*inputs)`` (module and inputs
+    on the XLA device, before the sync) is, in parameter order, and the device values the program takes there.
+    ``torch_xla`` makes every device tensor the graph reads a parameter: the inputs, the weights, and values the
+    code put on the device (clamp bounds, index tables, buffers outside the state dict). ``before``:
+    :func:`module_tensor_names` taken before the forward (names buffers the forward updated in place)."""
+    torch_xla = import_torch_xla()
+    tensor_id = torch_xla._XLAC._xla_get_tensor_id
+    names = dict(before or {})
+    for key, value in module_tensor_names(module).items():
+        names.setdefault(key, value)
     for name, tensor in zip(input_names(module, len(inputs)), inputs):
         if tensor is not None:
             names[tensor_id(tensor)] = ("input", name)
@@ -694,12 +707,16 @@ def export_hlo(module: nn.Module, example_inputs: Inputs, out_dir: str | os.Path
     xla_module = _xla_copy(module)
     fallbacks_before = _fallback_counts(met)
     hlo = {}
+    before = module_tensor_names(xla_module)
 
     def dump(outputs, device_inputs):
         tensors = _tensors(outputs)
         hlo["text"] = torch_xla._XLAC._get_xla_tensors_hlo(tensors)
         hlo["proto"] = torch_xla._XLAC._get_xla_tensors_hlo_proto(tensors)
-        hlo["parameters"] = hlo_parameters(xla_module, device_inputs, tensors)
+        parameters, values = hlo_parameters(xla_module, device_inputs, tensors, before)
+        # read before the sync runs the program: a state buffer the program updates in place (an application's KV
+        # cache) is donated to its output, and its input value is gone afterwards
+        hlo["parameters"] = parameters, [v.cpu() for v in values]
 
     step = _xla_step(xla_module, example_inputs, kwargs, before_sync=dump)
     compared = _compare(module, example_inputs, kwargs, step)

@@ -90,6 +90,7 @@ def export_programs(app: "CausalLMApplication", path: Path, signatures: dict[str
     for name, (module, phase, bucket) in program_modules(app).items():
         out_dir = path / name
         report = export_hlo(module, program_inputs(app, phase, bucket)(1), out_dir, atol=_atol(app))
+        _cache_as_inputs(out_dir)
         signatures[name].update({
             "hlo": {"text": f"{name}/{report['files']['hlo_text']}", "proto": f"{name}/{report['files']['hlo_proto']}"},
             "static": report["static"], "matches_eager": report["matches_eager"],
@@ -97,6 +98,26 @@ def export_programs(app: "CausalLMApplication", path: Path, signatures: dict[str
             "neuronx_cc": (f"neuronx-cc compile {name}/model.hlo_module.pb --framework XLA --target trn2 --lnc {lnc} "
                            f"--output {name}/model.neff"),
         })
+
+
+_CACHE_PATH = "programs.cache."
+
+
+def _cache_as_inputs(out_dir: Path) -> None:
+    """The KV cache is state the runtime keeps and feeds to every program (and gets back updated), not a constant:
+    in ``parameters.json`` its buffers become inputs named as in the manifest (``cache.keys_0``...), and they leave
+    ``shared.pt``."""
+    import json
+
+    file = out_dir / "parameters.json"
+    parameters = json.loads(file.read_text())
+    shared = torch.load(out_dir / "shared.pt")
+    for p in parameters:
+        if p["name"].startswith(_CACHE_PATH):
+            shared.pop(p["number"], None)
+            p.update(kind="input", name="cache." + p["name"][len(_CACHE_PATH):])
+    file.write_text(json.dumps(parameters, indent=2) + "\n")
+    torch.save(shared, out_dir / "shared.pt")
 
 
 def _atol(app: "CausalLMApplication") -> float:

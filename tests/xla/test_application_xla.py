@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 torch_xla = pytest.importorskip("torch_xla")
@@ -53,6 +54,32 @@ def test_compile_writes_one_hlo_per_bucket_and_phase(tmp_path):
     # the KV cache (one layer: keys and values) goes in and comes out of each program
     cte = manifest["programs"]["context_encoding_16"]
     assert len([k for k in cte["inputs"] if k.startswith("cache.")]) == 2 == len(cte["aliases"])
+
+
+def test_an_exported_program_fed_from_its_files_equals_eager(tmp_path):
+    """What a runtime does with the compiled directory: feed each HLO its inputs (the KV cache among them, by the
+    manifest's names) and the weights from its files; the token-generation program's tokens and cache equal eager."""
+    from nxd_moe.trace import run_exported
+
+    app = application("qwen3-30b-a3b")
+    manifest = app.compile(tmp_path / "app", xla=True)
+    program = manifest["programs"]["token_generation_32"]
+    parameters = json.loads((tmp_path / "app" / "token_generation_32" / "parameters.json").read_text())
+    assert {p["name"] for p in parameters if p["kind"] == "input"} <= set(program["inputs"])
+    assert {"cache.keys_0", "cache.values_0"} <= {p["name"] for p in parameters if p["kind"] == "input"}
+    module, phase, bucket = program_modules(app)["token_generation_32"]
+    inputs = program_inputs(app, phase, bucket)(2)
+    cache = {f"cache.{n}": torch.randn(b.shape, generator=torch.Generator().manual_seed(9)).to(b.dtype)
+             for n, b in app.programs.cache.named_buffers()}
+    names = ["tokens", "positions", "done", "eos_token_ids", "pad_token_id"]
+    outputs = run_exported(tmp_path / "app" / "token_generation_32", {**dict(zip(names, inputs)), **cache})
+    for name, value in cache.items():
+        getattr(app.programs.cache, name.removeprefix("cache.")).copy_(value)
+    with torch.no_grad():
+        expected = module(*inputs)
+    assert torch.equal(outputs[0], expected[0]) and torch.equal(outputs[1], expected[1])
+    for got, want in zip(outputs[2:], expected[2:]):
+        assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 
 
 def test_a_host_read_inside_a_program_is_caught(monkeypatch):
