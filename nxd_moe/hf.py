@@ -33,6 +33,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from nxd_moe import parallel_state
+
 from nxd_moe.activations import ACT2FN
 from nxd_moe.build import build_moe
 from nxd_moe.config import (
@@ -923,6 +925,9 @@ def from_hf_moe_block(block: nn.Module, config: Any, **build_kwargs: Any) -> MoE
     build_kwargs.setdefault("dtype", reference.dtype)
     device = build_kwargs.pop("device", reference.device)
     moe = build_moe(cfg, device="meta", **build_kwargs).to_empty(device=device)
+    for module in moe.modules():  # to_empty left the SPMD rank (not in any checkpoint) uninitialised
+        if isinstance(module, parallel_state.SPMDRank):
+            module.reset_rank()
     check_stored_formats(moe, parts, "from_hf_moe_block: the block's", "build with")
     if reference.is_meta:  # a block without values (a model built on the meta device): load its weights later
         return moe

@@ -262,10 +262,17 @@ class SPMDRank(nn.Module):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         check_int("rank", rank, minimum=0, maximum=world_size - 1)
         self.rank = nn.Parameter(torch.full((1,), rank, dtype=torch.int32), requires_grad=False)
+        self.built_rank = rank  # what reset_rank() restores
         self._tables: dict[tuple[str, str], torch.Tensor] = {}
 
     def get_rank(self) -> torch.Tensor:
         return self.rank
+
+    def reset_rank(self) -> None:
+        """Set the rank tensor back to the rank this module was built for: a layer built on the meta device and
+        materialised with ``to_empty`` holds uninitialised memory there, and no checkpoint carries the rank."""
+        with torch.no_grad():
+            self.rank.fill_(self.built_rank)
 
     def index_in_group(self, kind: str) -> torch.Tensor:
         """0-d int64: this rank's index in its group of kind ``kind`` (a :class:`ParallelLayout` field), read from

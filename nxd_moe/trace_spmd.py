@@ -52,6 +52,7 @@ from nxd_moe.trace import (
     hlo_op_histogram,
     hlo_parameters,
     import_torch_xla,
+    module_tensor_names,
     save_parameter_values,
 )
 
@@ -246,6 +247,7 @@ def trace_rank(module: nn.Module, inputs: Sequence[torch.Tensor | None]) -> Rank
     device, default = str(inputs[0].device), torch_xla._XLAC._xla_get_default_device()
     # Collectives chain through the default device's token: start a fresh chain on the rank's own device, so the
     # program holds this forward only (never an earlier trace that was run without a sync).
+    before = module_tensor_names(module)  # a buffer the forward updates in place is named by its old value
     torch_xla._XLAC._xla_set_default_device(device)
     torch_xla._XLAC._set_all_reduce_token(device, None)
     torch_xla._XLAC._set_allow_execution(False)
@@ -263,7 +265,7 @@ def trace_rank(module: nn.Module, inputs: Sequence[torch.Tensor | None]) -> Rank
     transfers = _transfers(met) - transfers
     if host_sync is not None:
         return RankProgram("", b"", [], [], [], transfers, host_sync)
-    parameters, values = hlo_parameters(module, inputs, outputs)
+    parameters, values = hlo_parameters(module, inputs, outputs, before)
     return RankProgram(torch_xla._XLAC._get_xla_tensors_hlo(outputs), torch_xla._XLAC._get_graph_hash(outputs),
                        values, parameters, outputs, transfers)
 

@@ -11,6 +11,7 @@ model in memory; ``compile(path)`` writes what a deployment needs (:mod:`~nxd_mo
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -47,6 +48,9 @@ class CausalLMApplication:
     quantization ``config`` names. ``cuda_graphs`` (default: on a CUDA device) captures each bucket's steps;
     ``compile_token_generation`` (default: with CUDA graphs) compiles the token-generation step with Inductor
     first. ``checkpoint``: the directory the weights came from (recorded by ``compile``, read back by ``load``).
+    ``cache_shapes``: the KV cache's per-layer shapes, when they cannot be probed (an SPMD rank's build).
+    ``rebuild(**kwargs)``: builds this application again from its source (set by the ``from_...`` constructors);
+    ``compile`` of an SPMD program (``tp_degree`` > 1) builds each rank's with it.
 
     Expert parallelism: with ``moe_ep_degree`` > 1 and a ``torch.distributed`` world of ``moe_tp_degree x
     moe_ep_degree`` processes, each rank keeps its experts, runs the rest of the model whole on its own sequences
@@ -55,7 +59,8 @@ class CausalLMApplication:
 
     def __init__(self, model: nn.Module, config: ApplicationConfig, *, backend: str | None = None,
                  cuda_graphs: bool | None = None, compile_token_generation: bool | None = None,
-                 checkpoint: str | os.PathLike | None = None):
+                 checkpoint: str | os.PathLike | None = None, cache_shapes: list | None = None,
+                 rebuild: Callable[..., "CausalLMApplication"] | None = None):
         from nxd_moe.hf import patch_model
 
         if not isinstance(config, ApplicationConfig):
@@ -73,7 +78,7 @@ class CausalLMApplication:
         sampling = config.on_device_sampling_config
         self.sampling = sampling is not None and sampling.do_sample
         self.programs = CausalLMPrograms(model, config.batch_size, config.max_length,
-                                         sampling.global_topk if sampling is not None else 256)
+                                         sampling.global_topk if sampling is not None else 256, cache_shapes)
         device = self.programs.cache.keys_0.device
         cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         compile_token_generation = cuda_graphs if compile_token_generation is None else compile_token_generation
@@ -81,6 +86,7 @@ class CausalLMApplication:
                                     compile_token_generation=compile_token_generation)
         self.is_loaded = False
         self.last_timings: dict = {}
+        self.rebuild = rebuild
 
     @staticmethod
     def _expert_parallel_group(config: ApplicationConfig):
@@ -115,7 +121,8 @@ class CausalLMApplication:
         from nxd_moe.models.generate import load_checkpoint_model
 
         model = load_checkpoint_model(path, config.torch_dtype, torch.device(device))
-        return cls(model, config, checkpoint=path, **kwargs)
+        rebuild = functools.partial(cls.from_pretrained, path, config)
+        return cls(model, config, checkpoint=path, rebuild=rebuild, **kwargs)
 
     @classmethod
     def from_model_config(cls, model_config: str | os.PathLike, config: ApplicationConfig, *,
@@ -128,17 +135,22 @@ class CausalLMApplication:
 
         model = build_hf_model(model_config, num_layers=num_layers, scale=scale, dtype=config.torch_dtype,
                                device=device, seed=seed)
-        return cls(model, config, **kwargs)
+        rebuild = functools.partial(cls.from_model_config, model_config, config, num_layers=num_layers, scale=scale,
+                                    seed=seed)
+        return cls(model, config, rebuild=rebuild, **kwargs)
 
     @classmethod
-    def from_compiled(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu",
+    def from_compiled(cls, path: str | os.PathLike, *, device: torch.device | str = "cpu", load: bool = True,
                       **kwargs: Any) -> "CausalLMApplication":
-        """The application a ``compile(path)`` wrote, loaded (:func:`~nxd_moe.application.artifacts.read_model`)."""
+        """The application a ``compile(path)`` wrote (:func:`~nxd_moe.application.artifacts.read_model`), loaded
+        unless ``load`` is False."""
         from nxd_moe.application.artifacts import read_model
 
         model, config, checkpoint = read_model(Path(path), device)
-        app = cls(model, config, checkpoint=checkpoint, **kwargs)
-        app.load(path)
+        rebuild = functools.partial(cls.from_compiled, path, load=False)
+        app = cls(model, config, checkpoint=checkpoint, rebuild=rebuild, **kwargs)
+        if load:
+            app.load(path)
         return app
 
     # ------------------------------------------------------------------------------------------------------

@@ -116,7 +116,9 @@ def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None =
         raise RuntimeError(f"compile(xla=True): {reason}")
     if xla is False:
         reason = "not asked for (compile(xla=False))"
-    if reason is None:
+    if reason is None and config.tp_degree > 1:
+        _export_spmd(app, path, manifest)
+    elif reason is None:
         export_programs(app, path, manifest["programs"])
     else:
         manifest["hlo"] = f"no HLO written: {reason}"
@@ -126,6 +128,29 @@ def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None =
                                                indent=2, sort_keys=True, default=str) + "\n")
     (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _export_spmd(app: "CausalLMApplication", path: Path, manifest: dict[str, Any]) -> None:
+    """``tp_degree`` > 1: each program as ONE SPMD program for every rank (:mod:`nxd_moe.application.spmd`),
+    checked -- every rank traces the same program, and run on one XLA CPU device per rank it gives each rank the
+    single-device application's tokens -- then written."""
+    from nxd_moe.application.spmd import check_programs, export_programs, layout_of, rank_applications
+
+    if app.rebuild is None:
+        raise ValueError("compile: an SPMD program (tp_degree > 1) builds the model once per rank; build the "
+                         "application with CausalLMApplication.from_pretrained, from_model_config or from_compiled")
+    layout = layout_of(app.config)
+    full, ranks = rank_applications(app.rebuild, layout, full=app)
+    checks = check_programs(full, ranks, layout)
+    failed = {name: c for name, c in checks.items()
+              if c.get("host_sync") or not c.get("identical_across_ranks") or not c.get("tokens_equal")}
+    if failed:
+        raise RuntimeError(f"compile: the SPMD programs {sorted(failed)} are not one program equal to the "
+                           f"single-device application: {failed}")
+    export_programs(full, ranks, layout, path, manifest["programs"])
+    for name, check in checks.items():
+        manifest["programs"][name]["spmd"].update(tokens_equal=check["tokens_equal"],
+                                                  max_abs_diff=check["max_abs_diff"])
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -51,6 +51,7 @@ class KVCache(nn.Module):
                  batch_size: int, max_length: int, device: torch.device | str = "cpu"):
         super().__init__()
         self.batch_size, self.max_length = batch_size, max_length
+        self.shapes = list(shapes)
         for i, (kshape, kdtype, vshape, vdtype) in enumerate(shapes):
             self.register_buffer(f"keys_{i}", torch.zeros(batch_size, kshape[1], max_length, *kshape[3:],
                                                           dtype=kdtype, device=device), persistent=False)

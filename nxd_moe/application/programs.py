@@ -43,9 +43,11 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 class CausalLMPrograms(nn.Module):
     """``model`` (a transformers causal LM, eval mode) with a KV cache of ``batch_size`` lines of ``max_length``
-    positions. ``global_topk``: the sampling candidates (:func:`~nxd_moe.application.sampling.sample_tokens`)."""
+    positions. ``global_topk``: the sampling candidates (:func:`~nxd_moe.application.sampling.sample_tokens`);
+    ``cache_shapes``: the cache's per-layer shapes (default: read from a one-token forward of the model)."""
 
-    def __init__(self, model: nn.Module, batch_size: int, max_length: int, global_topk: int = 256):
+    def __init__(self, model: nn.Module, batch_size: int, max_length: int, global_topk: int = 256,
+                 cache_shapes: list | None = None):
         super().__init__()
         config = model.config.get_text_config()
         if getattr(config, "final_logit_softcapping", None):
@@ -53,7 +55,11 @@ class CausalLMPrograms(nn.Module):
         self.model = model
         self.text_config = config
         self.global_topk = global_topk
-        self.cache = KVCache.for_model(decoder_of(model), batch_size, max_length)
+        if cache_shapes is None:
+            self.cache = KVCache.for_model(decoder_of(model), batch_size, max_length)
+        else:  # another build's KVCache.shapes (an SPMD rank's model cannot run a probe forward outside XLA)
+            device = decoder_of(model).get_input_embeddings().weight.device
+            self.cache = KVCache(cache_shapes, batch_size, max_length, device)
         # transformers 5.24 renamed the decoder's past_key_values argument to cache (5.23 has only the old name)
         parameters = inspect.signature(decoder_of(model).forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"

@@ -247,23 +247,18 @@ class NeuronCausalLM:
         config names (``_name_or_path``, else ``model_path``), on the CPU or ``$NXD_MOE_DEVICE``."""
         if self.application is not None:
             return self.application
-        from transformers import AutoModelForCausalLM
-
-        from nxd_moe.application.artifacts import MANIFEST_FILE, read_model
+        from nxd_moe.application.artifacts import MANIFEST_FILE
 
         device = torch.device(os.environ.get(DEVICE_VARIABLE, "cpu"))
         if (Path(self.model_path) / MANIFEST_FILE).is_file():
-            model, _, checkpoint = read_model(Path(self.model_path), device)
+            self.application = CausalLMApplication.from_compiled(self.model_path, device=device, load=False)
         else:
             checkpoint = next((c for c in (getattr(self.config, "_name_or_path", None), self.model_path)
                                if c and any(Path(c).glob("*.safetensors"))), None)
             if checkpoint is None:
                 raise FileNotFoundError(f"no safetensors checkpoint at {self.model_path!r} (or the config's "
                                         f"_name_or_path {getattr(self.config, '_name_or_path', None)!r})")
-            model = AutoModelForCausalLM.from_pretrained(
-                checkpoint, config=self.config.to_transformers_config(self.model_type),
-                dtype=self.neuron_config.torch_dtype, use_safetensors=True).to(device)
-        self.application = CausalLMApplication(model.eval(), self.neuron_config, checkpoint=checkpoint)
+            self.application = CausalLMApplication.from_pretrained(checkpoint, self.neuron_config, device=device)
         return self.application
 
     def compile(self, compiled_model_path: str | os.PathLike, debug: bool = False, pre_shard_weights_hook=None,

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "4")  # the SPMD programs' ranks (read when the XLA runtime starts)
 torch_xla = pytest.importorskip("torch_xla")
 pytest.importorskip("transformers")
 
@@ -98,3 +99,52 @@ def test_a_host_read_inside_a_program_is_caught(monkeypatch):
     module, phase, bucket = program_modules(app)["token_generation_16"]
     report = check_static(module, program_inputs(app, phase, bucket), n=2, atol=1e-4)
     assert not report.static
+
+
+def spmd_config(tp: int, ep: int) -> ApplicationConfig:
+    return ApplicationConfig(batch_size=2, seq_len=32, max_context_length=16, torch_dtype="float32",
+                             context_encoding_buckets=[16], token_generation_buckets=[32], tp_degree=tp * ep,
+                             moe_tp_degree=tp, moe_ep_degree=ep)
+
+
+def test_tp2_ep2_compiles_to_one_spmd_program_per_bucket(tmp_path):
+    """tp_degree 4 = MoE TP2 x EP2: each bucket of each phase is ONE program every rank traces alike, which run on
+    four XLA CPU devices (each EP group its own sequences) gives every rank the single-device application's tokens
+    and cache; the compiled directory holds its HLO, parameter map and the four ranks' shards."""
+    # two layers: the second layer's cache depends on the first layer's MoE, so the comparison sees the experts
+    app = CausalLMApplication.from_model_config("qwen3-30b-a3b", spmd_config(2, 2), num_layers=2, scale=32, seed=2)
+    manifest = app.compile(tmp_path / "app", xla=True)
+    for name, program in manifest["programs"].items():
+        spmd = program["spmd"]
+        assert spmd["world_size"] == 4 and spmd["tokens_equal"] and spmd["max_abs_diff"] < 1e-4, name
+        assert {"all-gather", "all-reduce"} <= set(spmd["collectives"]), name
+        assert all((tmp_path / "app" / shard).is_file() for shard in spmd["shards"])
+        parameters = json.loads((tmp_path / "app" / name / "parameters.json").read_text())
+        assert {"cache.keys_1", "cache.values_1"} <= {p["name"] for p in parameters if p["kind"] == "input"}
+        ranks = [p for p in parameters if p["kind"] == "rank"]
+        assert ranks, "the rank is an input of the program (SPMDRank)"
+        shards = [torch.load(tmp_path / "app" / shard) for shard in spmd["shards"]]
+        assert [int(s[ranks[0]["name"]]) for s in shards] == [0, 1, 2, 3]
+
+
+def test_the_spmd_check_sees_a_wrong_shard():
+    """Negative control: one rank's experts changed after it was built -- its program still traces alike, but its
+    outputs no longer equal the single-device application's (a one-layer model would not show it: nothing the
+    programs return but the tokens depends on its only MoE layer)."""
+    from nxd_moe.application.spmd import check_programs, layout_of, rank_applications
+
+    config = spmd_config(2, 2)
+
+    def build(**kw):
+        return CausalLMApplication(build_hf_model("qwen3-30b-a3b", num_layers=2, scale=32, seed=2), config, **kw)
+
+    layout = layout_of(config)
+    full, ranks = rank_applications(build, layout)
+    moe = ranks[1].model.get_submodule(ranks[1].model.nxd_moe_patched.patched[0]).moe
+    with torch.no_grad():
+        for p in moe.expert_mlps.parameters():
+            if p.is_floating_point():
+                p.mul_(-3.0)
+    checks = check_programs(full, ranks, layout)
+    assert all(c["identical_across_ranks"] for c in checks.values())
+    assert any(c["max_abs_diff"] > 1e-2 for c in checks.values())
