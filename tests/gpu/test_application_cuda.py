@@ -100,3 +100,27 @@ def test_sampling_graph_is_reproducible_and_varies_with_the_seed():
         runs.append(app.generate(ids, mask, max_new_tokens=20, eos_token_id=[]).tokens)
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
+
+
+def test_a_hundred_generate_calls_capture_and_compile_nothing_after_load():
+    """Prompt lengths and batch sizes varying within the buckets: after ``load`` no call captures a graph or makes
+    Dynamo compile (its frame counter stays), and every call still gives the eager application's tokens."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model = build_hf_model("qwen3-30b-a3b", num_layers=1, scale=SCALE, device="cuda", seed=4)
+    app = CausalLMApplication(model, _config())
+    app.load()
+    graphs = dict(app.runner.graphs)
+    compiled = dict(dynamo_utils.counters["stats"])
+    eager = CausalLMApplication(build_hf_model("qwen3-30b-a3b", num_layers=1, scale=SCALE, device="cuda", seed=4),
+                                _config(), cuda_graphs=False)
+    g = torch.Generator().manual_seed(0)
+    for call in range(100):
+        batch, length = 1 + call % 3, 1 + call % 29
+        ids = torch.randint(1, 1000, (batch, length), generator=g)
+        new = 2 + call % 30
+        out = app.generate(ids, max_new_tokens=new, eos_token_id=[])
+        if call % 25 == 0:
+            assert torch.equal(out.tokens, eager.generate(ids, max_new_tokens=new, eos_token_id=[]).tokens), call
+    assert app.runner.graphs == graphs
+    assert dict(dynamo_utils.counters["stats"]) == compiled
