@@ -456,7 +456,7 @@ def test_experts_do_not_import_the_parallel_layer():
 
 # The integration layers above the MoE layer, and the tools that drive them (trace.py traces whole transformers
 # decoders): they may import transformers and each other; nothing below them may.
-INTEGRATION_MODULES = ("hf.py", "nxdi.py", "models/", "nxd_compat/", "trace.py")
+INTEGRATION_MODULES = ("hf.py", "nxdi.py", "models/", "application/", "nxd_compat/", "trace.py")
 
 
 def test_core_does_not_import_transformers_or_the_model_layer():
