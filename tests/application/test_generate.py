@@ -115,3 +115,18 @@ def test_progress_bar_counts_every_token(capsys):
     CausalLMApplication(model, config()).generate(ids, mask, max_new_tokens=13, eos_token_id=[], read_every=5,
                                                   progress=True)
     assert "13/13" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, key", [("gpt-oss-20b", "sliding_window"), ("llama4-scout", "attention_chunk_size")])
+def test_generation_past_the_sliding_window_and_chunk_equals_transformers(name, key):
+    """Positions beyond GPT-OSS's sliding window and across Llama 4's attention chunks (both set small here):
+    the cache keeps every position and the mask does the windowing; transformers' own caches roll or chunk. Equal
+    prompt lengths, so transformers' positions (cache slots) are the tokens' own."""
+    model = build_hf_model(name, num_layers=1, scale=32, seed=5)
+    text = model.config.get_text_config()
+    setattr(text, key, 6)
+    ids = torch.randint(1, text.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = CausalLMApplication(model, config()).generate(ids, max_new_tokens=20, eos_token_id=[], pad_token_id=0)
+    assert torch.equal(out.sequences, expected), name
