@@ -266,8 +266,28 @@ def trace_rank(module: nn.Module, inputs: Sequence[torch.Tensor | None]) -> Rank
     if host_sync is not None:
         return RankProgram("", b"", [], [], [], transfers, host_sync)
     parameters, values = hlo_parameters(module, inputs, outputs, before)
+    _restore_updated_buffers(module, before, parameters, values)
     return RankProgram(torch_xla._XLAC._get_xla_tensors_hlo(outputs), torch_xla._XLAC._get_graph_hash(outputs),
                        values, parameters, outputs, transfers)
+
+
+def _restore_updated_buffers(module: nn.Module, before: dict[int, tuple[str, str]],
+                             parameters: Sequence[ProgramParameter], values: Sequence[torch.Tensor]) -> None:
+    """Give every buffer the traced forward updated in place (an application's KV cache) its value from before
+    the trace back. The updated value is an unexecuted graph holding the program's collectives: a later sync on
+    this one device would run it alone and wait forever for the other ranks."""
+    now = {path: tensor_id for tensor_id, (_, path) in module_tensor_names(module).items()}
+    old_values = {p.name: v for p, v in zip(parameters, values)}
+    for tensor_id, (_, path) in before.items():
+        if now.get(path, tensor_id) == tensor_id:
+            continue
+        if path not in old_values:
+            raise RuntimeError(f"{path}: the forward overwrote this buffer without reading it; the trace cannot "
+                               "give it its old value back")
+        owner_path, _, name = path.rpartition(".")
+        # A new tensor in the module, not new data in the old one: the program's outputs may be that tensor.
+        module.get_submodule(owner_path).register_buffer(
+            name, old_values[path], persistent=name not in module.get_submodule(owner_path)._non_persistent_buffers_set)
 
 
 def compile_program(program: RankProgram) -> int:

@@ -148,3 +148,25 @@ def test_the_spmd_check_sees_a_wrong_shard():
     checks = check_programs(full, ranks, layout)
     assert all(c["identical_across_ranks"] for c in checks.values())
     assert any(c["max_abs_diff"] > 1e-2 for c in checks.values())
+
+
+def test_a_check_leaves_no_unexecuted_collective_in_the_ranks():
+    """The KV cache a traced program updated in place gets its old value back: left holding the traced graph, a
+    later sync on one device (any other test's) would run rank 0's collectives alone and abort the process."""
+    import torch_xla
+
+    from nxd_moe.application.spmd import check_programs, layout_of, rank_applications
+
+    config = spmd_config(2, 2)
+
+    def build(**kw):
+        return CausalLMApplication(build_hf_model("qwen3-30b-a3b", num_layers=2, scale=32, seed=3), config, **kw)
+
+    layout = layout_of(config)
+    full, ranks = rank_applications(build, layout)
+    check_programs(full, ranks, layout)
+    for rank, app in enumerate(ranks):
+        tensors = list(app.programs.cache.buffers())
+        graph = torch_xla._XLAC._get_xla_tensors_text(tensors)
+        assert "all_" not in graph and "reduce_scatter" not in graph, f"rank {rank}: {graph[:2000]}"
+        assert graph.count("xla::device_data") == len(tensors), f"rank {rank}: {graph[:2000]}"
