@@ -11,10 +11,12 @@ Three ways in, as for the NKI front door (:mod:`nxd_moe.nki_kernels.compat`):
   script or module with the names installed (under ``torchrun`` too: ``torchrun ... -m nxd_moe.nxd_compat s.py``);
 - the pytest fixture ``nxd_compat`` (:mod:`nxd_moe.nxd_compat.pytest_plugin`, a ``pytest11`` entry point).
 
-Nothing is aliased until asked. Families (:mod:`~nxd_moe.nxd_compat.namespaces`): ``neuronx_distributed`` and
-``neuronx_distributed_inference``. When a real package of a family is importable, ``install`` refuses with
-:class:`RealNxdError` unless ``force=True``. Importing an NxD module that is not served raises ``ImportError``
-saying why (training-only, Neuron kernel internals, ...). What differs from NxD and why: docs/nxd.md.
+Nothing is aliased until asked. Families (:mod:`~nxd_moe.nxd_compat.namespaces`): ``neuronx_distributed``,
+``neuronx_distributed_inference`` and ``torch_neuronx`` (its ``testing.assert_close``). When a real package of a
+family is importable, ``install`` refuses with :class:`RealNxdError` unless ``force=True``. Importing an NxD module
+that is not served raises ``ImportError`` saying why; training and Neuron-kernel names that NxD code imports beside
+the layers import, and raise :class:`~nxd_moe.nxd_compat.not_served.NotServedError` saying why when used. What
+differs from NxD and why: docs/nxd.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Iterator
 
 from nxd_moe.aliasing import ModuleAliases
 from nxd_moe.nxd_compat.namespaces import FAMILIES, unserved
+from nxd_moe.nxd_compat.utils import serve_xla_backend
 
 __all__ = ["install", "uninstall", "installed", "is_installed", "installed_families", "real_package", "RealNxdError",
            "ALL_FAMILIES", "FAMILIES"]
@@ -56,10 +59,12 @@ def installed_families() -> tuple[str, ...]:
 def install(force: bool = False, families=ALL_FAMILIES) -> None:
     """Make NxD's (and NxD Inference's) MoE module names resolve to nxd_moe. Idempotent.
 
-    ``families``: which of :data:`ALL_FAMILIES` (default: both). Raises :class:`RealNxdError` when a real package
+    ``families``: which of :data:`ALL_FAMILIES` (default: all). Raises :class:`RealNxdError` when a real package
     of one of them is importable, unless ``force=True``; ``ValueError`` for an unknown family or a second install
-    with other ones."""
+    with other ones. Also makes the ``xla`` process-group backend available, as importing NxD does: torch_xla's
+    where it is installed, else gloo under that name (:func:`~nxd_moe.nxd_compat.utils.serve_xla_backend`)."""
     _ALIASES.install(force, families)
+    serve_xla_backend()
 
 
 def uninstall() -> None:

@@ -15,6 +15,8 @@ arguments in NxD's order; nothing else changes. Per argument NxD has and nxd_moe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import nxd_moe
@@ -26,19 +28,36 @@ from nxd_moe.config import (
     MoEFusedTKGConfig,
     RoutedExpertsMLPOpsConfig,
     check_bool,
+    check_int,
     default_logical_nc_config,
     to_torch_dtype,
 )
+from nxd_moe.nxd_compat.block_mapping import ExpertMLPsHelpers
+from nxd_moe.nxd_compat.not_served import KERNELS, NotServed
 from nxd_moe.nxd_compat.parallel_state import check_group
+from nxd_moe.routing.sinkhorn import DEFAULT_SINKHORN_ITERATIONS, sinkhorn
 
-__all__ = ["RouterTopK", "RouterSinkhorn", "ExpertMLPsV2", "ExpertMLPs", "SharedExperts", "MoE"]
+__all__ = ["RouterTopK", "RouterSinkhorn", "NxdBlockwiseMatmulConfig", "AssignableRoutedExpertsMLPOpsConfig",
+           "ExpertMLPsV2", "ExpertMLPs", "SharedExperts", "MoE"]
 
 CPU = torch.device("cpu")  # NxD's default device for weights
 
 
+def _drop_copy(state_dict: dict, key: str, original: str, transform, owner: str) -> None:
+    """Remove ``state_dict[key]``, a copy NxD stores of ``state_dict[original]`` (``transform`` of it), after checking
+    it is one; when ``original`` is missing, the copy is loaded as it."""
+    copy = state_dict.pop(key)
+    if original not in state_dict:
+        state_dict[original] = transform(copy)
+    elif not torch.equal(transform(copy), state_dict[original]):
+        raise ValueError(f"{owner}: state dict entry {key!r} must hold the same values as {original!r} (NxD keeps "
+                         "it as a copy for its fused decode kernel; nxd_moe loads the one tensor)")
+
+
 class RouterTopK(nxd_moe.RouterTopK):
     """NxD's signature. ``store_transposed_weights`` keeps a transposed copy of the router weight for NxD's fused
-    decode kernel; nxd_moe's kernels read ``linear_router.weight`` itself, so no ``weight_T`` is stored."""
+    decode kernel; nxd_moe's kernels read ``linear_router.weight`` itself, so no ``weight_T`` is stored: a
+    ``weight_T`` entry of a state dict is checked to be that transpose, and dropped."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, sequence_parallel_enabled: bool = False,
                  sequence_dimension: int | None = None, dtype: torch.dtype = torch.float32,
@@ -48,6 +67,13 @@ class RouterTopK(nxd_moe.RouterTopK):
         super().__init__(num_experts, top_k, hidden_size, sequence_parallel_enabled, sequence_dimension, dtype,
                          device, bias, tensor_model_parallel_group, act_fn, apply_act_fn_over_topk, jitter_eps)
         self.store_transposed_weights = check_bool("RouterTopK.store_transposed_weights", store_transposed_weights)
+        self.register_load_state_dict_pre_hook(self._drop_weight_t)
+
+    @staticmethod
+    def _drop_weight_t(module, state_dict, prefix, *args) -> None:
+        if f"{prefix}weight_T" in state_dict:
+            _drop_copy(state_dict, f"{prefix}weight_T", f"{prefix}linear_router.weight", lambda w: w.T,
+                       "RouterTopK")
 
 
 class RouterSinkhorn(nxd_moe.RouterSinkhorn):
@@ -65,13 +91,80 @@ class RouterSinkhorn(nxd_moe.RouterSinkhorn):
         super().__init__(num_experts, top_k, hidden_size, act_fn, sequence_parallel_enabled, sequence_dimension,
                          dtype, device, sinkhorn_iterations)
 
+    DEFAULT_SINKHORN_ITERS = DEFAULT_SINKHORN_ITERATIONS
 
-class ExpertMLPsV2(nxd_moe.ExpertMLPsV2):
+    @staticmethod
+    def _sinkhorn(cost: torch.Tensor, num_iters: int, tol: float | None = None) -> torch.Tensor:
+        """NxD's Sinkhorn balancing of router logits ``cost (T, E)``: ``exp(cost)`` scaled ``num_iters`` times
+        towards uniform row and column sums (``cost`` itself when ``num_iters`` is 0). ``tol`` must be None, as
+        for ``sinkhorn_tol``."""
+        if tol is not None:
+            raise ValueError(f"RouterSinkhorn._sinkhorn: tol must be None, got {tol!r}: nxd_moe never checks the "
+                             "Sinkhorn error on the host")
+        if check_int("num_iters", num_iters, minimum=0) == 0:
+            return cost
+        # The balanced matrix does not depend on a global scale of exp(cost); shifting by the max cannot overflow.
+        return sinkhorn(torch.exp(cost - cost.max()), num_iters)
+
+
+class NxdBlockwiseMatmulConfig(BlockwiseMatmulConfig):
+    """:class:`~nxd_moe.config.BlockwiseMatmulConfig` with NxD's ``from_kwargs``. NxD's ``ExpertMLPs`` -- and NxD
+    code written after it, NxD's unit tests among it -- also passes settings of the routed experts there
+    (``early_expert_affinity_modulation``), which NxD drops. They are kept aside (``experts_settings``) and
+    :class:`ExpertMLPsV2` checks them against its ``RoutedExpertsMLPOpsConfig``: equal values pass, another value
+    is an error (NxD would silently follow the experts' config). Any other unknown key is refused, as by
+    nxd_moe's ``from_kwargs``."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "NxdBlockwiseMatmulConfig":
+        experts_fields = {f.name for f in dataclasses.fields(RoutedExpertsMLPOpsConfig)}
+        settings = {key: kwargs.pop(key) for key in list(kwargs) if key in experts_fields}
+        config = super().from_kwargs(**kwargs)
+        object.__setattr__(config, "experts_settings", settings)
+        return config
+
+
+def _check_experts_settings(blockwise: BlockwiseMatmulConfig, experts: RoutedExpertsMLPOpsConfig) -> None:
+    """The routed experts' settings given to NxD's ``BlockwiseMatmulConfig.from_kwargs`` must be the experts'."""
+    for key, value in getattr(blockwise, "experts_settings", {}).items():
+        if getattr(RoutedExpertsMLPOpsConfig.replace(experts, **{key: value}), key) != getattr(experts, key):
+            raise ValueError(f"ExpertMLPsV2: BlockwiseMatmulConfig.from_kwargs was given {key}={value!r}, a setting "
+                             f"of the routed experts, but RoutedExpertsMLPOpsConfig.{key} is "
+                             f"{getattr(experts, key)!r}; set it in RoutedExpertsMLPOpsConfig (NxD ignores it in "
+                             "the blockwise config)")
+
+
+class AssignableRoutedExpertsMLPOpsConfig(RoutedExpertsMLPOpsConfig):
+    """The experts' config as a built :class:`ExpertMLPsV2` holds it. NxD's config is mutable and NxD code assigns
+    its fields on a built module (NxD's unit tests switch ``normalize_top_k_affinities`` on after construction).
+    Here the fields the layer reads at every forward may be assigned, validated as at construction; the others
+    shaped the weights or the activation when the module was built, so assigning one raises."""
+
+    ASSIGNABLE = ("normalize_top_k_affinities", "early_expert_affinity_modulation", "capacity_factor")
+
+    @classmethod
+    def of(cls, config: RoutedExpertsMLPOpsConfig) -> "AssignableRoutedExpertsMLPOpsConfig":
+        """An assignable copy of ``config`` (its validated fields, not validated again)."""
+        copy = object.__new__(cls)
+        copy.__dict__.update(config.__dict__)
+        return copy
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self.ASSIGNABLE:
+            raise AttributeError(f"ExpertMLPsV2.routed_experts_mlp_config.{name} cannot be assigned once the module "
+                                 f"is built (it shaped the weights or the activation); only {list(self.ASSIGNABLE)} "
+                                 "can -- build a new ExpertMLPsV2 for another value")
+        object.__setattr__(self, name, getattr(RoutedExpertsMLPOpsConfig.replace(self, **{name: value}), name))
+
+
+class ExpertMLPsV2(ExpertMLPsHelpers, nxd_moe.ExpertMLPsV2):
     """NxD's signature. Process groups are checked against :mod:`nxd_moe.parallel_state`'s MoE groups: the
     ``cte_*`` ones (default: ``tensor_model_parallel_group`` / ``expert_model_parallel_group``) against prefill's,
     the ``tkg_*`` ones against decode's. ``is_prefill`` (NxD traces prefill and decode as separate programs) is
     stored: here one module serves both phases, told apart by ``seq_len``. ``backend`` (keyword only, not NxD's):
-    nxd_moe's experts backend (``"triton"`` on a GPU)."""
+    nxd_moe's experts backend (``"triton"`` on a GPU). The module holds an
+    :class:`AssignableRoutedExpertsMLPOpsConfig` copy of ``routed_experts_mlp_config``; NxD's static helpers are
+    :class:`~nxd_moe.nxd_compat.block_mapping.ExpertMLPsHelpers`'."""
 
     def __init__(self, routed_experts_mlp_config: RoutedExpertsMLPOpsConfig,
                  blockwise_matmul_config: BlockwiseMatmulConfig | None = None, return_bias: bool = False,
@@ -98,6 +191,9 @@ class ExpertMLPsV2(nxd_moe.ExpertMLPsV2):
                                          ("expert", ep, expert_model_parallel_group)):
                 name = f"{prefix}_{what}_model_parallel_group" if group is not None else f"{what}_model_parallel_group"
                 check_group(owner, name, default if group is None else group, f"moe_{phase}_{what}_groups")
+        if isinstance(routed_experts_mlp_config, RoutedExpertsMLPOpsConfig):
+            _check_experts_settings(blockwise_matmul_config, routed_experts_mlp_config)
+            routed_experts_mlp_config = AssignableRoutedExpertsMLPOpsConfig.of(routed_experts_mlp_config)
         super().__init__(routed_experts_mlp_config, blockwise_matmul_config, dtype, device, sequence_parallel_enabled,
                          backend)
         self.is_prefill = is_prefill
@@ -213,3 +309,18 @@ class MoE(nxd_moe.MoE):
                          return_router_logits, return_expert_index)
         self.init_tkg_module = init_tkg_module
         self.tkg_config = tkg_config
+        if init_tkg_module:
+            self.moe_fused_tkg = NotServed("MoE.moe_fused_tkg (NxD's MoEFusedTKG)", KERNELS)
+            self.register_load_state_dict_pre_hook(self._drop_fused_tkg_copies)
+
+    @staticmethod
+    def _drop_fused_tkg_copies(module, state_dict, prefix, *args) -> None:
+        """NxD's fused decode module holds this layer's own router, experts, shared experts and norm (its
+        ``post_attention_layernorm``), so NxD's state dicts list each of their tensors twice, once under
+        ``moe_fused_tkg.``: the copies are checked and dropped."""
+        head = f"{prefix}moe_fused_tkg."
+        for key in [k for k in state_dict if k.startswith(head)]:
+            name = key[len(head):]
+            if name.startswith("post_attention_layernorm."):
+                name = "rmsnorm." + name[len("post_attention_layernorm."):]
+            _drop_copy(state_dict, key, prefix + name, lambda t: t, "MoE")

@@ -4,10 +4,13 @@
 - ``neuronx_distributed``: ``modules.moe`` (its ``__init__``'s names, and ``routing``, ``model``, ``expert_mlps``,
   ``expert_mlps_v2``, ``moe_configs``, ``model_utils``, ``shared_experts``, ``moe_process_group``) and
   ``parallel_layers`` (``parallel_state``, ``mappings``, ``layers.SPMDRank``);
-- ``neuronx_distributed_inference``: ``modules.moe_v2`` (``initialize_moe_module``, ``initialize_moe_process_group``).
+- ``neuronx_distributed_inference``: ``modules.moe_v2`` (``initialize_moe_module``, ``initialize_moe_process_group``);
+- ``torch_neuronx``: ``testing.assert_close``.
 
 Alias only: every name is nxd_moe's own object, or one of :mod:`~nxd_moe.nxd_compat.adapters` where NxD's
-signature differs. :func:`unserved` explains the NxD modules that are not here.
+signature differs. The utility, training and kernel modules NxD MoE code imports beside the layers are
+:mod:`~nxd_moe.nxd_compat.support_namespaces`' (training and kernel names there raise a ``NotServedError`` when
+used). :func:`unserved` explains the NxD modules that are not here.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from nxd_moe.config import (
     DEFAULT_PADDING_VALUE,
     DEFAULT_SELECTIVE_LOADING_THRESHOLD,
     BlockShardStrategy,
-    BlockwiseMatmulConfig,
     GLUType,
     MoEFusedTKGConfig,
     RoutedExpertsMLPOpsConfig,
@@ -32,7 +34,8 @@ from nxd_moe.config import (
     default_logical_nc_config,
     to_torch_dtype,
 )
-from nxd_moe.nxd_compat import adapters, inference, mappings, parallel_state
+from nxd_moe.nxd_compat import adapters, inference, mappings, parallel_state, support_namespaces
+from nxd_moe.nxd_compat.not_served import KERNELS
 from nxd_moe.parallel_state import SPMDRank
 from nxd_moe.routing import GroupLimitedRouter, RouterBase
 
@@ -49,7 +52,8 @@ routing = _module(f"{MOE}.routing", "NxD's routers (nxd_moe.routing).", RouterBa
                   RouterTopK=adapters.RouterTopK, RouterSinkhorn=adapters.RouterSinkhorn,
                   GroupLimitedRouter=GroupLimitedRouter)
 moe_configs = _module(f"{MOE}.moe_configs", "NxD's MoE configs (nxd_moe.config).",
-                      BlockwiseMatmulConfig=BlockwiseMatmulConfig, RoutedExpertsMLPOpsConfig=RoutedExpertsMLPOpsConfig,
+                      BlockwiseMatmulConfig=adapters.NxdBlockwiseMatmulConfig,
+                      RoutedExpertsMLPOpsConfig=RoutedExpertsMLPOpsConfig,
                       RouterConfig=RouterConfig, MoEFusedTKGConfig=MoEFusedTKGConfig,
                       BlockShardStrategy=BlockShardStrategy, GLUType=GLUType, ACTFunc=ACTFunc,
                       to_torch_dtype=to_torch_dtype)
@@ -62,7 +66,7 @@ model_utils = _module(f"{MOE}.model_utils", "NxD's MoE constants and activation 
                       __getattr__=_model_utils_getattr)
 expert_mlps_v2 = _module(f"{MOE}.expert_mlps_v2", "NxD's ExpertMLPsV2.", ExpertMLPsV2=adapters.ExpertMLPsV2,
                          RoutedExpertsMLPOpsConfig=RoutedExpertsMLPOpsConfig,
-                         BlockwiseMatmulConfig=BlockwiseMatmulConfig)
+                         BlockwiseMatmulConfig=adapters.NxdBlockwiseMatmulConfig)
 expert_mlps = _module(f"{MOE}.expert_mlps", "NxD's ExpertMLPs (flat arguments).", ExpertMLPs=adapters.ExpertMLPs,
                       ExpertMLPsV2=adapters.ExpertMLPsV2, GLUType=GLUType)
 shared_experts = _module(f"{MOE}.shared_experts", "NxD's SharedExperts.", SharedExperts=adapters.SharedExperts)
@@ -119,6 +123,12 @@ NXD: dict[str, types.ModuleType] = {
     "neuronx_distributed.parallel_layers.mappings": mappings,
     "neuronx_distributed.parallel_layers.layers": layers,
 }
+# The utility, training and kernel modules NxD MoE code imports beside the layers (support_namespaces).
+for _parent, _names in ((moe, support_namespaces.MOE_NAMES), (expert_mlps_v2, support_namespaces.EXPERT_MLPS_V2_NAMES),
+                        (parallel_layers, support_namespaces.PARALLEL_LAYERS_NAMES),
+                        (root, support_namespaces.ROOT_NAMES)):
+    _parent.__dict__.update(_names)
+NXD.update(support_namespaces.NXD)
 
 moe_v2 = _module("neuronx_distributed_inference.modules.moe_v2", "NxD Inference's MoE entry point (nxd_moe.nxdi).",
                  initialize_moe_module=nxdi.initialize_moe_module,
@@ -147,30 +157,21 @@ for _path, _module_object in NXDI.items():
         setattr(NXDI[_head], _name, _module_object)
 
 FAMILIES: dict[str, dict[str, types.ModuleType]] = {"neuronx_distributed": NXD, "neuronx_distributed_inference": NXDI}
+FAMILIES["torch_neuronx"] = support_namespaces.TORCH_NEURONX
 
 # Why the NxD / NxDI modules MoE code may reach for are not served (docs/nxd.md has the full list).
-_TRAINING = "training only: nxd_moe is an inference layer"
-_KERNELS = ("NxD's Neuron kernel wrappers; nxd_moe's kernels are its backends (backend='nki_sim' on the NKI tile "
-            "simulator, 'triton' on GPUs)")
 UNSERVED: dict[str, str] = {
-    f"{MOE}.load_balancing_loss_func": _TRAINING,
-    f"{MOE}.loss_function": _TRAINING,
-    f"{MOE}.token_shuffling": _TRAINING,
-    f"{MOE}.moe_config_validator": "NxD's training YAML validation; nxd_moe validates every config on construction",
     f"{MOE}.experts": "NxD's per-expert MLP op; nxd_moe's experts are ExpertMLPsV2's backends",
     f"{MOE}.moe_parallel_layers": "NxD's expert-fused parallel linear layers; ExpertMLPsV2 shards itself under "
                                   "nxd_moe.parallel_state",
-    f"{MOE}.blockwise": _KERNELS,
-    f"{MOE}.moe_fused_tkg": _KERNELS + "; MoE(init_tkg_module=True, tkg_config=...) is accepted",
-    f"{MOE}.moe_fused_tkg_mx": _KERNELS,
-    f"{MOE}.nki_import": _KERNELS,
+    f"{MOE}.nki_import": KERNELS,
     "neuronx_distributed_inference.modules.moe": "NxD Inference's legacy (Mixtral/DBRX) entry point; use "
                                                  "modules.moe_v2.initialize_moe_module, or nxd_moe.hf",
 }
 
 
 def unserved(name: str) -> str:
-    """Why ``name`` (a module under ``neuronx_distributed`` or ``neuronx_distributed_inference``) is not served."""
+    """Why ``name`` (a module under one of :data:`FAMILIES`' roots) is not served."""
     why = UNSERVED.get(name, "not an MoE inference module")
     return (f"{name} is not served by nxd_moe's NxD front door ({why}); docs/nxd.md lists what is, "
             "from nxd_moe.nxd_compat.namespaces.NXD and NXDI")

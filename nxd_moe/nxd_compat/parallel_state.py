@@ -13,6 +13,11 @@ What differs from our module, and why each adapter exists:
 - NxD's MoE process groups (``init_tensor_expert_parallel_moe_process_groups``) are the prefill (CTE) and decode
   (TKG) MoE groups of our layout: initialising them re-creates the groups with those MoE sizes (every rank calls
   it, as in NxD).
+- NxD's token-shuffle group (a training feature) exists with size 1 only: no shuffling.
+- NxD's private module state (``_TENSOR_MODEL_PARALLEL_GROUP``, ``_TOKEN_SHUFFLE_GROUP_SIZE``, ...) is here too,
+  because NxD's test helpers save and restore it by name. The layout lives in :mod:`nxd_moe.parallel_state`; these
+  names mirror it (refreshed by this module's initialise and destroy functions) and are never read, so assigning
+  them does not change the layout -- call :func:`initialize_model_parallel`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import torch.distributed as dist
 from nxd_moe import parallel_state as _ours
 from nxd_moe.config import check_bool, check_int
 from nxd_moe.parallel_state import (  # noqa: F401 -- NxD's names, the same functions
-    destroy_model_parallel,
     get_data_parallel_rank,
     get_data_parallel_size,
     get_expert_data_parallel_rank,
@@ -75,6 +79,7 @@ def initialize_model_parallel(
     check_int("lnc_size", lnc_size, minimum=1, maximum=2)
     if not check_bool("mesh_only", mesh_only):
         _ours.initialize_model_parallel(tensor_model_parallel_size, expert_model_parallel_size)
+        _mirror_layout()
         return None
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel(mesh_only=True) needs torch.distributed for the world size: "
@@ -130,6 +135,70 @@ def get_experts_for_expert_parallel_rank(expert_parallel_rank: int, total_number
     """NxD's argument names; the experts EP rank ``expert_parallel_rank`` holds."""
     return list(_ours.get_experts_for_expert_parallel_rank(expert_parallel_rank, total_number_of_experts,
                                                            expert_model_parallel_size, expert_distribution))
+
+
+def destroy_model_parallel() -> None:
+    """Destroy the groups :func:`initialize_model_parallel` created (the default group stays)."""
+    _ours.destroy_model_parallel()
+    _mirror_layout()
+
+
+# NxD's private module state, mirrored from nxd_moe.parallel_state (see the module docstring). The kinds nxd_moe
+# does not have (pipeline, KV-head sharing) and NxD's size / rank overrides stay None.
+_TENSOR_MODEL_PARALLEL_GROUP = _TENSOR_MODEL_PARALLEL_GROUP_SPMD = None
+_EXPERT_MODEL_PARALLEL_GROUP = _EXPERT_MODEL_PARALLEL_GROUP_SPMD = None
+_DATA_PARALLEL_GROUP = _DATA_PARALLEL_GROUP_SPMD = None
+_EXP_DATA_PARALLEL_GROUP = _EXP_DATA_PARALLEL_GROUP_SPMD = None
+_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = _MPU_TENSOR_MODEL_PARALLEL_RANK = None
+_MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = _MPU_EXPERT_MODEL_PARALLEL_RANK = None
+_PIPELINE_MODEL_PARALLEL_GROUP = _PIPELINE_MODEL_PARALLEL_GROUP_SPMD = _PIPELINE_GLOBAL_RANKS = None
+_NEXT_RANK_GROUP = _NEXT_RANK_GROUP_SPMD = _PREV_RANK_GROUP = _PREV_RANK_GROUP_SPMD = None
+_KV_SHARED_GROUP = _KV_SHARED_GROUP_SPMD = _KV_SHARED_GROUP_SIZE = None
+PP_GROUP_PG_GLOO = None
+_TOKEN_SHUFFLE_GROUP = _TOKEN_SHUFFLE_GROUP_SPMD = _TOKEN_SHUFFLE_GROUP_SIZE = None
+
+_MIRRORED = {"_TENSOR_MODEL_PARALLEL_GROUP": get_tensor_model_parallel_group,
+             "_EXPERT_MODEL_PARALLEL_GROUP": get_expert_model_parallel_group,
+             "_DATA_PARALLEL_GROUP": get_data_parallel_group,
+             "_EXP_DATA_PARALLEL_GROUP": get_expert_data_parallel_group}
+
+
+def _mirror_layout() -> None:
+    """Set NxD's private group names (the group, and ``_SPMD``: every such group's ranks) from the layout."""
+    initialized = model_parallel_is_initialized()
+    for name, getter in _MIRRORED.items():
+        globals()[name] = getter() if initialized else None
+        globals()[f"{name}_SPMD"] = getter(as_list=True) if initialized else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the token-shuffle group (training): size 1 only
+
+
+def initialize_token_shuffle_group(token_shuffle_group_size: int = 1) -> None:
+    """NxD's token-shuffle group: ranks that permute tokens among themselves to balance expert load in training.
+    ``token_shuffle_group_size`` must be 1 (no shuffling; nxd_moe is an inference layer)."""
+    global _TOKEN_SHUFFLE_GROUP_SIZE, _TOKEN_SHUFFLE_GROUP_SPMD
+    if check_int("token_shuffle_group_size", token_shuffle_group_size, minimum=1) != 1:
+        raise ValueError(f"initialize_token_shuffle_group: token_shuffle_group_size must be 1, got "
+                         f"{token_shuffle_group_size} (token shuffling balances expert load in training, and "
+                         "nxd_moe is an inference layer)")
+    if not model_parallel_is_initialized():
+        raise RuntimeError("initialize_token_shuffle_group needs initialize_model_parallel first (as in NxD)")
+    _TOKEN_SHUFFLE_GROUP_SIZE = 1
+    _TOKEN_SHUFFLE_GROUP_SPMD = [[r] for r in range(_ours.get_parallel_layout().world_size)]
+
+
+def get_token_shuffle_group_size() -> int:
+    """1 once :func:`initialize_token_shuffle_group` ran."""
+    if _TOKEN_SHUFFLE_GROUP_SIZE is None:
+        raise RuntimeError("the token-shuffle group is not initialized: call initialize_token_shuffle_group(1)")
+    return _TOKEN_SHUFFLE_GROUP_SIZE
+
+
+def destroy_token_shuffle_group() -> None:
+    global _TOKEN_SHUFFLE_GROUP_SIZE, _TOKEN_SHUFFLE_GROUP_SPMD
+    _TOKEN_SHUFFLE_GROUP_SIZE = _TOKEN_SHUFFLE_GROUP_SPMD = None
 
 
 def rmsg(msg: str) -> str:

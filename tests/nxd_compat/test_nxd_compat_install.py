@@ -10,10 +10,10 @@ import textwrap
 import pytest
 
 from nxd_moe import nxd_compat
-from nxd_moe.nxd_compat.namespaces import NXD, NXDI, UNSERVED
+from nxd_moe.nxd_compat.namespaces import FAMILIES, UNSERVED
 from nxd_moe.nxd_compat.pytest_plugin import nxd_compat as nxd_compat_fixture  # noqa: F401 -- the fixture
 
-_ROOTS = ("neuronx_distributed", "neuronx_distributed_inference")
+_ROOTS = ("neuronx_distributed", "neuronx_distributed_inference", "torch_neuronx")
 
 
 def _aliased() -> dict:
@@ -49,7 +49,7 @@ def test_install_aliases_every_module_and_uninstall_restores_sys_modules():
     nxd_compat.install()
     try:
         assert nxd_compat.is_installed() and nxd_compat.installed_families() == _ROOTS
-        for name, module in {**NXD, **NXDI}.items():
+        for name, module in {k: v for family in FAMILIES.values() for k, v in family.items()}.items():
             assert sys.modules[name] is module
         # The imports of NxD's MoE docs and NxDI's model code, verbatim in form.
         import neuronx_distributed.modules.moe.model_utils as model_utils
@@ -63,7 +63,7 @@ def test_install_aliases_every_module_and_uninstall_restores_sys_modules():
         from nxd_moe.nxdi import initialize_moe_module as ours
 
         assert MoE is adapters.MoE and routing.GroupLimitedRouter is nxd_moe.GroupLimitedRouter
-        assert BlockwiseMatmulConfig is nxd_moe.BlockwiseMatmulConfig and RouterConfig is nxd_moe.RouterConfig
+        assert BlockwiseMatmulConfig is adapters.NxdBlockwiseMatmulConfig and RouterConfig is nxd_moe.RouterConfig
         assert initialize_moe_module is ours and model_utils.ACT2FN is nxd_moe.activations.ACT2FN
         assert parallel_state.model_parallel_is_initialized is nxd_moe.parallel_state.model_parallel_is_initialized
         nxd_compat.install()  # idempotent
@@ -94,8 +94,8 @@ def test_unserved_modules_say_why(nxd_compat_fixture):  # noqa: F811
             else:
                 __import__(name)
         assert why in str(error.value)
-    with pytest.raises(ImportError, match="neuronx_distributed.trainer is not served.*not an MoE inference module"):
-        import neuronx_distributed.trainer  # noqa: F401
+    with pytest.raises(ImportError, match="neuronx_distributed.pipeline is not served.*not an MoE inference module"):
+        import neuronx_distributed.pipeline  # noqa: F401
 
 
 def test_nxd_parallel_linear_layers_say_why(nxd_compat_fixture):  # noqa: F811

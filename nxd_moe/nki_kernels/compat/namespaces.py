@@ -7,7 +7,8 @@ on request:
 - ``nki_cpu_simulator``: the same modules under AWS's CPU-simulator package (``nki_cpu_simulator.nki.isa``, ...),
   which that harness imports in ``--test-mode simulation``;
 - ``neuronxcc``: the legacy ``neuronxcc.nki.*`` namespace (NxD and some nki-library files import
-  ``neuronxcc.nki.typing``; the qkv tests ``neuronxcc.starfish.support.dtype``);
+  ``neuronxcc.nki.typing``; the qkv tests ``neuronxcc.starfish.support.dtype``; NxD's MoE unit tests
+  ``neuronxcc.nki._private_kernels.blockwise_mm.SkipMode``, the blockwise kernels' DMA-skipping flags);
 - ``neuron_dtypes``: the stand-in :mod:`~nxd_moe.nki_kernels.compat.neuron_dtypes` on ``ml_dtypes``.
 
 One implementation behind every name: ``nki.isa`` *is* :mod:`nxd_moe.nki_kernels.isa` whichever way it is reached.
@@ -21,6 +22,7 @@ import numpy as np
 
 from nxd_moe.aliasing import new_module as _module
 from nxd_moe.aliasing import new_package as _package
+from nxd_moe.config import SkipMode
 from nxd_moe.nki_kernels import isa, language
 from nxd_moe.nki_kernels.compat import collectives, frontend, neuron_dtypes, nki_typing
 
@@ -106,7 +108,12 @@ FAMILIES: dict[str, dict[str, types.ModuleType]] = {
     "neuronxcc": {**_under("neuronxcc", _neuronxcc),
                   "neuronxcc.starfish": _package("neuronxcc.starfish", "legacy neuronxcc.starfish (dtype only)"),
                   "neuronxcc.starfish.support": _package("neuronxcc.starfish.support", "legacy (dtype only)"),
-                  "neuronxcc.starfish.support.dtype": _starfish_dtype},
+                  "neuronxcc.starfish.support.dtype": _starfish_dtype,
+                  "neuronxcc.nki._private_kernels": _package("neuronxcc.nki._private_kernels",
+                                                             "neuronxcc's private kernels (blockwise_mm's names only)"),
+                  "neuronxcc.nki._private_kernels.blockwise_mm": _module(
+                      "neuronxcc.nki._private_kernels.blockwise_mm", "The blockwise-matmul kernels' SkipMode "
+                      "(nxd_moe.config.SkipMode); the kernels are nxd_moe.nki_kernels'.", SkipMode=SkipMode)},
     "neuron_dtypes": {"neuron_dtypes": neuron_dtypes},
 }
 FAMILIES["neuronxcc"]["neuronxcc.starfish"].support = FAMILIES["neuronxcc"]["neuronxcc.starfish.support"]
