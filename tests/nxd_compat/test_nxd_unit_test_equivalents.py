@@ -22,6 +22,7 @@ Tolerances: fp32 layers with outputs O(0.1-1) and sums over H <= 32, I <= 24: ``
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,8 @@ def nxd(nxd_compat):  # noqa: F811
 # the block mapping (NxD's ExpertMLPs.get_blockwise_expert_and_token_mapping)
 
 
-def _mapping(nxd, expert_index: torch.Tensor, num_experts: int, block_size: int, num_blocks: int, **kwargs):
+def _mapping(nxd, expert_index: torch.Tensor, num_experts: int, block_size: int, num_blocks: int,
+             overrides: dict | None = None, **kwargs):
     from neuronx_distributed.modules.moe.expert_mlps import ExpertMLPs
     from neuronx_distributed.parallel_layers import parallel_state
 
@@ -58,7 +60,7 @@ def _mapping(nxd, expert_index: torch.Tensor, num_experts: int, block_size: int,
     args = dict(total_tokens=expert_index.shape[0], num_blocks=num_blocks, expert_mask=mask,
                 expert_index=expert_index, block_size=block_size, device=mask.device, enable_spmd_rank=False,
                 spmd_rank=None, tensor_parallel_group=parallel_state.get_world_group())
-    return ExpertMLPs.get_blockwise_expert_and_token_mapping(**{**args, **kwargs})
+    return ExpertMLPs.get_blockwise_expert_and_token_mapping(**{**args, **kwargs, **(overrides or {})})
 
 
 def test_block_mapping_worked_example(nxd):
@@ -76,6 +78,27 @@ def test_block_mapping_worked_example(nxd):
     with pytest.raises(ValueError, match=r"expert_mask must be \(total_tokens, E\) = \(4, E\)"):
         _mapping(nxd, index, 3, 2, 6, total_tokens=4)
 
+
+
+@pytest.mark.parametrize("argument", ["total_tokens", "num_blocks", "block_size"])
+@pytest.mark.parametrize("value", [0, -2])
+def test_block_mapping_refuses_counts_below_one(nxd, argument, value):
+    index = torch.tensor([[0, 2], [1, 0], [2, 1]])
+    with pytest.raises(ValueError, match=rf"^{argument} must be in \[1, inf\], got {value}$"):
+        _mapping(nxd, index, 3, 2, 6, overrides={argument: value})
+
+
+def test_block_mapping_checks_expert_index_and_takes_any_integer_dtype(nxd):
+    index = torch.tensor([[0, 2], [1, 0], [2, 1]])
+    with pytest.raises(ValueError, match=r"expert_index must be \(total_tokens, k\) = \(3, k\), got \(6,\)"):
+        _mapping(nxd, index, 3, 2, 6, overrides={"expert_index": index.flatten()})
+    with pytest.raises(ValueError, match=r"expert_index must be \(total_tokens, k\) = \(3, k\), got \(2, 2\)"):
+        _mapping(nxd, index, 3, 2, 6, overrides={"expert_index": index[:2]})
+    # NxD's routers return int64, its kernels' index paths int32: the mapping is the same, in int64
+    expected = _mapping(nxd, index, 3, 2, 6)
+    block_to_expert, position_to_id = _mapping(nxd, index.to(torch.int32), 3, 2, 6)
+    assert block_to_expert.dtype == position_to_id.dtype == torch.int64
+    assert torch.equal(block_to_expert, expected[0]) and torch.equal(position_to_id, expected[1])
 
 def _layout(expert_index: torch.Tensor, num_experts: int, block_size: int, num_blocks: int):
     """The rule in words: each expert in turn takes ``ceil(n / B)`` blocks for its ``n`` tokens, in token order,
@@ -138,6 +161,26 @@ def test_redundancy_masks_compute_each_pair_once(nxd, distribution):
             assert all(start[rank, e] <= t <= end[rank, e] for t in rows.tolist())
             computed[:, e] += kept[:, slot]
     assert torch.equal(computed, mask)
+
+
+def test_redundancy_helpers_refuse_bad_input_and_keep_nxds_dtypes(nxd):
+    from neuronx_distributed.modules.moe.expert_mlps import ExpertMLPs
+
+    degree = torch.tensor([[1, 0], [1, 1]])
+    start, end = ExpertMLPs.allocate_token_blocks(degree, 0)  # no token: every range empty
+    assert (end - start).eq(-1).all()
+    with pytest.raises(ValueError, match=r"^tokens_per_expert must be in \[0, inf\], got -1$"):
+        ExpertMLPs.allocate_token_blocks(degree, -1)
+    # slot 0 holds expert 1, slot 1 nothing (-1), slot 2 expert 0
+    holders = torch.tensor([[False, False, True], [True, False, False]])
+    local_id = ExpertMLPs.generate_local_expert_id_no_local_redundancy(holders, torch.device("cpu"))
+    assert local_id.tolist() == [1, -1, 0] and local_id.dtype == torch.int32
+    helper = ExpertMLPs.__new__(ExpertMLPs)
+    start, end = ExpertMLPs.allocate_token_blocks(degree, 6)
+    for bad in (torch.ones(6, 3), torch.ones(6)):  # two local experts: (T, 2)
+        with pytest.raises(ValueError, match=rf"local_expert_mask must be \(T, L\) with L = 2 local experts, "
+                                             rf"got {re.escape(str(tuple(bad.shape)))}"):
+            helper.generate_local_expert_mask_with_redundancy(bad, torch.tensor([[0, 1]]), start, end, 2, 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
