@@ -50,18 +50,35 @@ def _topk_softmax_reference(x: torch.Tensor, weight: torch.Tensor, k: int):
 
 def test_router_top_k_in_nxds_positional_order(moe_pkg):
     # NxD: (E, k, H, sequence_parallel_enabled, sequence_dimension, dtype, device, bias, group, act_fn,
-    #       apply_act_fn_over_topk, jitter_eps, store_transposed_weights)
-    router = moe_pkg.routing.RouterTopK(E, K, H, True, 1, torch.float32, torch.device("cpu"), False, None, "softmax",
-                                        False, 0.0, True)
-    assert (router.sequence_parallel_enabled, router.sequence_dimension, router.store_transposed_weights) == (
-        True, 1, True)
-    assert "weight_T" not in dict(router.named_parameters())  # our kernels read linear_router.weight itself
+    #       apply_act_fn_over_topk, jitter_eps, store_transposed_weights). Two routers whose flags differ from
+    # each other in every position, so a swap or a drop inside the adapter shows in one of them.
+    router = moe_pkg.routing.RouterTopK(E, K, H, True, 1, torch.float64, torch.device("cpu"), True, None, "sigmoid",
+                                        False, 0.0, False)
+    assert (router.sequence_parallel_enabled, router.sequence_dimension, router.dtype, router.act_fn,
+            router.apply_act_fn_over_topk, router.store_transposed_weights) == (
+        True, 1, torch.float64, "sigmoid", False, False)
+    assert router.linear_router.bias is not None and router.linear_router.weight.dtype == torch.float64
     randomize_(router, seed=1)
-    x = randn(10, H, seed=2)
+    x = randn(10, H, seed=2).double()
     _, affinities, index = router(x)
-    expected_affinities, expected_index = _topk_softmax_reference(x, router.linear_router.weight, K)
-    assert_close(affinities, expected_affinities, FP32_ATOL)
-    assert torch.equal(index.sort(dim=-1).values, expected_index.sort(dim=-1).values)
+    logits = x @ router.linear_router.weight.t() + router.linear_router.bias
+    assert_close(affinities, torch.sigmoid(logits), FP32_ATOL)  # over all E, with the bias
+    assert torch.equal(index.sort(dim=-1).values, logits.topk(K, dim=-1).indices.sort(dim=-1).values)
+    assert (affinities - torch.sigmoid(logits - router.linear_router.bias)).abs().max() > 100 * FP32_ATOL
+
+    other = moe_pkg.routing.RouterTopK(E, K, H, False, None, torch.float32, torch.device("cpu"), False, None,
+                                       "softmax", True, 0.0, True)
+    assert (other.sequence_parallel_enabled, other.dtype, other.act_fn, other.apply_act_fn_over_topk,
+            other.store_transposed_weights, other.linear_router.bias) == (
+        False, torch.float32, "softmax", True, True, None)
+    assert "weight_T" not in dict(other.named_parameters())  # our kernels read linear_router.weight itself
+    randomize_(other, seed=3)
+    x = randn(10, H, seed=4)
+    _, affinities, index = other(x)
+    logits = x.double() @ other.linear_router.weight.double().t()
+    top, expected_index = logits.topk(K, dim=-1)
+    expected = torch.zeros_like(logits).scatter(1, expected_index, torch.softmax(top, dim=-1))  # over the k only
+    assert_close(affinities, expected, FP32_ATOL)
     with pytest.raises(TypeError, match="RouterTopK.store_transposed_weights must be a bool"):
         moe_pkg.routing.RouterTopK(E, K, H, store_transposed_weights="yes")
 
@@ -121,6 +138,9 @@ def test_expert_mlps_v2_in_nxds_positional_order(moe_pkg):
     experts = ExpertMLPsV2(_experts_config(), blockwise, False, torch.float32, False, torch.device("cpu"),
                            None, None, None, None, None, None, False, False)
     assert experts.blockwise_matmul_config is blockwise and experts.is_prefill is False
+    # is_prefill=True beside enabled_hybrid_sharding=False: a swap of the two positions shows (both False above)
+    assert ExpertMLPsV2(_experts_config(), blockwise, False, torch.float64, False, torch.device("cpu"), None, None,
+                        None, None, None, None, True, False).is_prefill is True
     randomize_(experts, seed=7)
     x = randn(20, H, seed=8)
     affinities, index = _routing(20, seed=9)
