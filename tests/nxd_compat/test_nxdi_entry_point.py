@@ -129,6 +129,25 @@ def test_a_dict_config_with_nxdis_keyword_names():
     assert default.expert_mlps.blockwise_matmul_config.block_size == 512 and default.router.act_fn == "softmax"
 
 
+
+@pytest.mark.parametrize("router_fields", [dict(router_config=dict(act_fn="sigmoid", dtype="float32")),
+                                           dict(router_act_fn="sigmoid", router_dtype="float32")])
+def test_the_router_keeps_its_own_dtype_under_a_bf16_model(router_fields):
+    """The dtypes users run: a bf16 model with a float32 router (NxDI's default router_config). The router's weight
+    and logits are float32 -- a router built in the model's dtype fails here -- the experts' weights bf16, and the
+    output the model's dtype."""
+    config = dict(num_local_experts=E, num_experts_per_tok=K, hidden_size=HIDDEN, intermediate_size=INTER,
+                  hidden_act="silu", neuron_config=dict(torch_dtype="bfloat16", return_router_logits=True,
+                                                        **router_fields))
+    moe = initialize_moe_module(config)
+    assert moe.router.act_fn == "sigmoid" and moe.router.dtype == torch.float32
+    assert moe.router.linear_router.weight.dtype == torch.float32
+    assert {p.dtype for p in moe.expert_mlps.parameters()} == {torch.bfloat16}
+    out, logits = moe(inputs(2, 3, seed=6).to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    flat = initialize_moe_module(dict(config, neuron_config=dict(torch_dtype="bfloat16", router_dtype="bfloat16")))
+    assert flat.router.linear_router.weight.dtype == torch.bfloat16  # the field is read, not assumed
+
 @pytest.mark.parametrize("fields,expected", [
     (dict(quantized=False), "bf16"),
     (dict(quantized=True, quantization_type="per_channel_symmetric", quantization_dtype="f8e4m3"), "fp8"),
