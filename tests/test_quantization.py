@@ -571,6 +571,21 @@ def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_export
         assert_close(moe(x)[0], dense(x)[0], FP32_ATOL)
 
 
+def tiles_of(scale_inv: torch.Tensor) -> torch.Tensor:
+    """A ``(out/128, in/128)`` ``weight_scale_inv`` spread over its ``(out, in)`` weight: tile ``[r, c]`` covers
+    rows ``128r ..`` and columns ``128c ..`` (DeepSeek-V3's checkpoint format)."""
+    return scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+
+
+def fp8_block_by_definition(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w (out, in)`` as DeepSeek-V3's checkpoints store it, written from the format's definition (not the
+    package's quantizer): per 128x128 tile, ``scale_inv = amax / 448`` and ``weight = fp8(w / scale_inv)``."""
+    out_f, in_f = w.shape
+    amax = w.abs().reshape(out_f // 128, 128, in_f // 128, 128).amax(dim=(1, 3))
+    scale_inv = amax / 448.0
+    return (w / tiles_of(scale_inv)).to(torch.float8_e4m3fn), scale_inv
+
+
 def deepseek_v3_fp8_checkpoint(e: int = 4, h: int = 128, i: int = 128, shared: str = "fp8_block"):
     """A DeepSeek-V3 layer-0 checkpoint as the Hub stores it: per-expert FP8 weights with 128x128
     ``weight_scale_inv`` tiles; shared experts bf16 or FP8. Returns ``(config, state dict, originals)``."""
@@ -580,7 +595,6 @@ def deepseek_v3_fp8_checkpoint(e: int = 4, h: int = 128, i: int = 128, shared: s
                               num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                               first_k_dense_replace=0, num_hidden_layers=1, q_lora_rank=8, kv_lora_rank=8,
                               qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4)
-    fp8 = get_format("fp8_block")
     prefix = "model.layers.0.mlp."
     sd = {prefix + "gate.weight": randn(e, h, seed=1, scale=0.1),
           prefix + "gate.e_score_correction_bias": torch.zeros(e)}
@@ -588,33 +602,35 @@ def deepseek_v3_fp8_checkpoint(e: int = 4, h: int = 128, i: int = 128, shared: s
     for k in range(e):
         for proj, (out_f, in_f) in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             w = randn(out_f, in_f, seed=10 * k + len(proj), scale=0.1)
-            data, scale = fp8.quantize(w.t().unsqueeze(0))  # ours is (K, N); DeepSeek's (N, K)
-            sd[f"{prefix}experts.{k}.{proj}.weight"] = data[0].t().contiguous()
-            sd[f"{prefix}experts.{k}.{proj}.weight_scale_inv"] = scale[0].t().contiguous()
+            w[:128, :128] *= 8  # one tile far larger than the others: a transposed scale grid is far off
+            key = f"{prefix}experts.{k}.{proj}.weight"
+            sd[key], sd[key + "_scale_inv"] = fp8_block_by_definition(w)
             originals[(k, proj)] = w
     for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
         w = randn(*shape, seed=99, scale=0.1)
+        w[-128:, :128] *= 8
         key = f"{prefix}shared_experts.{proj}.weight"
         if shared == "bf16":
             sd[key] = w
         else:
-            data, scale = fp8.quantize(w.t().unsqueeze(0))
-            sd[key], sd[key + "_scale_inv"] = data[0].t().contiguous(), scale[0].t().contiguous()
+            sd[key], sd[key + "_scale_inv"] = fp8_block_by_definition(w)
             originals[("shared", proj)] = w
     return config, sd, originals
 
 
 @pytest.mark.parametrize("shared", ["bf16", "fp8_block"])
-def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
+@pytest.mark.parametrize("h,i", [(128, 128), (256, 384)])
+def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared, h, i):
     """Routed experts in FP8 128x128 blocks; the shared experts bf16 or, as in DeepSeek-V3's own checkpoint,
-    FP8 as well (loaded as stored into shared experts asked to be ``fp8_block``)."""
+    FP8 as well (loaded as stored into shared experts asked to be ``fp8_block``). 256 x 384: a grid of 2 x 3 tiles,
+    not square, with one tile 8x the others, so the scale grid's orientation is seen (one tile would not show it)."""
     from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
 
-    e, i = 4, 128
-    config, sd, originals = deepseek_v3_fp8_checkpoint(e, 128, i, shared)
+    e = 4
+    config, sd, originals = deepseek_v3_fp8_checkpoint(e, h, i, shared)
     prefix = "model.layers.0.mlp."
     assert sd[prefix + "experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
-    assert sd[prefix + "experts.0.down_proj.weight_scale_inv"].shape == (1, 1)
+    assert sd[prefix + "experts.0.down_proj.weight_scale_inv"].shape == (h // 128, i // 128)
 
     nxd = hf_to_nxd_state_dict(sd, config)
     back = nxd_to_hf_state_dict(nxd, config, layout="hub")
@@ -629,7 +645,7 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
         for proj, got in (("gate_proj", gate_up[k, :, :i].t()), ("up_proj", gate_up[k, :, i:].t()),
                           ("down_proj", down[k].t())):
             key = f"{prefix}experts.{k}.{proj}.weight"
-            stored = sd[key].float() * sd[key + "_scale_inv"]
+            stored = sd[key].float() * tiles_of(sd[key + "_scale_inv"])
             assert torch.equal(got, stored)
             assert (got - originals[(k, proj)]).abs().max() <= 2 ** -4 * originals[(k, proj)].abs().max()
     if shared == "bf16":
@@ -638,7 +654,7 @@ def test_deepseek_v3_fp8_block_checkpoint_key_by_key(shared):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             key = f"{prefix}shared_experts.{proj}.weight"
             got = getattr(moe.shared_experts, proj).matrix()  # (out, in), as the checkpoint's
-            assert torch.equal(got, sd[key].float() * sd[key + "_scale_inv"])  # one 128x128 tile here
+            assert torch.equal(got, sd[key].float() * tiles_of(sd[key + "_scale_inv"]))
             original = originals[("shared", proj)]
             assert (got - original).abs().max() <= 2 ** -4 * original.abs().max()
         with pytest.raises(ValueError, match=r"layer 0's shared experts are stored as 'fp8_block' in the checkpoint, "
