@@ -272,15 +272,37 @@ def test_bf16_model_grows_by_the_float32_router_only(name):
 # quantized experts
 
 
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # OCP MX FP4 magnitudes, codes 0-7
+
+
+def dequantized_by_definition(stored) -> torch.Tensor:
+    """The ``(E, K, N)`` float32 weight a quantized expert weight stands for, from each format's definition and the
+    stored tensors alone -- not the package's ``dequantize`` (the code under test): FP8 values times one scale per
+    output channel ``(E, 1, N)`` or per 128x128 tile ``(E, K/128, N/128)``; MXFP4 nibbles (along K, low first,
+    sign bit 3) of E2M1 times ``2**(e8m0 - 127)`` per 32 values along K."""
+    name, data, scale = stored.format.name, stored.weight, stored.scale
+    if name == "fp8":
+        return data.float() * scale.float()
+    if name == "fp8_block":
+        return data.float() * scale.float().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    assert name == "mxfp4", name
+    e, half_k, n = data.shape
+    codes = torch.stack([data & 0xF, data >> 4], dim=2).reshape(e, 2 * half_k, n).long()
+    values = E2M1[codes & 7] * (1 - 2 * (codes >> 3))
+    return values * torch.exp2(scale.float() - 127).repeat_interleave(32, 1)
+
+
 def dequantized_reference(quantized: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-    """An unpatched copy of ``model`` whose MoE blocks hold ``quantized``'s experts, dequantized."""
+    """An unpatched copy of ``model`` whose MoE blocks hold ``quantized``'s experts, dequantized from the formats'
+    definitions."""
     nxd = {}
     for path in quantized.nxd_moe_patched.patched:
         moe = quantized.get_submodule(path).moe
         block = {k: v for k, v in moe.state_dict().items() if not k.endswith(".scale")}
         for proj in ("gate_up_proj", "down_proj"):
-            block[f"expert_mlps.mlp_op.{proj}.weight"] = dequantized(
-                getattr(moe.expert_mlps.mlp_op, proj).stored_weight())
+            stored = getattr(moe.expert_mlps.mlp_op, proj).stored_weight()
+            block[f"expert_mlps.mlp_op.{proj}.weight"] = dequantized_by_definition(stored)
+            assert torch.equal(block[f"expert_mlps.mlp_op.{proj}.weight"], dequantized(stored).float()), proj
         if moe.shared_experts is not None:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 block[f"shared_experts.{proj}.weight"] = getattr(moe.shared_experts, proj).matrix()
