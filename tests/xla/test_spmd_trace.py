@@ -170,6 +170,24 @@ def test_quantized_experts_are_one_program(fmt, layout, dispatch):
     assert {p.dtype for p in report.parameters if p.kind == "weight" and "gate_up_proj.weight" in p.name} == {stored}
 
 
+@pytest.mark.parametrize("off", [0, 1])
+def test_the_output_check_sees_one_routing_off(off, monkeypatch):
+    """Negative control of check_spmd's comparison: the single-device reference of one routing of two is shifted
+    by 0.5; whichever it is, the report is not ok (a check of only the last -- or the first -- routing passes one)."""
+    layout = world_layout(2, 2)
+    full, ranks, devices = spmd_setup(layout, lambda model_parallel=None: layer(layout, model_parallel))
+    real, calls = ts.SPMDLayout.per_block, []
+
+    def shifted(self, layer_, world):
+        calls.append(None)
+        return real(self, layer_, world) + (0.5 if len(calls) - 1 == off else 0.0)
+
+    monkeypatch.setattr(ts.SPMDLayout, "per_block", shifted)
+    report = ts.check_spmd(full, ranks, layout, ts.block_inputs(full, layout, 16, "prefill"), "prefill", n=2,
+                           atol=ATOL)
+    assert len(calls) == 2 and report.graphs == 1 and report.identical_across_ranks
+    assert not report.ok and 0.5 - 1e-3 <= report.max_abs_diff <= 0.5 + 1e-3, report
+
 def test_bytes_per_rank_follow_the_dispatch_formula():
     """TP2 x EP2, all-gather dispatch, T tokens per token group, no shared experts: all-gather (EP-1) * T rows of
     H floats + k ids + k weights, reduce-scatter (EP-1) * T * H floats, all-reduce 2 (TP-1)/TP * T * H floats."""
