@@ -655,8 +655,7 @@ def test_a_checkpoint_of_another_shape_is_named():
         model.load_state_dict(state)
 
 
-@pytest.mark.slow
-def test_compiled_generate_shares_one_static_cache():
+def test_compiled_generate_shares_one_static_cache():  # ~20 s on 2 cores: CI runs it
     """Compiled ``generate`` calls sharing one StaticCache (what hf_generate.py times): each call resets it in
     place, so its tensors keep their addresses (the CUDA-graph step is recorded once), and the tokens equal eager
     ``generate``'s, also for a shorter prompt after a longer one."""
