@@ -1,0 +1,139 @@
+"""Mutation testing of nxd_moe's modules with mutmut (not in CI: minutes per module on 2 cores).
+
+    pip install mutmut                       # 3.x; not a dependency of the package
+    python benchmarks/mutation.py nxd_moe/nxd_compat/block_mapping.py [MODULE ...] [--out FILE] [--jobs N]
+
+Per module: a scratch copy of the working tree (``nxd_moe/``, ``tests/``, ``configs/``, ``pyproject.toml``) gets a
+``[tool.mutmut]`` section that mutates that module only and runs only the tests :data:`TESTS` maps it to; ``mutmut
+run`` tries every mutant. mutmut runs each mutant in a forked worker, and torch's threads can hang a fork: a mutant
+mutmut reports as a timeout (or suspicious) is run again here in a fresh process (``MUTANT_UNDER_TEST`` set, the same
+tests) and counted killed if a test fails, survived if all pass. Writes JSON: per module the counts, the score
+(killed / mutants) and every survivor with its diff. A survivor is either a missing test or an equivalent mutant (it
+cannot change behaviour); docs/testing.md lists the equivalent ones with a reason each and the score over the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COPIED = ("nxd_moe", "tests", "configs", "pyproject.toml")
+
+# module -> the tests that cover it (a run over one module stays within minutes)
+TESTS: dict[str, list[str]] = {
+    "nxd_moe/nxd_compat/block_mapping.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
+    "nxd_moe/nxd_compat/testing.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
+    "nxd_moe/nxd_compat/utils.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
+    "nxd_moe/nxd_compat/adapters.py": ["tests/nxd_compat/test_nxd_modules.py", "tests/nxd_compat/test_nxd_configs.py"],
+    "nxd_moe/nxdi.py": ["tests/nxd_compat/test_nxdi_entry_point.py"],
+    "nxd_moe/quantization/formats.py": ["tests/test_quantization.py"],
+    "nxd_moe/parallel/layout.py": ["tests/parallel/test_parallel_units.py"],
+    "nxd_moe/routing/topk.py": ["tests/test_routing.py"],
+    "nxd_moe/routing/group_limited.py": ["tests/test_routing.py"],
+    "nxd_moe/experts/token_mapping.py": ["tests/test_token_mapping.py"],
+    "nxd_moe/application/sampling.py": ["tests/application/test_sampling.py"],
+    "nxd_moe/application/config.py": ["tests/application/test_application_config.py"],
+}
+STATUS = re.compile(r"^\s*(\S+): (\w[\w ]*)$")
+
+
+def mutmut() -> list[str]:
+    found = shutil.which("mutmut", path=str(Path(sys.executable).parent)) or shutil.which("mutmut")
+    if found is None:
+        raise SystemExit("mutmut is not installed here: pip install mutmut")
+    return [found]
+
+
+def scratch_copy(module: str, tests: list[str], jobs_dir: Path) -> Path:
+    root = jobs_dir / module.replace("/", "_").removesuffix(".py")
+    root.mkdir(parents=True)
+    for name in COPIED:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("__pycache__", "_build", "*.so"))
+        else:
+            shutil.copy(source, root / name)
+    config = (f'\n[tool.mutmut]\nsource_paths = ["{module}"]\n'
+              f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+              'pytest_add_cli_args = ["-x", "-q", "-p", "no:cacheprovider"]\n'
+              'also_copy = ["nxd_moe", "tests", "configs"]\n')
+    with open(root / "pyproject.toml", "a") as f:
+        f.write(config)
+    return root
+
+
+def rerun(root: Path, mutant: str, tests: list[str]) -> str:
+    """``killed`` or ``survived``: the mutant's tests in a fresh process (no fork)."""
+    env = {**os.environ, "MUTANT_UNDER_TEST": mutant, "PYTHONDONTWRITEBYTECODE": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                          cwd=root / "mutants", env=env, capture_output=True, text=True, timeout=1800)
+    return "survived" if done.returncode == 0 else "killed"
+
+
+def run_module(module: str, jobs_dir: Path, jobs: int) -> dict:
+    tests = TESTS.get(module)
+    if tests is None:
+        raise SystemExit(f"{module}: no tests mapped in benchmarks/mutation.py's TESTS")
+    root = scratch_copy(module, tests, jobs_dir)
+    start = time.monotonic()
+    subprocess.run([*mutmut(), "run", "--max-children", str(jobs)], cwd=root, capture_output=True, text=True)
+    listed = subprocess.run([*mutmut(), "results", "--all", "true"], cwd=root, capture_output=True,
+                            text=True).stdout
+    statuses = {m.group(1): m.group(2) for m in map(STATUS.match, listed.splitlines()) if m}
+    result: dict = {"module": module, "tests": tests, "mutants": len(statuses), "rerun": {}, "survivors": []}
+    for name, status in statuses.items():
+        if status in ("timeout", "suspicious"):
+            statuses[name] = result["rerun"][name] = rerun(root, name, tests)
+    for name, status in sorted(statuses.items()):
+        if status in ("survived", "no tests"):
+            diff = subprocess.run([*mutmut(), "show", name], cwd=root, capture_output=True, text=True).stdout
+            result["survivors"].append({"mutant": name, "status": status,
+                                        "diff": "\n".join(line for line in diff.splitlines()
+                                                          if line.startswith(("-", "+")) and line[1:2] == " ")})
+    counts: dict[str, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    result["counts"] = counts
+    result["score"] = round(counts.get("killed", 0) / max(len(statuses), 1), 4)
+    result["seconds"] = round(time.monotonic() - start, 1)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="+", help=f"paths under nxd_moe/ (mapped: {', '.join(TESTS)})")
+    parser.add_argument("--jobs", type=int, default=2, help="mutmut's parallel workers (default 2)")
+    parser.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modules if m not in TESTS]
+    if unknown:
+        parser.error(f"no tests mapped for {unknown}; add them to TESTS")
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="nxd_moe_mutation_") as jobs_dir:
+        results = []
+        for module in args.modules:
+            print(f"{module} ...", file=sys.stderr, flush=True)
+            results.append(run_module(module, Path(jobs_dir), args.jobs))
+            r = results[-1]
+            print(f"  {r['mutants']} mutants, {r['counts']}, score {r['score']:.1%}, {r['seconds']:.0f} s",
+                  file=sys.stderr, flush=True)
+    text = json.dumps({"commit": commit, "date": time.strftime("%Y-%m-%d"), "modules": results}, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
