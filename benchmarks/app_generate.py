@@ -13,7 +13,8 @@ One transformers model (random weights, bf16, built on the GPU from a shipped co
   in place);
 - ``app``: ``nxd_moe.application.CausalLMApplication`` over the patched model: one context-encoding bucket (the
   prompt length) and one token-generation bucket (prompt + new tokens), each step a CUDA graph (token generation
-  compiled by Inductor first), greedy sampling on the device, the host reading every ``--read-every`` steps.
+  compiled by Inductor first), greedy sampling on the device, the host reading every ``--read-every`` steps;
+  ``app_no_inductor``: the same without Inductor; ``app_freezing``: with Inductor's freezing (weights as constants).
 
 Measured, per batch size (``--batches``): time to first token (``generate`` of one token for the compiled recipe; the
 application's own context-encoding time to the first token on the host), decode tokens/s (``B * (N - 1)`` over the
@@ -49,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_generate import copy_bandwidth, decode_bytes_per_step, slowest  # noqa: E402
 
-VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor")
+VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor", "app_freezing")
 
 
 def _sync(device: torch.device) -> None:
@@ -71,7 +72,42 @@ def graph_ms(fn, device: torch.device, repeats: int = 20) -> float | None:
     return start.elapsed_time(end) / repeats
 
 
-def time_app(app, ids: torch.Tensor, new_tokens: int, repeats: int, read_every: int) -> dict:
+def profile_steps(fn, device: torch.device, replays: int = 10) -> dict | None:
+    """Where the device time of one step (``fn``: a graph replay) goes: ``torch.profiler`` over ``replays`` replays
+    back to back -- kernels per step, the sum of their durations, the time at least one kernel ran (the rest of the
+    step's device time is the gaps between dependent kernels), and the top kernels per step."""
+    if device.type != "cuda":
+        return None
+    import collections
+
+    from hf_decode_profile import busy_time_us
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return {"kernels_per_step": 0}
+    first = min(e.time_range.start for e in kernels)
+    last = max(e.time_range.end for e in kernels)
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.time_range.end - e.time_range.start
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:30]
+    return {"kernels_per_step": round(len(kernels) / replays, 1),
+            "span_us_per_step": round((last - first) / replays, 1),
+            "busy_us_per_step": round(busy_time_us(kernels) / replays, 1),
+            "kernel_sum_us_per_step": round(sum(t for _, t in by_name.values()) / replays, 1),
+            "top_kernels": [(n[:100], round(c / replays, 2), round(t / replays, 2)) for n, (c, t) in top]}
+
+
+def time_app(app, ids: torch.Tensor, new_tokens: int, repeats: int, read_every: int,
+             profile_replays: int = 0) -> dict:
     device = app.runner.device
     batch = ids.shape[0]
     kwargs = dict(max_new_tokens=new_tokens, eos_token_id=[], read_every=read_every)
@@ -93,12 +129,16 @@ def time_app(app, ids: torch.Tensor, new_tokens: int, repeats: int, read_every: 
     runner.step.fill_(1)
     step_ms = graph_ms(lambda: runner.token_generation(tkg), device)
     cte_ms = graph_ms(lambda: runner.context_encoding(cte), device, repeats=5)
+    profile = (profile_steps(lambda: runner.token_generation(tkg), device, profile_replays)
+               if profile_replays else None)
     for t, s in zip(runner.state_tensors(), saved):
         t.copy_(s)
     row = {"ttft_ms": round(statistics.median(ttft) * 1e3, 2),
            "decode_ms_per_step": round(wall_step_ms, 3),
            "decode_tokens_per_s": round(batch / wall_step_ms * 1e3, 1),
            "tokens": out.tokens.tolist()}
+    if profile:
+        row["profile"] = profile
     if step_ms is not None:
         row.update(device_ms_per_step=round(step_ms, 3), gpu_busy=round(step_ms / wall_step_ms, 3),
                    context_encoding_device_ms=round(cte_ms, 2),
@@ -125,6 +165,8 @@ def distributed(device: torch.device) -> tuple[int, int, torch.device]:
 
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM
+
+    import torch._inductor.config  # noqa: F401  (app_freezing patches it)
 
     from nxd_moe.application import ApplicationConfig, CausalLMApplication
     from nxd_moe.hf import patch_model
@@ -187,10 +229,13 @@ def run(args) -> dict:
                                                token_generation_buckets=[length], ctx_batch_size=args.ctx_batch or b,
                                                tp_degree=world, moe_ep_degree=world)
                     t0 = time.perf_counter()
-                    app = CausalLMApplication(model, config, compile_token_generation=variant == "app")
-                    app.load()
+                    app = CausalLMApplication(model, config, compile_token_generation=variant != "app_no_inductor")
+                    # app_freezing: Inductor with its weights taken as constants (its freezing passes fuse the
+                    # projections of one input into one GEMM: q, k, v)
+                    with torch._inductor.config.patch(freezing=variant == "app_freezing"):
+                        app.load()
                     load_s = time.perf_counter() - t0
-                    timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every)
+                    timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every, args.profile)
                     timing["load_s"] = round(load_s, 1)
                     if world > 1:  # the slowest rank's step; every rank's sequences count
                         timing["decode_ms_per_step"] = slowest(timing["decode_ms_per_step"])
@@ -236,12 +281,13 @@ def derive(result: dict, batches) -> None:
                 cell["over_best_peer"] = round(cell["decode_tokens_per_s"] / best, 3)
             if "grouped_mm" in peers:
                 cell["over_grouped_mm"] = round(cell["decode_tokens_per_s"] / peers["grouped_mm"], 3)
-        app = rows.get("app", {}).get(key)
         reference = next((rows[v][key] for v in ("patch_model", "grouped_mm") if key in rows.get(v, {})), None)
-        if app and reference and "tokens" in reference:
-            a, r = torch.tensor(app["tokens"]), torch.tensor(reference["tokens"])
-            n = min(a.shape[1], r.shape[1])
-            app["same_tokens"] = round((a[:, :n] == r[:, :n]).float().mean().item(), 3)
+        for variant in [v for v in rows if v.startswith("app")]:
+            app = rows[variant].get(key)
+            if app and reference and "tokens" in reference:
+                a, r = torch.tensor(app["tokens"]), torch.tensor(reference["tokens"])
+                n = min(a.shape[1], r.shape[1])
+                app["same_tokens"] = round((a[:, :n] == r[:, :n]).float().mean().item(), 3)
 
 
 def table(result: dict, batches) -> str:
@@ -272,6 +318,8 @@ def parse_args(argv=None):
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile N token-generation replays of the application (kernels per step, gaps)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     unknown = sorted(set(args.variants) - set(VARIANTS))

@@ -26,6 +26,7 @@ from nxd_moe.application.programs import CausalLMPrograms
 from nxd_moe.application.runner import ProgramRunner
 from nxd_moe.application.sampling import prepare_sampling_params
 from nxd_moe.models.decoder_step import replace_polar_rotary_embeddings
+from nxd_moe.moe import MoE
 
 __all__ = ["CausalLMApplication"]
 
@@ -38,6 +39,17 @@ def _served_model_type(model: nn.Module) -> str:
         raise ValueError(f"model_type {model_type!r} is not an MoE family nxd_moe serves (a dense model has no MoE "
                          f"layer to run); served: {list(SUPPORTED_MODEL_TYPES)}")
     return model_type
+
+
+def _to_dtype_keeping_routers(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` in ``dtype``, except the routers of layers already patched to nxd_moe's ``MoE``, which keep their
+    own dtype (float32, as NxD runs them): cast with the rest, a patched model's routers would route in bf16 and lose
+    the layer's fused one-launch decode, which takes a float32 router only."""
+    kept = [(p, p.data) for m in model.modules() if isinstance(m, MoE) for p in m.router.parameters()]
+    model = model.to(dtype)
+    for parameter, data in kept:
+        parameter.data = data
+    return model
 
 
 class CausalLMApplication:
@@ -69,7 +81,7 @@ class CausalLMApplication:
         self.config = config
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         self.group = self._expert_parallel_group(config)
-        model = model.to(config.torch_dtype).eval()
+        model = _to_dtype_keeping_routers(model, config.torch_dtype).eval()
         if getattr(model, "nxd_moe_patched", None) is None:
             patch_model(model, backend=backend, quantization=config.quantization)
         # Llama 4's torch.polar has no XLA lowering (a host round trip per step): the same values from cos / sin

@@ -159,3 +159,31 @@ def test_a_model_without_moe_layers_is_refused():
         CausalLMApplication(dense, ApplicationConfig())
     with pytest.raises(TypeError, match="config must be an ApplicationConfig"):
         CausalLMApplication(dense, {"batch_size": 1})
+
+
+@pytest.mark.parametrize("patched_first", [False, True])
+def test_a_bf16_application_keeps_float32_routers_whether_or_not_the_model_came_patched(patched_first):
+    """The routers route in float32 as NxD does (and the GPU's one-launch decode takes only a float32 router): a model
+    patched before the application converts it to bf16 keeps them bit for bit; an unpatched one is converted first
+    (as a checkpoint in ``torch_dtype`` would be) and patched after, its routers the bf16 gates in float32."""
+    from nxd_moe.hf import patch_model
+    from nxd_moe.models.hf_models import build_hf_model
+    from nxd_moe.moe import MoE
+
+    model = build_hf_model("qwen3-30b-a3b", num_layers=2, scale=16, seed=4)
+    gate = model.model.layers[1].mlp.gate.weight.detach().clone()
+    gate += torch.linspace(0, 1e-5, gate.numel()).view_as(gate)  # bits below bf16's precision
+    model.model.layers[1].mlp.gate.weight.data.copy_(gate)
+    if patched_first:
+        patch_model(model, backend="torch")
+    app = CausalLMApplication(model, ApplicationConfig(batch_size=1, seq_len=16, max_context_length=8,
+                                                       torch_dtype="bfloat16"))
+    layers = [m for m in app.model.modules() if isinstance(m, MoE)]
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer.router.linear_router.weight.dtype == torch.float32
+        assert layer.expert_mlps.dtype == torch.bfloat16
+    expected = gate if patched_first else gate.to(torch.bfloat16).float()
+    assert not torch.equal(expected, gate.to(torch.bfloat16).float()) or not patched_first
+    assert torch.equal(layers[1].router.linear_router.weight, expected)
+    assert app.model.model.embed_tokens.weight.dtype == torch.bfloat16
