@@ -61,7 +61,8 @@ from nxd_moe import build_moe, load_model_config, parallel_state  # noqa: E402
 from nxd_moe.config import ExpertParallelConfig  # noqa: E402
 from nxd_moe.graphs import capture  # noqa: E402
 from nxd_moe.parallel.collectives import CommLedger, all_to_all  # noqa: E402
-from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch  # noqa: E402
+from nxd_moe.parallel.dispatch import DispatchInputs  # noqa: E402
+from nxd_moe.parallel.dispatches import get_dispatch  # noqa: E402
 from nxd_moe.quantization.quantizer import expert_weight_bytes  # noqa: E402
 
 DISPATCHES = ("all_gather", "all_to_all_v")

@@ -31,6 +31,16 @@ import torch
 import torch.distributed as dist
 
 from nxd_moe import parallel_state
+from nxd_moe.arguments import (
+    AUTO_SCALE_MAX_HIDDEN,
+    MIN_AUTO_SCALE,
+    auto_scale,
+    positive_float,
+    positive_int,
+    resolve_device,
+    resolve_dtype,
+    scale_argument,
+)
 from nxd_moe.build import build_moe, scale_rounding, scaled_model
 from nxd_moe.config import (
     ALL_TO_ALL_SPLITS,
@@ -39,9 +49,8 @@ from nxd_moe.config import (
     MoEModelConfig,
     builtin_config_names,
     load_model_config,
-    to_torch_dtype,
 )
-from nxd_moe.experts.backends import BACKENDS, get_backend
+from nxd_moe.experts.backends import BACKENDS
 from nxd_moe.graphs import GraphedStep, capture
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
@@ -50,8 +59,6 @@ from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, ac
 from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
 
-MIN_AUTO_SCALE = 16
-AUTO_SCALE_MAX_HIDDEN = 256
 # Subcommands that live with the code they drive: each module has HELP, add_arguments(parser), main(args) -> int.
 SUBCOMMANDS = {
     "trace": "nxd_moe.trace",
@@ -65,34 +72,6 @@ DEFAULT_TOKENS = 512
 DEFAULT_DECODE_BATCH = 8
 # Timed CUDA-graph replays per step (at least): replays are cheap, so more samples than eager calls.
 GRAPH_REPLAYS = 20
-
-
-def auto_scale(hidden_size: int) -> int:
-    """The smallest power of two >= 16 that brings H down to at most 256: with the Trainium block sizes of the
-    shipped configs (every active expert owns at least one 256-512 row block) that keeps each step well under a
-    second on a 2-core CPU, for 8 experts or 256."""
-    scale = MIN_AUTO_SCALE
-    while hidden_size / scale > AUTO_SCALE_MAX_HIDDEN:
-        scale *= 2
-    return scale
-
-
-def _scale(text: str) -> int | str:
-    return text if text == "auto" else _positive_int(text)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def _timed_ms(fn, repeats: int, device: torch.device | None = None) -> tuple[object, float]:
@@ -113,13 +92,6 @@ def _timed_ms(fn, repeats: int, device: torch.device | None = None) -> tuple[obj
     return result, statistics.median(times)
 
 
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    """``--dtype``, or the device's default: bfloat16 on a GPU (what GPU inference runs), float32 on a CPU."""
-    if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return to_torch_dtype(name, "--dtype")
-
-
 def _graphed_ms(step: GraphedStep, repeats: int) -> float:
     """Median time (ms, CUDA events) of one replay of a captured step."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -131,33 +103,6 @@ def _graphed_ms(step: GraphedStep, repeats: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def resolve_device(name: str, backend: str) -> torch.device:
-    """``--device`` checked against this machine and ``--backend``; ``ValueError`` says what is missing."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda (cuda:N), got {name!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            built = "without CUDA" if torch.version.cuda is None else f"with CUDA {torch.version.cuda}"
-            raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__}, built "
-                             f"{built})")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
-        if device.index is not None:  # kernels launched outside torch (Triton) go to the current device
-            torch.cuda.set_device(device.index)
-    try:
-        get_backend(backend)
-    except ImportError as e:
-        raise ValueError(f"--backend {backend} is not available here: {e}") from None
-    if backend == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--backend triton runs Triton kernels: use --device cuda (or set TRITON_INTERPRET=1 to "
-                         "run them on the CPU in Triton's interpreter, slowly)")
-    return device
 
 
 @contextmanager
@@ -479,20 +424,20 @@ def build_parser() -> argparse.ArgumentParser:
     run_p = sub.add_parser("run", help="build one MoE layer and run a prefill and a decode step")
     run_p.add_argument("--config", required=True,
                        help=f"YAML path or built-in name ({', '.join(builtin_config_names())})")
-    run_p.add_argument("--scale", type=_scale, default="auto",
+    run_p.add_argument("--scale", type=scale_argument, default="auto",
                        help="divide H and I by this (rounded up to a multiple of 8, or of the weight format's block; "
                             "the report says when); 1 = full size; 'auto' (default) picks a power of two >= "
                             f"{MIN_AUTO_SCALE} that brings H to <= {AUTO_SCALE_MAX_HIDDEN}")
-    run_p.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS,
+    run_p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
                        help=f"prefill tokens (default {DEFAULT_TOKENS})")
-    run_p.add_argument("--decode-batch", type=_positive_int, default=DEFAULT_DECODE_BATCH,
+    run_p.add_argument("--decode-batch", type=positive_int, default=DEFAULT_DECODE_BATCH,
                        help=f"sequences in the decode step (default {DEFAULT_DECODE_BATCH})")
     run_p.add_argument("--dtype", default=None,
                        help="float32 | bfloat16 | float16 | float64 (default: bfloat16 on --device cuda, else "
                             "float32)")
-    run_p.add_argument("--block-size", type=_positive_int, default=None,
+    run_p.add_argument("--block-size", type=positive_int, default=None,
                        help="override the config's blockwise block_size")
-    run_p.add_argument("--capacity-factor", type=_positive_float, default=None,
+    run_p.add_argument("--capacity-factor", type=positive_float, default=None,
                        help="drop tokens beyond this capacity factor (default: the config's, usually dropless)")
     run_p.add_argument("--backend", default="torch", choices=sorted(BACKENDS),
                        help="expert computation (default torch; triton needs --device cuda and Triton)")
@@ -505,15 +450,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fp8 = W8A8: the experts' activations quantized to FP8 E4M3 on the fly (per token with "
                             "fp8 weights, per token and 128 columns with fp8_block), FP8 x FP8 GEMMs; needs "
                             "--quantization fp8 or fp8_block (default: the config's, none)")
-    run_p.add_argument("--repeats", type=_positive_int, default=3, help="timed repetitions per step (median)")
+    run_p.add_argument("--repeats", type=positive_int, default=3, help="timed repetitions per step (median)")
     run_p.add_argument("--seed", type=int, default=0)
-    run_p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    run_p.add_argument("--tp", type=_positive_int, default=1,
+    run_p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    run_p.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size (model parallel runs: launch with torchrun --nproc-per-node N)")
-    run_p.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
-    run_p.add_argument("--decode-tp", type=_positive_int, default=None,
+    run_p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size")
+    run_p.add_argument("--decode-tp", type=positive_int, default=None,
                        help="MoE tensor-parallel size in decode (hybrid sharding; default --tp)")
-    run_p.add_argument("--decode-ep", type=_positive_int, default=None,
+    run_p.add_argument("--decode-ep", type=positive_int, default=None,
                        help="MoE expert-parallel size in decode (hybrid sharding; default --ep)")
     run_p.add_argument("--sp", action="store_true", help="sequence parallelism in prefill (shards --tokens over --tp)")
     run_p.add_argument("--dispatch", default="all_gather", choices=EXPERT_PARALLEL_DISPATCHES,

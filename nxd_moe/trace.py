@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves, tree_map
 
+from nxd_moe.arguments import MIN_AUTO_SCALE, auto_scale, positive_int, scale_argument
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.experts.dynamic_while import blocks_per_iteration, dynamic_while_blockwise_forward, static_block_count
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2
@@ -880,7 +881,6 @@ DYNAMIC_WHILE_FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from nxd_moe.cli import MIN_AUTO_SCALE, _positive_int, _scale
     from nxd_moe.config import builtin_config_names
 
     parser.add_argument("--config", required=True,
@@ -888,14 +888,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory for the HLO, the exported program and the reports")
     parser.add_argument("--mode", choices=("prefill", "decode"), default="prefill",
                         help="prefill: one sequence of --tokens tokens; decode: --tokens sequences of one token")
-    parser.add_argument("--tokens", type=_positive_int, default=None,
+    parser.add_argument("--tokens", type=positive_int, default=None,
                         help=f"tokens per forward (default {DEFAULT_TOKENS['prefill']} prefill, "
                              f"{DEFAULT_TOKENS['decode']} decode)")
-    parser.add_argument("--scale", type=_scale, default="auto",
+    parser.add_argument("--scale", type=scale_argument, default="auto",
                         help="divide H and I by this (rounded up to a multiple of 8, or of the weight format's "
                              f"block; the report says when); 'auto' (default) picks a power of two >= {MIN_AUTO_SCALE}")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--block-size", type=_positive_int, default=None, help="override the config's block_size")
+    parser.add_argument("--block-size", type=positive_int, default=None, help="override the config's block_size")
     parser.add_argument("--dynamic-while", choices=sorted(DYNAMIC_WHILE_FLAGS), default=None,
                         help="blockwise padding-block skipping: use_shard_on_intermediate_dynamic_while "
                              "('intermediate'), use_shard_on_block_dynamic_while ('block'), or 'off' "
@@ -903,7 +903,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                         help="routed experts' weight format (default: the config's, bf16)")
     parser.add_argument("--padding", action="store_true", help="mask out the last quarter of the tokens")
-    parser.add_argument("--routings", type=_positive_int, default=3,
+    parser.add_argument("--routings", type=positive_int, default=3,
                         help="routings check_static runs under XLA (>= 2; default 3, the first sends every token "
                              "to the same experts)")
     parser.add_argument("--atol", type=float, default=None,
@@ -911,24 +911,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-xla", action="store_true", help="only torch.export and torch.compile")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--model-layers", type=_positive_int, default=None,
+    parser.add_argument("--model-layers", type=positive_int, default=None,
                         help="trace a whole transformers decoder of the config's architecture instead of one layer: "
                              "this many MoE layers (the dense layers it places around them on top), MoE blocks "
                              "patched with nxd_moe, one prefill or decode step over a static KV cache; needs "
                              f"torch_xla (default --tokens {DEFAULT_MODEL_TOKENS['prefill']} prefill, "
                              f"{DEFAULT_MODEL_TOKENS['decode']} decode)")
-    parser.add_argument("--cache-length", type=_positive_int, default=None,
+    parser.add_argument("--cache-length", type=positive_int, default=None,
                         help=f"with --model-layers: KV cache positions (default {DEFAULT_CACHE_LENGTH}, at most the "
                              "model's sliding window)")
 
     spmd = parser.add_argument_group("parallel layouts (one SPMD program for every rank; runs on --tp x --ep XLA "
                                      "CPU devices, no torchrun)")
-    spmd.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    spmd.add_argument("--ep", type=_positive_int, default=1, help="expert-parallel size")
+    spmd.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    spmd.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size")
     spmd.add_argument("--sp", action="store_true", help="sequence-parallel prefill (the tokens split over --tp)")
-    spmd.add_argument("--decode-tp", type=_positive_int, default=None,
+    spmd.add_argument("--decode-tp", type=positive_int, default=None,
                       help="MoE tensor-parallel size in decode (hybrid sharding; default --tp)")
-    spmd.add_argument("--decode-ep", type=_positive_int, default=None,
+    spmd.add_argument("--decode-ep", type=positive_int, default=None,
                       help="MoE expert-parallel size in decode (hybrid sharding; default --ep)")
     spmd.add_argument("--dispatch", default="all_gather", choices=("all_gather", "all_to_all", "all_to_all_v"),
                       help="expert-parallel dispatch: all_gather (default, NxD's) or all_to_all (= all_to_all_v "
@@ -950,7 +950,6 @@ class TraceSetup(NamedTuple):
 
 def setup(args: argparse.Namespace) -> TraceSetup:
     """Resolve and check ``nxd-moe trace``'s layer arguments (``ValueError`` naming a bad one)."""
-    from nxd_moe.cli import auto_scale
     from nxd_moe.config import load_model_config, to_torch_dtype
 
     model = load_model_config(args.config)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from nxd_moe.arguments import positive_int, resolve_device, resolve_dtype, scale_argument
+
 HELP = "write the compiled directory of an MoE model's application (NxD Inference's compile)"
 
 
@@ -31,14 +33,12 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from nxd_moe.cli import _positive_int, _scale
-
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="a shipped architecture (name or YAML), random weights")
     source.add_argument("--hf-model", help="a local transformers checkpoint directory (safetensors)")
     parser.add_argument("--out", required=True, help="the compiled directory to write")
     parser.add_argument("--layers", type=int, default=2, help="with --config: MoE layers (0: full depth; default 2)")
-    parser.add_argument("--scale", type=_scale, default="auto",
+    parser.add_argument("--scale", type=scale_argument, default="auto",
                         help="with --config: divide the widths by this (1 = full size; auto: 1 on a GPU, else 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (default: HLO for neuronx-cc when torch_xla is "
@@ -46,10 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--neuron-config", help="a JSON file of NxD Inference (MoE)NeuronConfig fields; replaces "
                                                 "the size, bucket and sampling flags")
     parser.add_argument("--dtype", default=None, help="torch_dtype (default: bfloat16 on a GPU, float32 on a CPU)")
-    parser.add_argument("--batch-size", type=_positive_int, default=1)
-    parser.add_argument("--ctx-batch-size", type=_positive_int, default=None)
-    parser.add_argument("--seq-len", type=_positive_int, default=256)
-    parser.add_argument("--max-context-length", type=_positive_int, default=None)
+    parser.add_argument("--batch-size", type=positive_int, default=1)
+    parser.add_argument("--ctx-batch-size", type=positive_int, default=None)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--max-context-length", type=positive_int, default=None)
     parser.add_argument("--bucketing", action="store_true", help="NxDI's automatic buckets (powers of two from 128)")
     parser.add_argument("--context-buckets", type=_ints, default=None, help="e.g. 64,128")
     parser.add_argument("--token-buckets", type=_ints, default=None, help="e.g. 128,256")
@@ -95,8 +95,6 @@ def application_config(args: argparse.Namespace, dtype: torch.dtype):
 
 def run(args: argparse.Namespace) -> dict:
     from nxd_moe.application import CausalLMApplication
-    from nxd_moe.cli import resolve_device, resolve_dtype
-
     device = resolve_device(args.device, "torch")
     dtype = resolve_dtype(args.dtype, device)
     config = application_config(args, dtype)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from nxd_moe.arguments import positive_int
+
 __all__ = ["SPECIAL_TOKENS", "write_checkpoint"]
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -63,15 +65,13 @@ HELP = "write a small local checkpoint (random weights, tokenizer, generation co
 
 
 def add_arguments(parser) -> None:
-    from nxd_moe.cli import _positive_int
-
     parser.add_argument("--config", required=True, help="a shipped architecture (name or YAML)")
     parser.add_argument("--out", required=True, help="the directory to write")
-    parser.add_argument("--layers", type=_positive_int, default=2, help="MoE layers (default 2)")
-    parser.add_argument("--scale", type=_positive_int, default=16, help="divide the widths by this (default 16)")
+    parser.add_argument("--layers", type=positive_int, default=2, help="MoE layers (default 2)")
+    parser.add_argument("--scale", type=positive_int, default=16, help="divide the widths by this (default 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=16,
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16,
                         help="the generation config's max_new_tokens (default 16)")
 
 

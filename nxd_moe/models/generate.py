@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from nxd_moe.arguments import auto_scale, positive_int, resolve_device, resolve_dtype, scale_argument
+
 from nxd_moe.extras import require
 
 HELP = "generate with a whole transformers MoE model through nxd_moe and print tokens/s next to transformers' default"
@@ -156,7 +158,6 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, re
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from nxd_moe.cli import _positive_int, _scale
     from nxd_moe.config import builtin_config_names
 
     source = parser.add_mutually_exclusive_group(required=True)
@@ -165,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--hf-model", help="a local transformers checkpoint directory (safetensors only)")
     source.add_argument("--app", help="a compiled application directory (nxd-moe compile): generate with nxd_moe's "
                                       "own loop (CUDA graphs per bucket on a GPU) instead of transformers'")
-    parser.add_argument("--scale", type=_scale, default=None,
+    parser.add_argument("--scale", type=scale_argument, default=None,
                         help="with --config: divide the widths by this (rounded up to a multiple of 8); 1 = full "
                              "size; 'auto' (default): 1 on a GPU, else the layer scale `nxd-moe run` picks")
     parser.add_argument("--layers", type=int, default=None,
@@ -173,9 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "depth)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda / cuda:N")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--batch", type=_positive_int, default=1, help="sequences (default 1)")
-    parser.add_argument("--prompt-len", type=_positive_int, default=32, help="prompt tokens (default 32)")
-    parser.add_argument("--new-tokens", type=_positive_int, default=16, help="generated tokens (default 16, >= 2)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
+    parser.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default 32)")
+    parser.add_argument("--new-tokens", type=positive_int, default=16, help="generated tokens (default 16, >= 2)")
     parser.add_argument("--compile", action="store_true",
                         help="transformers' compiled recipe: static cache, decode step under torch.compile("
                              "mode='reduce-overhead', fullgraph=True) (on a CPU: mode='default')")
@@ -184,7 +185,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "transformers' blocks with experts_implementation='nxd_moe'")
     parser.add_argument("--backend", default=None,
                         help="nxd_moe backend (default: triton on CUDA where it imports, else torch)")
-    parser.add_argument("--repeats", type=_positive_int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-ids", default=None, help="with --app: one prompt as comma-separated token ids")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -192,7 +193,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     require("transformers", "nxd-moe generate")
-    from nxd_moe.cli import auto_scale, resolve_device, resolve_dtype
     from nxd_moe.config import load_model_config
     from nxd_moe.hf import patch_model
     from nxd_moe.models.hf_models import build_hf_model

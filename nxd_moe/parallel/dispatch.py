@@ -1,4 +1,5 @@
-"""The contract both expert-parallel dispatch strategies implement, and the table that picks one by name.
+"""The contract both expert-parallel dispatch strategies implement (:mod:`~nxd_moe.parallel.dispatches` picks one
+by name).
 
 A dispatch takes this rank's tokens with their routing (a :class:`DispatchInputs`) -- ``hidden (T_r, H)``,
 ``pair_expert (T_r, k)`` (global expert ids, ``-1`` for pairs that do not count: padded tokens) and
@@ -20,7 +21,6 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from nxd_moe.config import EXPERT_PARALLEL_DISPATCHES
 from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.layout import ExpertShard, MoEGroups
 from nxd_moe.parallel.token_layout import TokenLayout
@@ -55,25 +55,3 @@ class DispatchResult(NamedTuple):
 
     output: torch.Tensor
     pairs_per_expert: torch.Tensor | None
-
-
-# Looked up on every forward: an import statement per call is measurable host time in an eager step. A dict, not
-# functools.cache: Dynamo traces through a cache wrapper and warns of possible silent incorrectness at every compile.
-_DISPATCHES: dict[str, Callable[[DispatchInputs], DispatchResult]] = {}
-
-
-def get_dispatch(name: str) -> Callable[[DispatchInputs], DispatchResult]:
-    """The dispatch function called ``name`` (one of :data:`~nxd_moe.config.EXPERT_PARALLEL_DISPATCHES`)."""
-    if name in _DISPATCHES:
-        return _DISPATCHES[name]
-    if name == "all_gather":
-        from nxd_moe.parallel.all_gather import all_gather_dispatch
-
-        _DISPATCHES[name] = all_gather_dispatch
-        return all_gather_dispatch
-    if name == "all_to_all_v":
-        from nxd_moe.parallel.all_to_all import all_to_all_dispatch
-
-        _DISPATCHES[name] = all_to_all_dispatch
-        return all_to_all_dispatch
-    raise ValueError(f"expert-parallel dispatch must be one of {list(EXPERT_PARALLEL_DISPATCHES)}, got {name!r}")

@@ -26,7 +26,8 @@ from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2, ExpertsStats, PairsComputed
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.parallel.collectives import CommLedger
-from nxd_moe.parallel.dispatch import DispatchInputs, get_dispatch
+from nxd_moe.parallel.dispatch import DispatchInputs
+from nxd_moe.parallel.dispatches import get_dispatch
 from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
 from nxd_moe.parallel.token_layout import TokenLayout
 
