@@ -63,7 +63,7 @@ from nxd_moe.reference import reference_for_moe
 SUBCOMMANDS = {
     "trace": "nxd_moe.trace",
     "plan": "nxd_moe.nki_kernels.plan",
-    "generate": "nxd_moe.models.generate",
+    "generate": "nxd_moe.application.generate_command",
     "compile": "nxd_moe.application.command",
     "checkpoint": "nxd_moe.models.checkpoint",
 }

@@ -20,20 +20,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from nxd_moe import parallel_state
+from nxd_moe.application.artifacts import check_compiled, read_model, write_compiled
 from nxd_moe.application.config import ApplicationConfig
 from nxd_moe.application.generation import GenerationOutput, generate_tokens, prompts_of
 from nxd_moe.application.programs import CausalLMPrograms
 from nxd_moe.application.runner import ProgramRunner
 from nxd_moe.application.sampling import prepare_sampling_params
+from nxd_moe.hf import SUPPORTED_MODEL_TYPES, patch_model
 from nxd_moe.models.decoder_step import replace_polar_rotary_embeddings
+from nxd_moe.models.generate import load_checkpoint_model
+from nxd_moe.models.hf_models import build_hf_model
 from nxd_moe.moe import MoE
 
 __all__ = ["CausalLMApplication"]
 
 
 def _served_model_type(model: nn.Module) -> str:
-    from nxd_moe.hf import SUPPORTED_MODEL_TYPES
-
     model_type = getattr(model.config.get_text_config(), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not an MoE family nxd_moe serves (a dense model has no MoE "
@@ -73,8 +76,6 @@ class CausalLMApplication:
                  cuda_graphs: bool | None = None, compile_token_generation: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, cache_shapes: list | None = None,
                  rebuild: Callable[..., "CausalLMApplication"] | None = None):
-        from nxd_moe.hf import patch_model
-
         if not isinstance(config, ApplicationConfig):
             raise TypeError(f"config must be an ApplicationConfig, got {type(config).__name__}")
         self.model_type = _served_model_type(model)
@@ -104,8 +105,6 @@ class CausalLMApplication:
     def _expert_parallel_group(config: ApplicationConfig):
         """The process group of an expert-parallel run (None on one process), after initialising
         :mod:`nxd_moe.parallel_state` with the config's MoE split if nobody has."""
-        from nxd_moe import parallel_state
-
         moe_ranks = config.moe_tp_degree * config.moe_ep_degree
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
@@ -130,8 +129,6 @@ class CausalLMApplication:
     def from_pretrained(cls, path: str | os.PathLike, config: ApplicationConfig, *,
                         device: torch.device | str = "cpu", **kwargs: Any) -> "CausalLMApplication":
         """The application of the local transformers checkpoint directory ``path`` (safetensors only)."""
-        from nxd_moe.models.generate import load_checkpoint_model
-
         model = load_checkpoint_model(path, config.torch_dtype, torch.device(device))
         rebuild = functools.partial(cls.from_pretrained, path, config)
         return cls(model, config, checkpoint=path, rebuild=rebuild, **kwargs)
@@ -143,8 +140,6 @@ class CausalLMApplication:
         """A shipped architecture (``"qwen3-30b-a3b"`` or a YAML path) with random weights drawn from ``seed``
         (:func:`nxd_moe.models.hf_models.build_hf_model`): ``num_layers`` MoE layers (default the architecture's),
         widths divided by ``scale``."""
-        from nxd_moe.models.hf_models import build_hf_model
-
         model = build_hf_model(model_config, num_layers=num_layers, scale=scale, dtype=config.torch_dtype,
                                device=device, seed=seed)
         rebuild = functools.partial(cls.from_model_config, model_config, config, num_layers=num_layers, scale=scale,
@@ -156,8 +151,6 @@ class CausalLMApplication:
                       **kwargs: Any) -> "CausalLMApplication":
         """The application a ``compile(path)`` wrote (:func:`~nxd_moe.application.artifacts.read_model`), loaded
         unless ``load`` is False."""
-        from nxd_moe.application.artifacts import read_model
-
         model, config, checkpoint = read_model(Path(path), device)
         rebuild = functools.partial(cls.from_compiled, path, load=False)
         app = cls(model, config, checkpoint=checkpoint, rebuild=rebuild, **kwargs)
@@ -173,8 +166,6 @@ class CausalLMApplication:
         :func:`nxd_moe.application.artifacts.write_compiled`): the configs, and per bucket and phase the traced
         program (HLO for ``neuronx-cc`` when the model is on the CPU and ``torch_xla`` is installed) -- then load
         it (on CUDA: capture every bucket's CUDA graphs)."""
-        from nxd_moe.application.artifacts import write_compiled
-
         manifest = write_compiled(self, Path(path), xla=xla)
         self.load(path)
         return manifest
@@ -183,8 +174,6 @@ class CausalLMApplication:
         """Ready the programs of every bucket (on CUDA, capture them as CUDA graphs now, so no ``generate`` call
         captures); ``path``, if given, must be a directory ``compile`` wrote for this model."""
         if path is not None:
-            from nxd_moe.application.artifacts import check_compiled
-
             check_compiled(self, Path(path))
         if self.runner.cuda_graphs and not self.config.skip_warmup:
             self.runner.capture_all()

@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nxd_moe.application import spmd, xla_programs
+from nxd_moe.application.config import ApplicationConfig
+
 if TYPE_CHECKING:
     from nxd_moe.application.application import CausalLMApplication
 
@@ -109,9 +112,7 @@ def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None =
                      "moe_ep_degree": config.moe_ep_degree, "logical_nc_config": config.logical_nc_config},
         "programs": program_signatures(app),
     }
-    from nxd_moe.application.xla_programs import export_programs, xla_unavailable_reason
-
-    reason = xla_unavailable_reason(app)
+    reason = xla_programs.xla_unavailable_reason(app)
     if xla and reason:
         raise RuntimeError(f"compile(xla=True): {reason}")
     if xla is False:
@@ -119,7 +120,7 @@ def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None =
     if reason is None and config.tp_degree > 1:
         _export_spmd(app, path, manifest)
     elif reason is None:
-        export_programs(app, path, manifest["programs"])
+        xla_programs.export_programs(app, path, manifest["programs"])
     else:
         manifest["hlo"] = f"no HLO written: {reason}"
         if xla is None:
@@ -134,20 +135,18 @@ def _export_spmd(app: "CausalLMApplication", path: Path, manifest: dict[str, Any
     """``tp_degree`` > 1: each program as ONE SPMD program for every rank (:mod:`nxd_moe.application.spmd`),
     checked -- every rank traces the same program, and run on one XLA CPU device per rank it gives each rank the
     single-device application's tokens -- then written."""
-    from nxd_moe.application.spmd import check_programs, export_programs, layout_of, rank_applications
-
     if app.rebuild is None:
         raise ValueError("compile: an SPMD program (tp_degree > 1) builds the model once per rank; build the "
                          "application with CausalLMApplication.from_pretrained, from_model_config or from_compiled")
-    layout = layout_of(app.config)
-    full, ranks = rank_applications(app.rebuild, layout, full=app)
-    checks = check_programs(full, ranks, layout)
+    layout = spmd.layout_of(app.config)
+    full, ranks = spmd.rank_applications(app.rebuild, layout, full=app)
+    checks = spmd.check_programs(full, ranks, layout)
     failed = {name: c for name, c in checks.items()
               if c.get("host_sync") or not c.get("identical_across_ranks") or not c.get("tokens_equal")}
     if failed:
         raise RuntimeError(f"compile: the SPMD programs {sorted(failed)} are not one program equal to the "
                            f"single-device application: {failed}")
-    export_programs(full, ranks, layout, path, manifest["programs"])
+    spmd.export_programs(full, ranks, layout, path, manifest["programs"])
     for name, check in checks.items():
         manifest["programs"][name]["spmd"].update(tokens_equal=check["tokens_equal"],
                                                   max_abs_diff=check["max_abs_diff"])
@@ -184,8 +183,6 @@ def read_model(path: Path, device: torch.device | str = "cpu"):
     ``neuron_config.json`` describes, in the config's dtype on ``device``, its weights read from ``weights/`` (when
     ``compile`` saved them) or from the checkpoint directory it names."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from nxd_moe.application.config import ApplicationConfig
 
     manifest = read_manifest(path)
     fields = json.loads((path / CONFIG_FILE).read_text())

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from nxd_moe.application.application import CausalLMApplication
+from nxd_moe.application.config import ApplicationConfig
 from nxd_moe.arguments import positive_int, resolve_device, resolve_dtype, scale_argument
 
 HELP = "write the compiled directory of an MoE model's application (NxD Inference's compile)"
@@ -71,8 +73,6 @@ _QUANTIZATION_FIELDS = {
 
 
 def application_config(args: argparse.Namespace, dtype: torch.dtype):
-    from nxd_moe.application import ApplicationConfig
-
     if args.neuron_config:
         fields = json.loads(Path(args.neuron_config).read_text())
         if not isinstance(fields, dict):
@@ -94,7 +94,6 @@ def application_config(args: argparse.Namespace, dtype: torch.dtype):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from nxd_moe.application import CausalLMApplication
     device = resolve_device(args.device, "torch")
     dtype = resolve_dtype(args.dtype, device)
     config = application_config(args, dtype)
@@ -143,8 +142,6 @@ def main(args: argparse.Namespace) -> int:
 def generate_from_app(args: argparse.Namespace) -> dict:
     """``nxd-moe generate --app DIR``: the compiled application's generation of ``--prompt-ids`` (one prompt,
     comma-separated ids) or ``--batch`` random prompts of ``--prompt-len`` tokens."""
-    from nxd_moe.application import CausalLMApplication
-
     device = torch.device(args.device)
     app = CausalLMApplication.from_compiled(args.app, device=device)
     vocab = app.programs.text_config.vocab_size

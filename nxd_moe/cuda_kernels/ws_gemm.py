@@ -15,12 +15,12 @@ Triton backend uses them only when asked (``TritonBackend(prefill_kernel="cuda_w
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from nxd_moe.config import GLUType
 from nxd_moe.cuda_kernels import build
+from nxd_moe.gpu_info import capability, multiprocessors
 from nxd_moe.experts.mlp import ExpertWeights
 
 # The kernels' row tile (TileLayout.block_m) and the multiple of H and I they handle (one 128-byte K step).
@@ -44,7 +44,7 @@ def applies(hidden_states: torch.Tensor, weights: ExpertWeights, block_m: int, p
     ``sm_90a``: wgmma and setmaxnreg exist nowhere else), 128-row tiles, bf16 activations and unquantized bf16
     weights, no biases, no affinity applied before the activation, plain SiLU-GLU, ``H`` and ``I`` multiples of
     64, contiguous weights ``(E, H, 2I)`` / ``(E, I, H)`` with 16-byte-aligned bases (TMA)."""
-    if hidden_states.device.type != "cuda" or torch.cuda.get_device_capability(hidden_states.device) != (9, 0):
+    if hidden_states.device.type != "cuda" or capability(hidden_states.device) != (9, 0):
         return False
     gate_up, down = weights.gate_up_proj, weights.down_proj
     if not (block_m == BLOCK_M and not prescale and hidden_states.dtype == torch.bfloat16
@@ -58,18 +58,13 @@ def applies(hidden_states: torch.Tensor, weights: ExpertWeights, block_m: int, p
             and _plain_silu_glu(weights.activation, inter))
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch(name: str, *tensors: torch.Tensor, sizes: tuple[int, ...], device: torch.device) -> None:
     library = build.load()
     if library is None:
         raise RuntimeError("the CUDA kernels are not built (see the notice above): ask "
                            "nxd_moe.cuda_kernels.available() first")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    code = getattr(library, name)(*(t.data_ptr() for t in tensors), *sizes, _multiprocessors(index), index,
+    code = getattr(library, name)(*(t.data_ptr() for t in tensors), *sizes, multiprocessors(index), index,
                                   torch.cuda.current_stream(device).cuda_stream)
     if code != 0:
         raise RuntimeError(f"{name}: {library.nxd_ws_error_string(code).decode()} (code {code})")

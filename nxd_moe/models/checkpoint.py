@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from nxd_moe.models.hf_models import build_hf_model
 from nxd_moe.arguments import positive_int
 
 __all__ = ["SPECIAL_TOKENS", "write_checkpoint"]
@@ -47,8 +48,6 @@ def write_checkpoint(out: str | os.PathLike, config: str = "qwen3-30b-a3b", *, n
     ``seed``) to ``out`` and return it. Its generation config is greedy, ends at ``<|im_end|>`` and, with
     ``max_new_tokens``, stops there (transformers lets it take precedence over a ``max_length`` argument)."""
     from transformers import GenerationConfig
-
-    from nxd_moe.models.hf_models import build_hf_model
 
     out = Path(out)
     model = build_hf_model(config, num_layers=num_layers, scale=scale, seed=seed, dtype=dtype)

@@ -20,7 +20,11 @@ import torch
 
 from nxd_moe.arguments import auto_scale, positive_int, resolve_device, resolve_dtype, scale_argument
 
+from nxd_moe.config import builtin_config_names, check_int, load_model_config
 from nxd_moe.extras import require
+from nxd_moe.hf import SUPPORTED_MODEL_TYPES
+from nxd_moe.models.hf_models import build_hf_model
+from nxd_moe.models.patch import patch_model
 
 HELP = "generate with a whole transformers MoE model through nxd_moe and print tokens/s next to transformers' default"
 
@@ -39,8 +43,6 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.de
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from nxd_moe.hf import SUPPORTED_MODEL_TYPES
 
     path = Path(path)
     if not path.is_dir():
@@ -114,8 +116,6 @@ def static_cache(model, max_cache_len: int):
     graphs. A shared cache keeps its addresses, so the decode step is recorded once."""
     from transformers import StaticCache
 
-    from nxd_moe.config import check_int
-
     check_int("max_cache_len", max_cache_len, minimum=1)
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
@@ -157,15 +157,13 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, re
             "decode_tokens_per_s": round(ids.shape[0] / step, 1), "tokens": out[:, ids.shape[1]:]}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from nxd_moe.config import builtin_config_names
-
+def add_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiveGroup:
+    """The flags of ``nxd-moe generate``; returns the group of model sources (``--config``, ``--hf-model``), which
+    :mod:`nxd_moe.application.generate_command` extends with ``--app``."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help=f"YAML path or built-in name ({', '.join(builtin_config_names())}): the "
                                          "architecture, with random weights")
     source.add_argument("--hf-model", help="a local transformers checkpoint directory (safetensors only)")
-    source.add_argument("--app", help="a compiled application directory (nxd-moe compile): generate with nxd_moe's "
-                                      "own loop (CUDA graphs per bucket on a GPU) instead of transformers'")
     parser.add_argument("--scale", type=scale_argument, default=None,
                         help="with --config: divide the widths by this (rounded up to a multiple of 8); 1 = full "
                              "size; 'auto' (default): 1 on a GPU, else the layer scale `nxd-moe run` picks")
@@ -187,16 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nxd_moe backend (default: triton on CUDA where it imports, else torch)")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompt-ids", default=None, help="with --app: one prompt as comma-separated token ids")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return source
 
 
 def run(args: argparse.Namespace) -> dict:
     require("transformers", "nxd-moe generate")
-    from nxd_moe.config import load_model_config
-    from nxd_moe.hf import patch_model
-    from nxd_moe.models.hf_models import build_hf_model
-
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (one prefill token and at least one decode step), got "
                          f"{args.new_tokens}")
@@ -276,18 +270,6 @@ def format_report(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.app is not None:
-        from nxd_moe.application.command import generate_from_app
-
-        try:
-            report = generate_from_app(args)
-        except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-            raise SystemExit(f"nxd-moe generate: error: {e}") from None
-        print(json.dumps(report, indent=2) if args.json else
-              f"nxd-moe generate --app {report['app']}: batch {report['batch']}, prompt {report['prompt_len']}, "
-              f"{report['new_tokens']} new tokens on {report['device']}: time to first token {report['ttft_ms']} ms, "
-              f"decode {report['decode_tokens_per_s']} tokens/s\n{report['tokens']}")
-        return 0
     try:
         report = run(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:

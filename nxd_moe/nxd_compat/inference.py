@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from nxd_moe.application import ApplicationConfig, CausalLMApplication, SamplingConfig
-from nxd_moe.application.artifacts import CONFIG_FILE
+from nxd_moe.application.artifacts import CONFIG_FILE, MANIFEST_FILE
+from nxd_moe.config import to_torch_dtype
 
 __all__ = ["FAMILIES", "HuggingFaceGenerationAdapter", "InferenceConfig", "MoENeuronConfig", "NeuronConfig",
            "OnDeviceSamplingConfig", "benchmark_sampling", "load_pretrained_config"]
@@ -195,8 +196,6 @@ def load_pretrained_config(model_path_or_name: str | os.PathLike | None = None, 
         dtype = fields.pop("dtype", None) or fields.pop("torch_dtype", None)
         fields.pop("torch_dtype", None)
         if dtype is not None and not self.neuron_config.overrides_torch_dtype:
-            from nxd_moe.config import to_torch_dtype
-
             self.neuron_config.torch_dtype = to_torch_dtype(dtype, "the checkpoint's dtype")
         import transformers
 
@@ -247,8 +246,6 @@ class NeuronCausalLM:
         config names (``_name_or_path``, else ``model_path``), on the CPU or ``$NXD_MOE_DEVICE``."""
         if self.application is not None:
             return self.application
-        from nxd_moe.application.artifacts import MANIFEST_FILE
-
         device = torch.device(os.environ.get(DEVICE_VARIABLE, "cpu"))
         if (Path(self.model_path) / MANIFEST_FILE).is_file():
             self.application = CausalLMApplication.from_compiled(self.model_path, device=device, load=False)

@@ -20,7 +20,7 @@ TILE_ELEMENTS = 8192
 
 
 @triton.jit
-def _combine_token(token, column, y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
+def combine_token(token, column, y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
                    num_rows, hidden, pairs_per_token, num_experts, num_splits,
                    stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
                    PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -57,7 +57,7 @@ def _combine_kernel(y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_p
                     stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
                     PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr,
                     BLOCK_H: tl.constexpr):
-    _combine_token(tl.program_id(0), tl.program_id(1), y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr,
+    combine_token(tl.program_id(0), tl.program_id(1), y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr,
                    addend_ptr, out_ptr, num_rows, hidden, pairs_per_token, num_experts, num_splits, stride_ys,
                    stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot, PRESCALED, HAS_ADDEND, BLOCK_P,
                    BLOCK_H)

@@ -20,12 +20,12 @@ Accumulation is fp32; results are rounded once.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from nxd_moe.gpu_info import capability
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.config import GLUType
 from nxd_moe.triton_kernels.repack import RepackedWeight
@@ -52,7 +52,7 @@ def _activation(x, ACT: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+def tile_dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     # Triton's interpreter (3.6 to 3.9) returns garbage for 16-bit dots; under it the operands go in as fp32.
     if INTERPRET and a.dtype != tl.float32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -60,16 +60,16 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tile_and_column(pid, num_tiles_ptr, num_n, GROUP_M: tl.constexpr):
+def tile_and_column(pid, num_tiles_ptr, num_n, GROUP_M: tl.constexpr):
     """Program -> (tile, column slice), ``GROUP_M`` tiles at a time: the group's gathered rows and each column
     slice of the weights are read from HBM once and reused from L2 by the whole group (tile-major order would
     re-read an expert's weights once per tile). ``tile = -1``: past the device-side tile count, nothing to do."""
-    return _grouped_order(pid, tl.load(num_tiles_ptr), num_n, GROUP_M)
+    return grouped_order(pid, tl.load(num_tiles_ptr), num_n, GROUP_M)
 
 
 @triton.jit
-def _grouped_order(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
-    """:func:`_tile_and_column` for a tile count already loaded (work item ``pid`` of a persistent program)."""
+def grouped_order(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
+    """:func:`tile_and_column` for a tile count already loaded (work item ``pid`` of a persistent program)."""
     per_group = GROUP_M * num_n
     first = (pid // per_group) * GROUP_M
     group_size = tl.minimum(num_tiles - first, GROUP_M)
@@ -176,7 +176,7 @@ def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, col
             a = tl.load(a_rows[:, None] + (first + tl.arange(0, 32))[None, :], mask=row_ok[:, None] & in_range,
                         other=0.0)
             w = _scaled(_e2m1_pairs_as_bf16(packed, INTERPRET), scale, a.dtype, INTERPRET)
-            acc = _dot(a, w, acc, PRECISION, INTERPRET)
+            acc = tile_dot(a, w, acc, PRECISION, INTERPRET)
         return acc
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < k_end
@@ -188,7 +188,7 @@ def _quantized_dot(a_rows, row_ok, acc, w_ptr, scale_ptr, expert, k0, k_end, col
     else:
         # The K tile lies inside one 128-row block (BLOCK_K divides 128): one row of column scales.
         scale = tl.load(scale_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok, other=0.0)
-    return _dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, PRECISION, INTERPRET)
+    return tile_dot(a, (w.to(tl.float32) * scale[None, :]).to(a.dtype), acc, PRECISION, INTERPRET)
 
 
 def _mx_word_ptx(j: int) -> str:
@@ -307,7 +307,7 @@ def _swapped_dot(acc_t, a_rows, row_ok, w_ptr, scale_ptr, expert, k0, k_end, n0,
         else:  # the K tile lies inside one 128-row block (BLOCK_K divides 128)
             scale = tl.load(scale_base + (k0 // 128) * stride_sk + (cols // 128) * stride_sn, mask=col_ok, other=0.0)
         w = (q * scale[:, None]).to(a.dtype)
-    return _dot(w, a, acc_t, PRECISION, INTERPRET)
+    return tile_dot(w, a, acc_t, PRECISION, INTERPRET)
 
 
 @triton.jit
@@ -416,9 +416,9 @@ def _separate_gate_up_sums(
                     w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
                     if GLU:
                         w_up = tl.load(w_up_ptr + w_offsets, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = _dot(a, w, acc, PRECISION, INTERPRET)
+                acc = tile_dot(a, w, acc, PRECISION, INTERPRET)
                 if GLU:
-                    acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
+                    acc_up = tile_dot(a, w_up, acc_up, PRECISION, INTERPRET)
             a_ptrs += BLOCK_K
             w_offsets += BLOCK_K * stride_wk
     return acc, acc_up
@@ -449,14 +449,14 @@ def _interleaved_gate_up_sums(
             w = w_desc.load([expert.to(tl.int32), k * BLOCK_K, first_pair_col]).reshape(BLOCK_K, 2 * BLOCK_N)
         else:
             w = tl.load(w_ptr + w_offsets, mask=k_ok[:, None] & pair_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, PRECISION, INTERPRET)
+        acc = tile_dot(a, w, acc, PRECISION, INTERPRET)
         a_ptrs += BLOCK_K
         w_offsets += BLOCK_K * stride_wk
     return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
 
 
 @triton.jit
-def _gate_up_tile(
+def gate_up_tile(
     tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, row_count,
     hidden, inter, inter_actual, num_experts,
@@ -477,7 +477,7 @@ def _gate_up_tile(
                                 GATE_UP_INTERLEAVED)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
-    out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
+    out = gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
                             inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
                             up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
                             UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, GATE_UP_INTERLEAVED)
@@ -486,7 +486,7 @@ def _gate_up_tile(
 
 
 @triton.jit
-def _gate_up_epilogue(
+def gate_up_epilogue(
     acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter, inter_actual, num_experts,
     stride_be, scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
     ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
@@ -533,11 +533,11 @@ def _gate_up_kernel(
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr,
 ):
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
         return
     w_up_ptr = w_ptr + inter * stride_wn  # interleaved weights read both halves from w_ptr
-    _gate_up_tile(tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr,
+    gate_up_tile(tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr,
                   out_ptr, row_token_ptr, tile_expert_ptr, 0, hidden, inter, inter_actual, num_experts,
                   stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
                   scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS,
@@ -555,7 +555,7 @@ def _gate_up_partial_kernel(
 ):
     """Split ``program_id(1)``'s fp32 gate (columns ``0 .. I``) and up (``I .. 2I``) sums over its slice of ``H``,
     before bias and activation (which need the whole sum: :func:`_gate_up_reduce_kernel`)."""
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
         return
     split = tl.program_id(1)
@@ -587,7 +587,7 @@ def _gate_up_reduce_kernel(
 ):
     """The split-K partials of one tile's column slice summed in split order (no atomics: the same bits on every
     run), then the activation epilogue of the unsplit kernel. Padding rows are neither read nor written."""
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), 1)
+    tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), 1)
     if tile < 0:
         return
     rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
@@ -601,7 +601,7 @@ def _gate_up_reduce_kernel(
         acc += tl.load(at + s * stride_ps, mask=ok, other=0.0)
         if GLU:
             acc_up += tl.load(at + s * stride_ps + inter, mask=ok, other=0.0)
-    out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
+    out = gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
                             inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper,
                             up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
                             UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, GATE_UP_INTERLEAVED)
@@ -609,7 +609,7 @@ def _gate_up_reduce_kernel(
 
 
 @triton.jit
-def _down_tile(
+def down_tile(
     tile, column, split, h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr,
     row_token_ptr, tile_expert_ptr, row_count, inter, hidden, k_per_split,
     stride_hr, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_os, stride_or,
@@ -626,7 +626,7 @@ def _down_tile(
     a_ptrs = h_ptr + rows[:, None] * stride_hr + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FORMAT >= 4:  # repacked weights: the swapped product (see _gate_up_tile)
+    if FORMAT >= 4:  # repacked weights: the swapped product (see gate_up_tile)
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
             acc_t = _swapped_dot(acc_t, h_ptr + rows * stride_hr, row_ok, w_ptr, scale_ptr, expert,
@@ -647,7 +647,7 @@ def _down_tile(
                                                                                                              BLOCK_N)
                 else:
                     w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = _dot(a, w, acc, PRECISION, INTERPRET)
+                acc = tile_dot(a, w, acc, PRECISION, INTERPRET)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
@@ -666,24 +666,19 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr, FORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if tile < 0:
         return
-    _down_tile(tile, column, tl.program_id(1), h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr, row_token_ptr,
+    down_tile(tile, column, tl.program_id(1), h_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, out_ptr, row_token_ptr,
                tile_expert_ptr, 0, inter, hidden, k_per_split, stride_hr, stride_we, stride_wk, stride_wn, stride_se,
                stride_sk, stride_sn, stride_be, stride_os, stride_or, HAS_BIAS, PRECISION, INTERPRET, TMA, FORMAT,
                BLOCK_M, BLOCK_N, BLOCK_K, False)
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _weight_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted: bool):
     """A bulk-copy (TMA) descriptor of ``weight (E, K, N)`` for ``(1, block_k, block_n)`` tiles, when asked for
     and possible (Hopper or newer, 16-byte aligned rows); else None and the kernel loads through pointers."""
-    if not wanted or weight.device.type != "cuda" or _capability(weight.device)[0] < 9:
+    if not wanted or weight.device.type != "cuda" or capability(weight.device)[0] < 9:
         return None
     if weight.stride(-1) != 1 or any(s * weight.element_size() % 16 for s in weight.stride()[:-1]) \
             or weight.data_ptr() % 16:
@@ -699,7 +694,7 @@ REDUCE_BLOCK_N = 128
 FORMAT_CODES = {"bf16": 0, "fp8": 1, "fp8_block": 2, "mxfp4": 3}
 
 
-def _stored(weight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int]:
+def stored_operands(weight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int], int, int]:
     """``(stored weight, scale, scale strides, FORMAT code, K tile)`` of a plain tensor, a ``QuantizedWeight`` or a
     :class:`~nxd_moe.triton_kernels.repack.RepackedWeight` (its tensors as ``(E, K', rows)`` / ``(E, K'/64, rows)``
     views, so that the kernels' ``stride_wn`` / ``stride_sn`` step along rows); the K tile is adjusted to the
@@ -717,7 +712,7 @@ def _stored(weight, block_k: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int
     return weight.weight, weight.scale, tuple(weight.scale.stride()), fmt, block_k
 
 
-def _launch_options(config: dict, dtype: torch.dtype) -> dict:
+def launch_options(config: dict, dtype: torch.dtype) -> dict:
     # fp32 models get fp32 products (tf32 would cost them ~1e-3 relative error); 16-bit inputs ignore it.
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"],
             "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
@@ -727,7 +722,7 @@ def _launch_options(config: dict, dtype: torch.dtype) -> dict:
 
 def epilogue_arguments(activation: ExpertActivation, inter: int, has_bias: bool, prescale: bool) -> tuple[tuple, dict]:
     """The gate/up epilogue for ``activation`` as ``(inter_actual, scaling, act_bias, gate_lower, gate_upper,
-    up_lower, up_upper)`` and the matching constexprs of :func:`_gate_up_tile` (``GATE_UP_INTERLEAVED``: the
+    up_lower, up_upper)`` and the matching constexprs of :func:`gate_up_tile` (``GATE_UP_INTERLEAVED``: the
     weight's and bias's gate/up columns alternate, GPT-OSS's stored order)."""
     if activation.hidden_act not in ACTIVATIONS:
         raise ValueError(f"the triton backend supports hidden_act in {sorted(ACTIVATIONS)}, got "
@@ -773,14 +768,14 @@ def gate_up_projection(hidden_states: torch.Tensor, layout: TileLayout, gate_up_
     out = torch.empty(layout.num_rows, inter, dtype=hidden_states.dtype, device=hidden_states.device)
     bias = gate_up_bias if gate_up_bias is not None else hidden_states
     grid = ((layout.num_rows // block_m) * triton.cdiv(inter, block_n),)
-    stored, scale, scale_strides, fmt, block_k = _stored(gate_up_proj, config["BLOCK_K"])
+    stored, scale, scale_strides, fmt, block_k = stored_operands(gate_up_proj, config["BLOCK_K"])
     k_per_split, split = split_k_slices(hidden, config.get("SPLIT_K", 1), block_k)
     interleaved = constexprs["GATE_UP_INTERLEAVED"]
     if interleaved and fmt != 0:
         raise ValueError("gate_up_projection: interleaved gate/up columns are read from unquantized weights only, "
                          f"got a {type(gate_up_proj).__name__}")
     affinity = affinities if affinities is not None else hidden_states
-    options = _launch_options(config, hidden_states.dtype)
+    options = launch_options(config, hidden_states.dtype)
     if split > 1:
         partials = torch.empty(split, layout.num_rows, width, dtype=torch.float32, device=hidden_states.device)
         _gate_up_partial_kernel[(grid[0], split)](
@@ -812,7 +807,7 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
     (fp32 when ``S > 1``, else the input dtype). Padding rows are unwritten."""
     num_experts, inter, hidden = down_proj.shape
     split = config["SPLIT_K"]
-    stored, scale, scale_strides, fmt, block_k = _stored(down_proj, config["BLOCK_K"])
+    stored, scale, scale_strides, fmt, block_k = stored_operands(down_proj, config["BLOCK_K"])
     block_m, block_n = layout.block_m, config["BLOCK_N"]
     k_per_split, split = split_k_slices(inter, split, block_k)
     dtype = activated.dtype if split == 1 else torch.float32
@@ -827,5 +822,5 @@ def down_projection(activated: torch.Tensor, layout: TileLayout, down_proj: torc
         out.stride(0), out.stride(1), HAS_BIAS=down_bias is not None, TMA=descriptor is not None, FORMAT=fmt,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k,
-        **_launch_options(config, activated.dtype))
+        **launch_options(config, activated.dtype))
     return out

@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 import torch
+from nxd_moe.gpu_info import multiprocessors
 import triton
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -56,9 +57,10 @@ def tuned_table(name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+def rule_multiprocessors(device: torch.device) -> int:
+    """The multiprocessors the launch-config rules size for: the CUDA device's, or an H100's 132 on a CPU (Triton's
+    interpreter runs the configs a GPU would get)."""
+    return multiprocessors(device) if device.type == "cuda" else 132
 
 
 H100_L2_BYTES = 50 << 20
@@ -163,7 +165,7 @@ def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
     if entry is None:
         entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
-        entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device),
+        entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, rule_multiprocessors(device),
                                       quantization)
     return for_dtype(entry, dtype)
 
@@ -177,5 +179,5 @@ def launch_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
     if entry is None:
         entry = table.get(shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
-        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
+        entry = default_config(num_experts, hidden, inter, top_k, num_tokens, rule_multiprocessors(device))
     return for_dtype(entry, dtype)

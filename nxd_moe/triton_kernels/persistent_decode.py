@@ -20,8 +20,8 @@ counter, in a fixed global order:
 An item waits (spinning on a counter) only for items earlier in the order -- a down item for its tile's gate/up
 items, a combine item for every down item -- and items are handed out in that order, so everything waited for is
 already held by a running program: no deadlock, whatever the number of programs that fit on the GPU. The tile
-bodies are the multi-kernel path's own (:func:`~nxd_moe.triton_kernels.grouped_gemm._gate_up_tile`,
-``_down_tile``, :func:`~nxd_moe.triton_kernels.combine._combine_token`), so both paths compute the same function;
+bodies are the multi-kernel path's own (:func:`~nxd_moe.triton_kernels.grouped_gemm.gate_up_tile`,
+``down_tile``, :func:`~nxd_moe.triton_kernels.combine.combine_token`), so both paths compute the same function;
 the combine sums in a fixed order (no atomics on outputs: bitwise reproducible). Counters live in a small
 per-device buffer that the last program out resets, so the next launch -- or the next replay of a captured CUDA
 graph -- starts from zero; shapes are static and nothing is read on the host.
@@ -41,7 +41,6 @@ runs (and is tested) on a CPU.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -49,9 +48,11 @@ import triton
 import triton.language as tl
 
 from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.gpu_info import multiprocessors
 from nxd_moe.experts.routing_inputs import Routing
-from nxd_moe.triton_kernels.combine import _combine_token, combine_width
-from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _down_tile, _gate_up_tile, _stored, epilogue_arguments
+from nxd_moe.triton_kernels.combine import combine_token, combine_width
+from nxd_moe.triton_kernels.grouped_gemm import (ACTIVATIONS, down_tile, epilogue_arguments, gate_up_tile,
+                                                 stored_operands)
 from nxd_moe.triton_kernels.launch_configs import l2_bytes
 from nxd_moe.triton_kernels.router import activation, top_k_rounds
 from nxd_moe.triton_kernels.routing_metadata import max_tiles
@@ -373,7 +374,7 @@ def _decode_kernel(
                 kind = 2
                 j = item - layout_item - 1
                 tile = j // shared_gu_cols
-                _gate_up_tile(tile, j % shared_gu_cols, x_ptr, sh_gate_ptr, sh_up_ptr, sh_gate_ptr, sh_gate_ptr,
+                gate_up_tile(tile, j % shared_gu_cols, x_ptr, sh_gate_ptr, sh_up_ptr, sh_gate_ptr, sh_gate_ptr,
                               sh_gate_ptr, affinity_ptr, sh_act_ptr, row_token_ptr, tile_expert_ptr, num_tokens,
                               hidden, shared_inter, shared_inter, num_experts, hidden, 0, s_shg_k, s_shg_n,
                               0, 0, 0, 0, shared_inter, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, SHARED_ACT, True, False,
@@ -389,7 +390,7 @@ def _decode_kernel(
                         _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
                         started = _now(item, INTERPRET)
                     gu_up_ptr = gu_ptr + inter * s_gu_n  # interleaved weights read both halves from gu_ptr
-                    _gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr, gu_scale_ptr,
+                    gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr, gu_scale_ptr,
                                   gu_bias_ptr, affinity_ptr, act_ptr, row_token_ptr, tile_expert, 0,
                                   hidden, inter, inter_actual, num_experts, hidden, s_gu_e, s_gu_k, s_gu_n,
                                   s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter, scaling, act_bias, gate_lower,
@@ -412,7 +413,7 @@ def _decode_kernel(
                     _wait_at_least(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE, shared_gu_cols,
                                    INTERPRET)
                     started = _now(item, INTERPRET)
-                    _down_tile(tile, j % dn_cols, 0, sh_act_ptr, sh_down_ptr, sh_down_ptr, sh_down_ptr,
+                    down_tile(tile, j % dn_cols, 0, sh_act_ptr, sh_down_ptr, sh_down_ptr, sh_down_ptr,
                                sh_down_ptr, sh_y_ptr, row_token_ptr, tile_expert_ptr, num_tokens, shared_inter,
                                hidden, shared_inter, shared_inter, 0, s_shd_k, s_shd_n, 0, 0, 0, 0, 0, hidden,
                                False, PRECISION, INTERPRET, False, 0, BLOCK_M, DN_N, DN_K, True)
@@ -424,7 +425,7 @@ def _decode_kernel(
                     tile = part // dn_cols
                     _wait_at_least(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE, gu_cols, INTERPRET)
                     started = _now(item, INTERPRET)
-                    _down_tile(tile, part % dn_cols, j % split, act_ptr, dn_ptr, dn_ptr, dn_scale_ptr, dn_bias_ptr,
+                    down_tile(tile, part % dn_cols, j % split, act_ptr, dn_ptr, dn_ptr, dn_scale_ptr, dn_bias_ptr,
                                y_ptr, row_token_ptr, tile_expert, 0, inter, hidden, k_per_split, inter,
                                s_dn_e, s_dn_k, s_dn_n, s_dns_e, s_dns_k, s_dns_n, s_dnb_e, num_rows * hidden,
                                hidden, DOWN_BIAS, PRECISION, INTERPRET, False, FORMAT, BLOCK_M, DN_N, DN_K, False)
@@ -436,7 +437,7 @@ def _decode_kernel(
                         _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
                     _wait_at_least(sync_ptr, DOWN_DONE, routed_dn + shared_dn, INTERPRET)
                     started = _now(item, INTERPRET)
-                    _combine_token(j // combine_cols, j % combine_cols, y_ptr, pair_row_ptr, index_ptr,
+                    combine_token(j // combine_cols, j % combine_cols, y_ptr, pair_row_ptr, index_ptr,
                                    affinity_ptr, addend_ptr, out_ptr, num_rows, hidden, top_k, num_experts, split,
                                    num_rows * hidden, hidden, top_k, top_k, 1, hidden, hidden, PRESCALE,
                                    HAS_ADDEND, COMBINE_P, COMBINE_H)
@@ -489,11 +490,6 @@ class SharedParts(NamedTuple):
     up: torch.Tensor
     down: torch.Tensor
     hidden_act: str
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 _SYNC: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -572,8 +568,8 @@ class _Plan:
         device, dtype = x.device, x.dtype
         num_tokens, hidden = x.shape
         block_m, gate_up, down = config["block_m"], config["gate_up"], config["down"]
-        gu, gu_scale, gu_scale_strides, fmt, gu_k = _stored(weights.gate_up_proj, gate_up["BLOCK_K"])
-        dn, dn_scale, dn_scale_strides, _, dn_k = _stored(weights.down_proj, down["BLOCK_K"])
+        gu, gu_scale, gu_scale_strides, fmt, gu_k = stored_operands(weights.gate_up_proj, gate_up["BLOCK_K"])
+        dn, dn_scale, dn_scale_strides, _, dn_k = stored_operands(weights.down_proj, down["BLOCK_K"])
         inter = weights.down_proj.shape[1]
         scalars, epilogue = epilogue_arguments(weights.activation, inter, weights.gate_up_bias is not None, prescale)
         pair_tiles = bool(config.get("pair_tiles", False))
@@ -596,7 +592,8 @@ class _Plan:
         down_prefetch = config.get("down_prefetch", False)
         if not isinstance(down_prefetch, bool):
             raise ValueError(f"decode config: down_prefetch must be a bool, got {down_prefetch!r}")
-        capacity = _multiprocessors(device) * config["programs_per_sm"]
+        # on a CPU one program: the interpreter runs programs one after another
+        capacity = (multiprocessors(device) if device.type == "cuda" else 1) * config["programs_per_sm"]
         gate_up_items = tile_bound * _cdiv(inter, gu_n) + shared_tiles * _cdiv(max(shared_inter, 1), gu_n)
         # As many prefetch items as programs the gate/up items leave idle: they run alongside the gate/up phase.
         prefetch_items = max(1, capacity - gate_up_items) if down_prefetch else 0
@@ -745,8 +742,8 @@ def last_trace() -> torch.Tensor | None:
 
 
 def _weight_tensors(weights: ExpertWeights) -> dict:
-    gu, gu_scale, *_ = _stored(weights.gate_up_proj, 64)
-    dn, dn_scale, *_ = _stored(weights.down_proj, 64)
+    gu, gu_scale, *_ = stored_operands(weights.gate_up_proj, 64)
+    dn, dn_scale, *_ = stored_operands(weights.down_proj, 64)
     return dict(gu=gu, gu_scale=gu_scale, gu_bias=weights.gate_up_bias, dn=dn, dn_scale=dn_scale,
                 dn_bias=weights.down_bias)
 

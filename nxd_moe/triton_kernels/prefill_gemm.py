@@ -10,14 +10,14 @@ rows per tile) of 16-bit unquantized weights on sm_90 and newer:
    TMA like its weights (Hopper's TMA cannot gather rows by index). Without it the A tile is gathered by token id
    with per-thread asynchronous copies (``cp.async``), as the tile-per-program kernel does.
 2. gate/up: ``x @ gate_up_proj[e]`` with the whole activation in the epilogue
-   (:func:`~nxd_moe.triton_kernels.grouped_gemm._gate_up_epilogue`, shared with the other kernels).
+   (:func:`~nxd_moe.triton_kernels.grouped_gemm.gate_up_epilogue`, shared with the other kernels).
 3. down: ``act @ down_proj[e] + b``: the activated rows are already in tile order, so both operands come by TMA.
 
 Both GEMMs are *persistent*: one program per multiprocessor (``NUM_PROGRAMS``), each looping over work items
 ``(tile, column slice)`` from its program id up to the device-side tile count times the column slices, in steps of
 the grid size -- no host sync, one launch shape for every routing (one CUDA graph serves them all), and programs
 with nothing left exit. Items are numbered in the grouped order of
-:func:`~nxd_moe.triton_kernels.grouped_gemm._grouped_order`, so the programs running at any time share the
+:func:`~nxd_moe.triton_kernels.grouped_gemm.grouped_order`, so the programs running at any time share the
 weight slices of a few experts through L2. The K loop is software-pipelined ``num_stages`` deep (TMA loads with
 mbarriers, asynchronous ``wgmma``); the item loop is either flattened with it (``FLATTEN``: Triton fuses the two
 loops so the next item's first loads are issued during this item's epilogue), or left as an outer loop (each item
@@ -46,14 +46,14 @@ Results are deterministic: every output element is written once, sums run in a f
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from nxd_moe.experts.mlp import ExpertWeights
-from nxd_moe.triton_kernels.grouped_gemm import (_capability, _dot, _gate_up_epilogue, _grouped_order, _launch_options,
+from nxd_moe.gpu_info import capability, multiprocessors
+from nxd_moe.triton_kernels.grouped_gemm import (tile_dot, gate_up_epilogue, grouped_order, launch_options,
                                                  down_projection, epilogue_arguments, gate_up_projection)
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels import interpreting
@@ -98,7 +98,7 @@ def permute_rows(hidden_states: torch.Tensor, layout: TileLayout) -> torch.Tenso
 def _item_origin(item, num_tiles, num_n, tile_expert_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  GROUP_M: tl.constexpr):
     """Work item -> ``(expert, first row, first column)`` of its tile and column slice, in grouped order."""
-    tile, column = _grouped_order(item, num_tiles, num_n, GROUP_M)
+    tile, column = grouped_order(item, num_tiles, num_n, GROUP_M)
     return tl.load(tile_expert_ptr + tile), tile * BLOCK_M, column * BLOCK_N
 
 
@@ -141,13 +141,13 @@ def _gate_up_persistent_kernel(
                 a = tl.load(a_ptrs + k0, mask=row_ok[:, None] & (ks < hidden - k0)[None, :], other=0.0)
             # Past H the copy engine zero-fills; gate columns past I read up columns, which are never stored.
             w = w_desc.load([expert, k0, first_col]).reshape(BLOCK_K, BLOCK_N)
-            acc = _dot(a, w, acc, PRECISION, INTERPRET)
+            acc = tile_dot(a, w, acc, PRECISION, INTERPRET)
             if GLU:
                 w_up = w_desc.load([expert, k0, first_col + inter]).reshape(BLOCK_K, BLOCK_N)
-                acc_up = _dot(a, w_up, acc_up, PRECISION, INTERPRET)
+                acc_up = tile_dot(a, w_up, acc_up, PRECISION, INTERPRET)
         cols = first_col + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
-        out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert.to(tl.int64), cols, col_ok, bias_ptr,
+        out = gate_up_epilogue(acc, acc_up, token, row_ok, expert.to(tl.int64), cols, col_ok, bias_ptr,
                                 affinity_ptr, inter, inter_actual, num_experts, stride_be, scaling, act_bias,
                                 gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE,
                                 GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS)
@@ -181,7 +181,7 @@ def _down_persistent_kernel(
             k0 = k * BLOCK_K
             a = h_desc.load([first_row, k0])
             w = w_desc.load([expert, k0, first_col]).reshape(BLOCK_K, BLOCK_N)
-            acc = _dot(a, w, acc, PRECISION, INTERPRET)
+            acc = tile_dot(a, w, acc, PRECISION, INTERPRET)
         cols = first_col + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
         if HAS_BIAS:
@@ -194,11 +194,6 @@ def _down_persistent_kernel(
             row_ok = tl.load(row_token_ptr + rows) >= 0
             tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _descriptor(tensor: torch.Tensor, block: list[int]):
@@ -220,7 +215,7 @@ def applies(hidden_states: torch.Tensor, weights: ExpertWeights, block_m: int) -
     the same dtype, prefill tiles (``block_m`` >= 64: the smallest Hopper MMA), and 16-byte-aligned rows for the
     descriptors."""
     if (hidden_states.device.type != "cuda" or interpreting()
-            or _capability(hidden_states.device)[0] < 9 or block_m < 64):
+            or capability(hidden_states.device)[0] < 9 or block_m < 64):
         return False
     dtype, gate_up, down = hidden_states.dtype, weights.gate_up_proj, weights.down_proj
     if dtype not in (torch.bfloat16, torch.float16) or not all(
@@ -257,14 +252,14 @@ def default_prefill_config(block_m: int, inter: int) -> dict:
 def _persistent_options(part: dict, like: torch.Tensor, items: int) -> tuple[tuple[int], dict]:
     """Grid (one program per multiprocessor, at most one per worst-case item) and launch options."""
     cuda = like.device.type == "cuda"
-    programs = max(1, min((_multiprocessors(like.device) if cuda else 4) * part.get("programs_per_sm", 1), items))
+    programs = max(1, min((multiprocessors(like.device) if cuda else 4) * part.get("programs_per_sm", 1), items))
     ws = bool(part.get("WARP_SPECIALIZE", False))
-    if ws and cuda and _capability(like.device)[0] == 9 and _triton_version() < (3, 7):
+    if ws and cuda and capability(like.device)[0] == 9 and _triton_version() < (3, 7):
         raise ValueError("WARP_SPECIALIZE=True: Triton 3.6's Hopper warp specialisation compiles these kernels "
                          "(num_warps=4, TMA operands, no TMA store) but the launches never finished on an H100 "
                          "(benchmarks/notes/issue19_gpu_prefill.md); use FLATTEN instead")
     # Triton cannot flatten a warp-specialised loop on Hopper.
-    return (programs,), {**_launch_options(part, like.dtype), "NUM_PROGRAMS": programs, "WARP_SPECIALIZE": ws,
+    return (programs,), {**launch_options(part, like.dtype), "NUM_PROGRAMS": programs, "WARP_SPECIALIZE": ws,
                          "FLATTEN": bool(part.get("FLATTEN", True)) and not ws}
 
 

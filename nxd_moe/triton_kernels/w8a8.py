@@ -39,8 +39,10 @@ import triton.language as tl
 from nxd_moe.config import GLUType
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.quantization.activations import INV_FP8_MAX
-from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, _capability, _gate_up_epilogue, _tile_and_column
-from nxd_moe.triton_kernels.launch_configs import _multiprocessors, default_config, device_name, shape_key, tuned_table
+from nxd_moe.gpu_info import capability
+from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, gate_up_epilogue, tile_and_column
+from nxd_moe.triton_kernels.launch_configs import (default_config, device_name, rule_multiprocessors, shape_key,
+                                                   tuned_table)
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels import interpreting
 
@@ -188,7 +190,7 @@ def _w8a8_gate_up_kernel(
     """Program (tile, column slice): ``act(x_q @ w_q)`` for the tile's rows, ``[gate | up]`` side by side.
     ``X_GROUP``: columns per input scale, 0 for one per row; ``OUT_GROUP``: quantize the output here in groups of
     that many columns (dividing ``BLOCK_N``), 0 to write it in the layer's dtype."""
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if tile < 0:
         return
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,7 +234,7 @@ def _w8a8_gate_up_kernel(
         acc = acc * tl.load(ws_base + cols * stride_sn, mask=col_ok, other=1.0)[None, :]
         if GLU:
             acc_up = acc_up * tl.load(ws_base + (cols + inter) * stride_sn, mask=col_ok, other=1.0)[None, :]
-    out = _gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
+    out = gate_up_epilogue(acc, acc_up, token, row_ok, expert, cols, col_ok, bias_ptr, affinity_ptr, inter,
                             inter_actual, num_experts, stride_be, scaling, act_bias, gate_lower, gate_upper, up_lower,
                             up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER,
                             UP_UPPER, MASK_PADDED_COLUMNS)
@@ -270,7 +272,7 @@ def _w8a8_down_kernel(
 ):
     """Program (tile, column slice, K split): ``h_q @ w_q`` (+ bias on split 0). ``H_GROUP``: columns per
     intermediate scale, 0 for one per row."""
-    tile, column = _tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     split = tl.program_id(1)
     if tile < 0:
         return
@@ -335,7 +337,7 @@ def w8a8_launch_config(num_experts: int, hidden: int, inter: int, top_k: int, nu
     entry = tuned_table(device_name(device)).get(key)
     if entry is not None:
         return entry
-    return default_w8a8_config(num_experts, hidden, inter, top_k, num_tokens, _multiprocessors(device))
+    return default_w8a8_config(num_experts, hidden, inter, top_k, num_tokens, rule_multiprocessors(device))
 
 
 def fp8_block_k(block_k: int, *periods: int | None) -> int:
@@ -355,7 +357,7 @@ def fp8_block_k(block_k: int, *periods: int | None) -> int:
 def _k_major_descriptor(weight: torch.Tensor, block_k: int, block_n: int, wanted: bool):
     """A TMA descriptor of a K-major ``weight (E, K, N)`` (strides ``(K*N, 1, K)``) as ``(E, N, K)`` with
     ``(1, block_n, block_k)`` boxes, when asked for and possible (Hopper or newer, 16-byte aligned); else None."""
-    if not wanted or weight.device.type != "cuda" or _capability(weight.device)[0] < 9:
+    if not wanted or weight.device.type != "cuda" or capability(weight.device)[0] < 9:
         return None
     view = weight.transpose(1, 2)
     if view.stride(-1) != 1 or any(s % 16 for s in view.stride()[:-1]) or view.data_ptr() % 16:
@@ -368,7 +370,7 @@ def _launch(config: dict, block_m: int, device: torch.device) -> dict:
     interpret = interpreting()
     # Tiles of fewer than 64 token rows swap the operands on Hopper and newer (see _accumulate); the interpreter
     # takes the same path so that CI runs it.
-    hopper = interpret or (device.type == "cuda" and _capability(device)[0] >= 9)
+    hopper = interpret or (device.type == "cuda" and capability(device)[0] >= 9)
     return {"num_warps": config["num_warps"], "num_stages": config["num_stages"], "INTERPRET": interpret,
             "GROUP_M": config.get("GROUP_M", 8), "SWAP_AB": hopper and block_m < 64 and config["BLOCK_N"] >= 64}
 
