@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-import nxd_moe
+from nxd_moe import moe as moe_module
 from nxd_moe.config import (
     DEFAULT_BLOCK_SIZE,
     BlockShardStrategy,
@@ -32,9 +32,13 @@ from nxd_moe.config import (
     default_logical_nc_config,
     to_torch_dtype,
 )
+from nxd_moe.experts import expert_mlps as expert_mlps_module
+from nxd_moe.experts import shared as shared_module
 from nxd_moe.nxd_compat.block_mapping import ExpertMLPsHelpers
 from nxd_moe.nxd_compat.not_served import KERNELS, NotServed
 from nxd_moe.nxd_compat.parallel_state import check_group
+from nxd_moe.routing import sinkhorn as sinkhorn_module
+from nxd_moe.routing import topk as topk_module
 from nxd_moe.routing.sinkhorn import DEFAULT_SINKHORN_ITERATIONS, sinkhorn
 
 __all__ = ["RouterTopK", "RouterSinkhorn", "NxdBlockwiseMatmulConfig", "AssignableRoutedExpertsMLPOpsConfig",
@@ -54,7 +58,7 @@ def _drop_copy(state_dict: dict, key: str, original: str, transform, owner: str)
                          "it as a copy for its fused decode kernel; nxd_moe loads the one tensor)")
 
 
-class RouterTopK(nxd_moe.RouterTopK):
+class RouterTopK(topk_module.RouterTopK):
     """NxD's signature. ``store_transposed_weights`` keeps a transposed copy of the router weight for NxD's fused
     decode kernel; nxd_moe's kernels read ``linear_router.weight`` itself, so no ``weight_T`` is stored: a
     ``weight_T`` entry of a state dict is checked to be that transpose, and dropped."""
@@ -76,7 +80,7 @@ class RouterTopK(nxd_moe.RouterTopK):
                        "RouterTopK")
 
 
-class RouterSinkhorn(nxd_moe.RouterSinkhorn):
+class RouterSinkhorn(sinkhorn_module.RouterSinkhorn):
     """NxD's signature. ``sinkhorn_tol`` must be None: NxD asserts on the Sinkhorn error after training iterations
     (a host sync); nxd_moe runs the fixed iteration count and never reads the error."""
 
@@ -157,7 +161,7 @@ class AssignableRoutedExpertsMLPOpsConfig(RoutedExpertsMLPOpsConfig):
         object.__setattr__(self, name, getattr(RoutedExpertsMLPOpsConfig.replace(self, **{name: value}), name))
 
 
-class ExpertMLPsV2(ExpertMLPsHelpers, nxd_moe.ExpertMLPsV2):
+class ExpertMLPsV2(ExpertMLPsHelpers, expert_mlps_module.ExpertMLPsV2):
     """NxD's signature. Process groups are checked against :mod:`nxd_moe.parallel_state`'s MoE groups: the
     ``cte_*`` ones (default: ``tensor_model_parallel_group`` / ``expert_model_parallel_group``) against prefill's,
     the ``tkg_*`` ones against decode's. ``is_prefill`` (NxD traces prefill and decode as separate programs) is
@@ -263,7 +267,7 @@ class ExpertMLPs(ExpertMLPsV2):
                          cte_expert_model_parallel_group, is_prefill, enabled_hybrid_sharding, backend=backend)
 
 
-class SharedExperts(nxd_moe.SharedExperts):
+class SharedExperts(shared_module.SharedExperts):
     """NxD's signature. ``reduce_dtype`` (the dtype NxD sums tensor-parallel partial outputs in) is stored; nxd_moe
     sums them in the layer's dtype."""
 
@@ -280,7 +284,7 @@ class SharedExperts(nxd_moe.SharedExperts):
         self.reduce_dtype = reduce_dtype
 
 
-class MoE(nxd_moe.MoE):
+class MoE(moe_module.MoE):
     """NxD's signature. ``token_shuffle_group_size`` must be 1 (token shuffling balances training; with 1,
     ``token_shuffle_seed`` is unused, as in NxD); ``init_tkg_module``
     needs a :class:`~nxd_moe.config.MoEFusedTKGConfig` whose ``norm_topk_prob`` equals the experts'
