@@ -49,9 +49,10 @@ LAYERS: list[tuple[str, list[str]]] = [
 ]
 # The package root re-exports the public API from every layer: above them all.
 FACADES = {"nxd_moe"}
-# Modules that need an optional third-party package (the gpu extra's triton; nvcc at build time): imported inside the
-# function that uses them, so that the rest works without it.
-OPTIONAL = ("triton_kernels", "cuda_kernels")
+# Modules that need an optional third-party package (the gpu extra's triton, nvcc at build time; the hf extra's
+# transformers, which nxd_moe.hf imports when it is imported): imported inside the function that uses them, so that
+# the rest works without them (and does not pay for importing them).
+OPTIONAL = ("triton_kernels", "cuda_kernels", "hf", "models")
 
 
 class Edge(NamedTuple):
@@ -235,3 +236,17 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
         ("private", "nxd_moe.routing", "nxd_moe.experts.mlp"),
         ("circle", "nxd_moe.config", "nxd_moe.moe"),
     }
+
+
+def test_the_package_and_its_pytest_plugins_import_neither_triton_nor_transformers():
+    """pytest loads the plugins before conftest.py sets TRITON_INTERPRET (Triton reads it when its own jit functions
+    are defined: imported earlier, ``tl.sum`` is not interpretable on a CPU), and the NxD front door must not pay for
+    (or need) transformers: both stay out until a module that needs them is used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nxd_moe, nxd_moe.nxd_compat.pytest_plugin, nxd_moe.nki_kernels.compat.pytest_plugin, "
+            "nxd_moe.cli; print(sorted(m for m in ('triton', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

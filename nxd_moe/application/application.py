@@ -27,16 +27,15 @@ from nxd_moe.application.generation import GenerationOutput, generate_tokens, pr
 from nxd_moe.application.programs import CausalLMPrograms
 from nxd_moe.application.runner import ProgramRunner
 from nxd_moe.application.sampling import prepare_sampling_params
-from nxd_moe.hf import SUPPORTED_MODEL_TYPES, patch_model
 from nxd_moe.models.decoder_step import replace_polar_rotary_embeddings
-from nxd_moe.models.generate import load_checkpoint_model
-from nxd_moe.models.hf_models import build_hf_model
 from nxd_moe.moe import MoE
 
 __all__ = ["CausalLMApplication"]
 
 
 def _served_model_type(model: nn.Module) -> str:
+    from nxd_moe.hf import SUPPORTED_MODEL_TYPES  # the hf extra (transformers): imported where it is needed
+
     model_type = getattr(model.config.get_text_config(), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not an MoE family nxd_moe serves (a dense model has no MoE "
@@ -83,6 +82,7 @@ class CausalLMApplication:
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         self.group = self._expert_parallel_group(config)
         model = _to_dtype_keeping_routers(model, config.torch_dtype).eval()
+        from nxd_moe.hf import patch_model
         if getattr(model, "nxd_moe_patched", None) is None:
             patch_model(model, backend=backend, quantization=config.quantization)
         # Llama 4's torch.polar has no XLA lowering (a host round trip per step): the same values from cos / sin
@@ -129,6 +129,7 @@ class CausalLMApplication:
     def from_pretrained(cls, path: str | os.PathLike, config: ApplicationConfig, *,
                         device: torch.device | str = "cpu", **kwargs: Any) -> "CausalLMApplication":
         """The application of the local transformers checkpoint directory ``path`` (safetensors only)."""
+        from nxd_moe.models.generate import load_checkpoint_model
         model = load_checkpoint_model(path, config.torch_dtype, torch.device(device))
         rebuild = functools.partial(cls.from_pretrained, path, config)
         return cls(model, config, checkpoint=path, rebuild=rebuild, **kwargs)
@@ -140,6 +141,7 @@ class CausalLMApplication:
         """A shipped architecture (``"qwen3-30b-a3b"`` or a YAML path) with random weights drawn from ``seed``
         (:func:`nxd_moe.models.hf_models.build_hf_model`): ``num_layers`` MoE layers (default the architecture's),
         widths divided by ``scale``."""
+        from nxd_moe.models.hf_models import build_hf_model
         model = build_hf_model(model_config, num_layers=num_layers, scale=scale, dtype=config.torch_dtype,
                                device=device, seed=seed)
         rebuild = functools.partial(cls.from_model_config, model_config, config, num_layers=num_layers, scale=scale,
