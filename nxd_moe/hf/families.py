@@ -4,7 +4,9 @@ A family (:class:`Family`, one per model type: :func:`family_of`) names the bloc
 block sits in the model (``model.layers.N.mlp.``, ``...feed_forward.``, ``transformer.blocks.N.ffn.``) and converts
 one block's tensors, keyed relative to the block (``experts.gate_up_proj``), to our ``MoE``'s state dict and back,
 each layout written once, in one direction per function. The keys and shapes a block must have are derived by
-running ``from_nxd`` on a meta-device ``MoE`` built from the config (:mod:`nxd_moe.hf.checkpoints`).
+running ``from_nxd`` on a meta-device ``MoE`` built from the config (:mod:`nxd_moe.hf.checkpoints`). Every converter
+takes its ``config`` argument through :func:`as_model_config`: a transformers config, its dict, or an
+``MoEModelConfig`` of a model type that has a family here.
 
 Layouts (:data:`LAYOUTS`). The transformers side is the in-memory layout of transformers 5 (fused
 ``experts.gate_up_proj`` tensors). For ``mixtral``, ``qwen3_moe``, ``qwen2_moe`` and ``deepseek_v3`` the Hub
