@@ -456,7 +456,7 @@ def test_experts_do_not_import_the_parallel_layer():
 
 # The integration layers above the MoE layer, and the tools that drive them (trace.py traces whole transformers
 # decoders): they may import transformers and each other; nothing below them may.
-INTEGRATION_MODULES = ("hf.py", "nxdi.py", "models/", "application/", "nxd_compat/", "trace.py")
+INTEGRATION_MODULES = ("hf/", "nxdi.py", "models/", "application/", "nxd_compat/", "trace.py")
 
 
 def test_core_does_not_import_transformers_or_the_model_layer():
@@ -471,6 +471,25 @@ def test_core_does_not_import_transformers_or_the_model_layer():
     forbidden = ("transformers", "nxd_moe.models", "nxd_moe.hf", "nxd_moe.nxd_compat", "nxd_moe.nxdi")
     assert not importing(core, forbidden), importing(core, forbidden)
     assert importing([root / "models" / "patch.py"], forbidden)  # the scan sees what the model layer imports
+
+
+def test_hf_modules_do_not_import_the_model_layer():
+    """nxd_moe.models builds on nxd_moe.hf's modules and imports them directly, never the facade
+    (``nxd_moe/hf/__init__.py``); they import neither it nor nxd_moe.models back. The facade alone reaches up, to
+    re-export patch_model and the experts interface."""
+    from pathlib import Path
+
+    import nxd_moe.hf
+
+    root = Path(nxd_moe.hf.__file__).parent
+    modules = sorted(p for p in root.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) >= 5
+    below_and_above = modules + sorted((root.parent / "models").glob("*.py"))
+    facade = [f"{file}: {name}" for file, name in imported_modules(below_and_above) if name == "nxd_moe.hf"]
+    assert not facade, facade
+    upward = importing(modules, ("nxd_moe.models",))
+    assert not upward, upward
+    assert importing([root / "__init__.py"], ("nxd_moe.models",))  # the scan sees the facade's upward edge
 
 
 def instruction_layering_offenders(kernels_dir) -> list[str]:

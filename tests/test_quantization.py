@@ -537,7 +537,8 @@ def gpt_oss_mxfp4_checkpoint(e=4, h=64, i=64, seed=0):
 def test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_exports_back():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from nxd_moe.hf import _interleave, from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
+    from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict
+    from nxd_moe.hf.families import _interleave
 
     config, sd = gpt_oss_mxfp4_checkpoint()
     nxd = hf_to_nxd_state_dict(sd, config)

@@ -19,12 +19,9 @@ from pathlib import Path
 import torch
 
 from nxd_moe.arguments import auto_scale, positive_int, resolve_device, resolve_dtype, scale_argument
-
 from nxd_moe.config import builtin_config_names, check_int, load_model_config
 from nxd_moe.extras import require
-from nxd_moe.hf import SUPPORTED_MODEL_TYPES
-from nxd_moe.models.hf_models import build_hf_model
-from nxd_moe.models.patch import patch_model
+from nxd_moe.models.experts_backend import register_experts_implementations
 
 HELP = "generate with a whole transformers MoE model through nxd_moe and print tokens/s next to transformers' default"
 
@@ -43,6 +40,8 @@ def load_checkpoint_model(path: str | Path, dtype: torch.dtype, device: torch.de
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nxd_moe.hf.configs import SUPPORTED_MODEL_TYPES
 
     path = Path(path)
     if not path.is_dir():
@@ -191,6 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse._MutuallyExclusiv
 
 def run(args: argparse.Namespace) -> dict:
     require("transformers", "nxd-moe generate")
+    # the hf extra (transformers), required above: this module imports without it
+    from nxd_moe.models.hf_models import build_hf_model
+    from nxd_moe.models.patch import patch_model
+
     if args.new_tokens < 2:
         raise ValueError(f"--new-tokens must be >= 2 (one prefill token and at least one decode step), got "
                          f"{args.new_tokens}")
@@ -239,6 +242,7 @@ def run(args: argparse.Namespace) -> dict:
         ours_name = "patch_model"
     else:
         ours_name = "nxd_moe" if args.backend is None else f"nxd_moe_{args.backend}"
+        register_experts_implementations()  # the names transformers looks up (idempotent)
         model.set_experts_implementation(ours_name)
     ours = timed_generate(model, ids, args.new_tokens, compiled, args.repeats)
     same = (ours.pop("tokens") == baseline.pop("tokens")).float().mean().item()

@@ -2,8 +2,8 @@
 
 The replacement, :class:`PatchedMoEBlock`, sits where the block was, returns what the block returned and keeps the
 block's checkpoint format: its state-dict hooks convert between the ``MoE``'s own keys and the transformers ones
-with the family converters of :mod:`nxd_moe.hf`, so ``state_dict``, ``load_state_dict`` and ``save_pretrained``
-see the model they saw before.
+with the family converters of :mod:`nxd_moe.hf.families`, so ``state_dict``, ``load_state_dict`` and
+``save_pretrained`` see the model they saw before.
 """
 
 from __future__ import annotations
@@ -19,19 +19,11 @@ import torch.nn as nn
 from nxd_moe.build import build_moe, check_overrides
 from nxd_moe.config import MoEModelConfig
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
-from nxd_moe.hf import (
-    HF_QUANT_METHODS,
-    SUPPORTED_MODEL_TYPES,
-    _expected_nxd,
-    _family,
-    _hf_block_to_nxd,
-    check_hf_block,
-    check_stored_formats,
-    from_hf_config,
-    from_hf_moe_block,
-    layer_formats,
-    unsaved_formats,
-)
+from nxd_moe.hf.blocks import from_hf_moe_block
+from nxd_moe.hf.checkpoints import check_hf_block, hf_block_to_nxd, meta_state_dict
+from nxd_moe.hf.configs import SUPPORTED_MODEL_TYPES, from_hf_config
+from nxd_moe.hf.families import HF_QUANT_METHODS, family_of, unsaved_formats
+from nxd_moe.hf.stored_formats import check_stored_formats, layer_formats
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import shard_state_dict
 from nxd_moe.quantization.formats import get_format, reported_format
@@ -106,7 +98,7 @@ class PatchedMoEBlock(nn.Module):
                              f"{unsaved}")
         # The Hub's per-expert layout is the one FP8 checkpoints have; unquantized experts keep transformers' own.
         layout = "transformers" if routed == "bf16" else "hub"
-        hf = _family(module.model_config).from_nxd(nxd, layout)
+        hf = family_of(module.model_config).from_nxd(nxd, layout)
         ordered = [k for k in module.hf_dtypes if k in hf] + [k for k in hf if k not in module.hf_dtypes]
         for key in ordered:
             value, dtype = hf[key], module.hf_dtypes.get(key)
@@ -128,8 +120,8 @@ class PatchedMoEBlock(nn.Module):
         parts = {key[len(prefix):]: state_dict.pop(key) for key in keys}
         check_stored_formats(module.moe, parts, f"load_state_dict: {prefix or 'the block'!r}'s",
                              "patch the model with")
-        nxd = shard_state_dict(module.moe, _hf_block_to_nxd(parts, module.model_config,
-                                                            _expected_nxd(module.model_config), prefix))
+        nxd = shard_state_dict(module.moe, hf_block_to_nxd(parts, module.model_config,
+                                                           meta_state_dict(module.model_config), prefix))
         if local_metadata.get("assign_to_params_buffers"):
             # Assigned tensors become the layer's own: in its dtypes (a float32 router), contiguous.
             own = module.moe.state_dict()
@@ -175,7 +167,7 @@ def _quantization_config(model: nn.Module, blocks: dict[str, PatchedMoEBlock], r
     block = next(iter(blocks.values()))
     if not methods or unsaved_formats(block.model_config, routed, shared):
         return None
-    family_shared = _family(block.model_config).shared
+    family_shared = family_of(block.model_config).shared
     quantized, keep = set(), {name for name, module in model.named_modules() if type(module) is nn.Linear
                               and not any(name.startswith(path + ".") for path in blocks)}
     for path, wrapper in blocks.items():
@@ -273,7 +265,7 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
             raise ValueError(f"patch_model: shared_quantization={shared_quantization!r}, but model_type "
                              f"{model_type!r} has no shared experts")
         shared_quantization = get_format(shared_quantization, "patch_model: shared_quantization").name
-    family = _family(cfg)
+    family = family_of(cfg)
     block_classes = set(family.block_classes)
     slot = re.compile(rf"(?:.*\.)?{family.container}\.\d+\.{family.module}")
     paths, kept = [], []
@@ -302,7 +294,7 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
     if not whole and (quantization, shared_quantization) != (None, None):
         raise NotImplementedError("patch_model: quantizing on patch under tensor parallelism or hybrid sharding is "
                                   "not supported yet (expert parallelism alone is); patch in one process")
-    expected = _expected_nxd(cfg)
+    expected = meta_state_dict(cfg)
     for path in paths:
         check_hf_block(model.get_submodule(path).state_dict(), cfg, expected, f"{path}.")
     # Only paths are held, so each block's tensors go as soon as its replacement is in place.
