@@ -42,7 +42,7 @@ import pytest
 
 from nxd_moe.nki_kernels.compat import frontend
 from nxd_moe.nki_kernels.cost_model import TRN2
-from nxd_moe.nki_kernels.machine import _CURRENT
+from nxd_moe.nki_kernels.machine import running_core
 
 _REPORT = os.environ.get("NKI_LIBRARY_TESTS_REPORT")
 _OUTPUTS = os.environ.get("NKI_LIBRARY_TESTS_OUTPUTS")
@@ -73,7 +73,7 @@ def _kernel_name(fn) -> str:
 def _nested_call(self, *args, **kwargs):
     """``Kernel.__call__``, noting the first library kernel a test's jitted wrapper calls inside a launch (the harness
     launches wrappers such as ``moe_cte_kernel_wrapper``; the table names the kernel they run)."""
-    if getattr(_CURRENT, "core", None) is not None and not _nested:
+    if running_core() is not None and not _nested:
         _nested.append(_kernel_name(self.fn))
     return _kernel_call(self, *args, **kwargs)
 

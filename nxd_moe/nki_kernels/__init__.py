@@ -9,8 +9,9 @@ and decode MoE kernels written on it, and a Trn2 cost model over what it counts.
 """
 
 from nxd_moe.nki_kernels.accounting import Accounting, DmaTraffic, EngineOp
+from nxd_moe.nki_kernels.hardware import HardwareLimitError, OutOfBoundsError
 from nxd_moe.nki_kernels.lnc import CoreDivergenceError, KernelRun, simulate
-from nxd_moe.nki_kernels.machine import HardwareLimitError, NkiTensor, OutOfBoundsError
+from nxd_moe.nki_kernels.tensor import NkiTensor
 
 __all__ = [
     "Accounting",

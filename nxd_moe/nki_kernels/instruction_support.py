@@ -1,55 +1,25 @@
-"""What every ``nisa`` instruction does besides its own arithmetic, shared by :mod:`nxd_moe.nki_kernels.isa` and
-the instruction families in :mod:`nxd_moe.nki_kernels.instructions`: check its operands (``_tile``,
-``_same_shape``, ``_operand``), read them in fp32 (``_f32``) and round the result into the destination
-(``_store``), skip the arithmetic in a counting run (``_computes``), apply an ALU op (``_alu``), run on an engine
-(``_engine``, ``_reaches``) and be counted there (``_account``), and drive the engines' accumulator registers
-(``_accumulate``) -- with the two NKI constants those take, ``engine`` and ``reduce_cmd``.
+"""What every ``nisa`` instruction does besides its own arithmetic, shared by the instruction families in
+:mod:`nxd_moe.nki_kernels.instructions` and the tile functions (:mod:`~nxd_moe.nki_kernels.tiles`): check its
+operands (``tile_operand``, ``check_same_shape``, ``scalar_operand``), read them in fp32 (``as_f32``) and round the
+result into the destination (``store_result``), skip the arithmetic in a counting run (``computes``), apply an ALU op
+(``alu``), run on an engine (``chosen_engine``, ``check_reaches``) and be counted there (``account``), and drive the
+engines' accumulator registers (``accumulate_registers``).
 
-It imports neither ``isa`` nor ``instructions``, so every instruction module is a leaf that imports only this,
-:mod:`~nxd_moe.nki_kernels.machine` and :mod:`~nxd_moe.nki_kernels.language`. The helpers keep their leading
-underscore: ``isa`` imports them into the ``nki.isa`` namespace, whose public names are NKI's alone.
+It imports neither ``isa`` nor ``instructions``, so every instruction module is a leaf that imports only this and the
+modules below it (the machine, tensors, dtypes, opcodes and ``isa_constants``). ``isa`` re-exports the instructions
+alone, so these helpers are not in the ``nki.isa`` namespace, whose public names are NKI's.
 """
 
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 
-from nxd_moe.nki_kernels import language as nl
-from nxd_moe.nki_kernels.machine import (
-    PMAX,
-    Buffer,
-    HardwareLimitError,
-    NkiTensor,
-    cast,
-    check_alive,
-    current_core,
-    is_integer,
-)
-
-
-class engine(enum.IntEnum):  # noqa: N801 -- NKI's name
-    """The engine an instruction runs on (``unknown``: the compiler picks; here the op's default engine)."""
-
-    unknown = 0
-    tensor = 1
-    scalar = 2
-    gpsimd = 3
-    dma = 4
-    vector = 5
-    sync = 6
-
-
-class reduce_cmd(enum.IntEnum):  # noqa: N801 -- NKI's name
-    """The Vector/Scalar Engine accumulator registers: ``idle`` leaves them, ``reset_reduce`` starts a reduction,
-    ``reduce`` continues one, ``load_reduce`` starts from given values."""
-
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-    load_reduce = 4
+from nxd_moe.nki_kernels.dtypes import cast, is_integer
+from nxd_moe.nki_kernels.hardware import PMAX, Buffer, HardwareLimitError
+from nxd_moe.nki_kernels.isa_constants import engine, reduce_cmd
+from nxd_moe.nki_kernels.machine import check_alive, current_core
+from nxd_moe.nki_kernels.opcodes import ALU_OPS, INTEGER_ALU_OPS, UNARY_ALU_OPS
+from nxd_moe.nki_kernels.tensor import NkiTensor
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -61,7 +31,7 @@ class reduce_cmd(enum.IntEnum):  # noqa: N801 -- NKI's name
 WRITTEN_ROLES = frozenset({"dst", "reduce_res", "val_dst", "idx_dst", "dst_idx"})
 
 
-def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bool = True) -> NkiTensor:
+def tile_operand(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bool = True) -> NkiTensor:
     if not isinstance(t, NkiTensor):
         raise TypeError(f"{op}: {role} must be an on-chip tensor, got {type(t).__name__}")
     check_alive(t, write=role in WRITTEN_ROLES, settled=settled)
@@ -74,25 +44,25 @@ def _tile(t, role: str, op: str, buffers=(Buffer.SBUF, Buffer.PSUM), settled: bo
     return t
 
 
-def _same_shape(op: str, a: NkiTensor, a_role: str, b: NkiTensor, b_role: str) -> None:
+def check_same_shape(op: str, a: NkiTensor, a_role: str, b: NkiTensor, b_role: str) -> None:
     """NKI's rule for elementwise operands: the same partitions and the same number of elements per partition."""
     if a.partitions != b.partitions or a.free_size != b.free_size:
         raise HardwareLimitError(f"{op}: {a_role} shape {a.shape} and {b_role} shape {b.shape} must have the same "
                                  "partitions and elements per partition")
 
 
-def _operand(value, data: NkiTensor, op: str, role: str):
+def scalar_operand(value, data: NkiTensor, op: str, role: str):
     """A scalar operand: a Python number (broadcast everywhere) or a ``(P, 1)`` tile (one value per partition)."""
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
         return value
-    t = _tile(value, role, op)
+    t = tile_operand(value, role, op)
     if t.shape != (data.partitions, 1):
         raise HardwareLimitError(f"{op}: {role} must be a number or a ({data.partitions}, 1) tile (one value per "
                                  f"partition), got shape {t.shape}")
     return t
 
 
-def _computes(dst: NkiTensor, *inputs) -> bool:
+def computes(dst: NkiTensor, *inputs) -> bool:
     """Whether to do the arithmetic: when every input holds known values (always in a numeric run). In a counting
     run a float result of data-less inputs is skipped and marked unknown; an integer one raises (it would steer
     control flow)."""
@@ -100,26 +70,26 @@ def _computes(dst: NkiTensor, *inputs) -> bool:
         return False
     unknown = [t.name for t in inputs if isinstance(t, NkiTensor) and not t.alloc.known]
     if unknown:
-        _mark_unknown(dst, unknown)
+        mark_unknown(dst, unknown)
         return False
     return True
 
 
-def _mark_unknown(dst: NkiTensor, sources) -> None:
+def mark_unknown(dst: NkiTensor, sources) -> None:
     if is_integer(dst.dtype):
         raise RuntimeError(f"counting run: integer tensor {dst.name!r} would be computed from float tensors "
                            f"{list(sources)} that hold no data; keep index arithmetic in integer tensors")
     dst.alloc.known = False
 
 
-def _f32(value) -> np.ndarray | float:
+def as_f32(value) -> np.ndarray | float:
     """An operand as fp32: a tile flattened to ``(partitions, elements per partition)``, or a number."""
     if isinstance(value, NkiTensor):
         return cast(value.data, np.float32).reshape(value.partitions, value.free_size)
     return np.float32(value)
 
 
-def _store(dst: NkiTensor, values) -> None:
+def store_result(dst: NkiTensor, values) -> None:
     values = np.asarray(values)
     if is_integer(dst.dtype) and not is_integer(values.dtype):
         values = np.rint(values)
@@ -134,19 +104,19 @@ def _store(dst: NkiTensor, values) -> None:
 # the ALU
 
 
-def _check_alu(name: str, op) -> None:
-    if op not in nl.ALU_OPS.values():
-        raise ValueError(f"{name}: op must be one of {sorted('nl.' + k for k in nl.ALU_OPS)}, got {op!r}")
+def check_alu_op(name: str, op) -> None:
+    if op not in ALU_OPS.values():
+        raise ValueError(f"{name}: op must be one of {sorted('nl.' + k for k in ALU_OPS)}, got {op!r}")
 
 
-def _alu(op, a, b):
+def alu(op, a, b):
     """An ALU op in fp32, except integer-only (bitwise, shift) ops, which work on the integers; a unary op
     (``nl.abs``, ``nl.invert``, ``nl.bypass``, ...) acts on ``a`` alone."""
-    if op.name in nl.UNARY_ALU_OPS:
-        return op(_ints(a)) if op.name in nl.INTEGER_ALU_OPS else op(_f32(a))
-    if op.name in nl.INTEGER_ALU_OPS:
+    if op.name in UNARY_ALU_OPS:
+        return op(_ints(a)) if op.name in INTEGER_ALU_OPS else op(as_f32(a))
+    if op.name in INTEGER_ALU_OPS:
         return op(_ints(a), _ints(b))
-    return op(_f32(a), _f32(b))
+    return op(as_f32(a), as_f32(b))
 
 
 def _ints(value):
@@ -159,7 +129,7 @@ def _ints(value):
 # engines
 
 
-def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str = "") -> str:
+def chosen_engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str = "") -> str:
     """An ``engine=`` argument (``nisa.engine`` member or its name) as the accounting's engine name."""
     if value is None or value == engine.unknown or value == "unknown":
         return default
@@ -169,7 +139,7 @@ def _engine(value, default: str, allowed=("vector", "scalar", "gpsimd"), op: str
     return name
 
 
-def _reaches(on: str, label: str, *tiles) -> None:
+def check_reaches(on: str, label: str, *tiles) -> None:
     """The ISA's memory rule for the engines: GpSimd cannot access PSUM (Vector and Scalar read and write both)."""
     if on == "gpsimd" and any(isinstance(t, NkiTensor) and t.buffer is Buffer.PSUM for t in tiles):
         raise HardwareLimitError(f"{label}: the GpSimd Engine cannot access PSUM; use the vector or scalar engine")
@@ -179,7 +149,7 @@ def _wide(*tensors) -> bool:
     return max(t.dtype.itemsize for t in tensors if isinstance(t, NkiTensor)) >= 4
 
 
-def _account(engine: str, op: str, data: NkiTensor, *inputs) -> None:
+def account(engine: str, op: str, data: NkiTensor, *inputs) -> None:
     current_core().accounting.record(engine, op, data.free_size, _wide(data, *inputs))
 
 
@@ -187,22 +157,22 @@ def _account(engine: str, op: str, data: NkiTensor, *inputs) -> None:
 # the accumulator registers
 
 
-_REDUCTIONS = {"add": np.sum, "maximum": np.max, "minimum": np.min, "multiply": np.prod}
-_REDUCE_IDENTITY = {"add": 0.0, "maximum": -np.inf, "minimum": np.inf, "multiply": 1.0}
+REDUCTIONS = {"add": np.sum, "maximum": np.max, "minimum": np.min, "multiply": np.prod}
+REDUCE_IDENTITY = {"add": 0.0, "maximum": -np.inf, "minimum": np.inf, "multiply": 1.0}
 
 
-def _reduce_op(op, name: str) -> str:
+def reduce_op_name(op, name: str) -> str:
     key = getattr(op, "name", None)
     key = {"max": "maximum", "min": "minimum", "sum": "add"}.get(key, key)
-    if key not in _REDUCTIONS:
+    if key not in REDUCTIONS:
         raise ValueError(f"{name}: reduce op must be nl.add, nl.multiply, nl.maximum or nl.minimum, got {op!r}")
     return key
 
 
-def _accumulate(core, name: str, engine_name: str, partials: np.ndarray, reduce_op, reduce_res, cmd,
+def accumulate_registers(core, name: str, engine_name: str, partials: np.ndarray, reduce_op, reduce_res, cmd,
                 init=None, negate: bool = False) -> None:
     """The engine's per-partition accumulator registers (``reduce_cmd``), written to ``reduce_res`` when given."""
-    key = _reduce_op(reduce_op, name)
+    key = reduce_op_name(reduce_op, name)
     registers = core.accumulators.setdefault(engine_name, {})
     cmd = reduce_cmd(cmd)
     p = partials.shape[0]
@@ -210,20 +180,20 @@ def _accumulate(core, name: str, engine_name: str, partials: np.ndarray, reduce_
         if cmd == reduce_cmd.reduce and registers.get("shape") != (p,):
             raise HardwareLimitError(f"{name}: reduce_cmd.reduce continues a reduction, but none over {p} partitions "
                                      "was started (use reduce_cmd.reset_reduce first)")
-        registers["value"] = np.full(p, _REDUCE_IDENTITY[key], np.float32)
+        registers["value"] = np.full(p, REDUCE_IDENTITY[key], np.float32)
         registers["shape"] = (p,)
     if cmd == reduce_cmd.load_reduce:
         if init is None:
             raise ValueError(f"{name}: reduce_cmd.load_reduce needs reduce_init")
-        registers["value"] = np.broadcast_to(_f32(init), (p, 1)).reshape(p).astype(np.float32).copy()
+        registers["value"] = np.broadcast_to(as_f32(init), (p, 1)).reshape(p).astype(np.float32).copy()
     if cmd in (reduce_cmd.reduce, reduce_cmd.reset_reduce, reduce_cmd.load_reduce):
-        reducer = _REDUCTIONS[key]
+        reducer = REDUCTIONS[key]
         step = reducer(partials, axis=1).astype(np.float32)
         registers["value"] = reducer(np.stack([registers["value"], step]), axis=0).astype(np.float32)
     if reduce_res is not None:
-        res = _tile(reduce_res, "reduce_res", name)
+        res = tile_operand(reduce_res, "reduce_res", name)
         if res.partitions != p or res.free_size != 1:
             raise HardwareLimitError(f"{name}: reduce_res must be ({p}, 1), got {res.shape}")
         value = -registers["value"] if negate else registers["value"]
         if res.alloc.has_data:
-            _store(res, value.reshape(p, 1))
+            store_result(res, value.reshape(p, 1))

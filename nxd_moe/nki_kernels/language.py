@@ -1,7 +1,11 @@
-"""``nl``: ``nki.language`` -- dtypes, buffers, ``ndarray``, ``ds`` / ``par_dim``, program ids, loop ranges, tile
-sizes, ``NKIObject``, ``shared_identity_matrix`` and the ALU / activation opcodes -- with NKI's names, so ``from
-nxd_moe.nki_kernels import language as nl`` reads like a kernel written for the real compiler, and
-:mod:`nxd_moe.nki_kernels.compat` serves this module as ``nki.language`` itself.
+"""``nl``: the ``nki.language`` namespace, with NKI's names, so ``from nxd_moe.nki_kernels import language as nl``
+reads like a kernel written for the real compiler, and :mod:`nxd_moe.nki_kernels.compat` serves this module as
+``nki.language`` itself.
+
+It gathers the dtypes (:mod:`~nxd_moe.nki_kernels.dtypes`), the ALU and activation opcodes
+(:mod:`~nxd_moe.nki_kernels.opcodes`) and the tile functions -- ``ndarray`` and the other constructors, loads and
+stores, ``nl.sum``, ``nl.softmax``, ... (:mod:`~nxd_moe.nki_kernels.tiles`) -- and defines what is the language's
+own: buffers, tile sizes, ``NKIObject``, ``ds``, program ids, loop ranges, ``device_print``.
 
 Loops: ``affine_range`` / ``sequential_range`` / ``static_range`` are compile-time loops (Python ranges, as in NKI
 now); ``dynamic_range(start, stop)`` is a hardware loop whose bounds may be registers read on the device. Every
@@ -12,54 +16,147 @@ allocated before the loop -- NKI's rule too.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Iterator
 
-import ml_dtypes
 import numpy as np
 
-from nxd_moe.nki_kernels.machine import (
+from nxd_moe.nki_kernels.dtypes import (  # noqa: F401 -- re-exports: NKI's dtypes
+    bfloat16,
+    bool_,
+    float4_e2m1fn_x4,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e4m3fn_x4,
+    float8_e5m2,
+    float8_e5m2_x4,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
+from nxd_moe.nki_kernels.hardware import (
+    BN_STATS_FMAX,
     GEMM_MOVING_FMAX,
     GEMM_STATIONARY_FMAX,
     PMAX,
-    PSUM_FMAX,
     PSUM_BANK_BYTES,
+    PSUM_FMAX,
     PSUM_NUM_BANKS,
     SBUF_PARTITION_BYTES,
     Buffer,
-    DynSlice,
-    NkiTensor,
-    VirtualRegister,
-    check_alive,
-    current_core,
 )
+from nxd_moe.nki_kernels.machine import check_alive, current_core
+from nxd_moe.nki_kernels.opcodes import (  # noqa: F401 -- re-exports: NKI's opcodes
+    ACTIVATION_FUNCTIONS,
+    ALU_OPS,
+    INTEGER_ALU_OPS,
+    UNARY_ALU_OPS,
+    Op,
+    abs,
+    abs_max,
+    abs_min,
+    add,
+    arctan,
+    average,
+    bitwise_and,
+    bitwise_or,
+    bitwise_xor,
+    bypass,
+    ceil,
+    copy,
+    cos,
+    divide,
+    equal,
+    erf,
+    erf_dx,
+    exp,
+    floor,
+    fmod,
+    gelu,
+    gelu_apprx_sigmoid,
+    gelu_apprx_sigmoid_dx,
+    gelu_apprx_tanh,
+    gelu_dx,
+    greater,
+    greater_equal,
+    invert,
+    leaky_relu,
+    left_shift,
+    less,
+    less_equal,
+    log,
+    logical_and,
+    logical_not,
+    logical_or,
+    logical_xor,
+    maximum,
+    minimum,
+    mish,
+    mod,
+    multiply,
+    negative,
+    not_equal,
+    power,
+    prelu,
+    reciprocal,
+    relu,
+    right_shift,
+    rsqrt,
+    sigmoid,
+    sign,
+    silu,
+    silu_dx,
+    sin,
+    softplus,
+    sqrt,
+    square,
+    subtract,
+    tan,
+    tanh,
+    trunc,
+)
+from nxd_moe.nki_kernels.tensor import DynSlice, NkiTensor
+from nxd_moe.nki_kernels.tiles import (  # noqa: F401 -- re-exports: NKI's tile functions
+    all,
+    broadcast_to,
+    dropout,
+    empty_like,
+    expand_dims,
+    full,
+    gather_flattened,
+    load,
+    load_transpose2d,
+    matmul,
+    max,
+    mean,
+    min,
+    ndarray,
+    no_reorder,
+    ones,
+    par_dim,
+    prod,
+    rand,
+    random_seed,
+    rms_norm,
+    shared_constant,
+    shared_identity_matrix,
+    softmax,
+    store,
+    sum,
+    transpose,
+    var,
+    where,
+    zeros,
+    zeros_like,
+)
+from nxd_moe.nki_kernels.virtual_register import VirtualRegister
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
-float16 = np.dtype(np.float16)
-float32 = np.dtype(np.float32)
-float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)
-float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)  # OCP E4M3 (+-448): what FP8 checkpoints store
-int32 = np.dtype(np.int32)
-uint8 = np.dtype(np.uint8)
-int8 = np.dtype(np.int8)
-int16 = np.dtype(np.int16)
-uint16 = np.dtype(np.uint16)
-uint32 = np.dtype(np.uint32)
-bool_ = np.dtype(np.bool_)
-tfloat32 = float32  # fp32 storage; the Tensor Engine's tf32 rounding is not modelled
-float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
-float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
-float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)
-
-
-def _packed(name: str) -> np.dtype:
-    """A Trn3 (NeuronCore-v4) MX dtype packing four values into 4 bytes: storage only (bytes), no arithmetic."""
-    return np.dtype([(name, np.uint8, (4,))])
-
-
-float8_e4m3fn_x4 = _packed("float8_e4m3fn_x4")
-float8_e5m2_x4 = _packed("float8_e5m2_x4")
-float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4")
 globals()["bool"] = bool_  # NKI's name (nki-library's resolve_dtype_to_nki returns nl.bool); not shadowing here
 
 DType = np.dtype  # what the dtype names above are (NKI annotates dtype parameters with nl.DType)
@@ -79,7 +176,7 @@ class tile_size:  # noqa: N801 -- NKI's name
     psum_num_banks = PSUM_NUM_BANKS
     gemm_stationary_fmax = GEMM_STATIONARY_FMAX
     gemm_moving_fmax = GEMM_MOVING_FMAX
-    bn_stats_fmax = 512
+    bn_stats_fmax = BN_STATS_FMAX
     psum_min_align = 4
     sbuf_min_align = 4
     sbuf_size_bytes = PMAX * SBUF_PARTITION_BYTES
@@ -132,88 +229,9 @@ class NKIObject:
 tensor = NkiTensor
 
 
-class par_dim(int):  # noqa: N801 -- NKI's name
-    """Marks the partition dimension in a shape: ``(nl.par_dim(128), 512)``. Only the first dimension may be it."""
-
-
 def ds(start, size) -> DynSlice:
     """``size`` elements from ``start``: ``t[nl.ds(i * 128, 128)]`` is ``t[i * 128:(i + 1) * 128]``."""
     return DynSlice(start, size)
-
-
-def _plain_shape(shape) -> tuple[int, ...]:
-    shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-    if any(isinstance(n, par_dim) for n in shape[1:]):
-        raise NotImplementedError(f"shape {shape}: nl.par_dim after dim 0 (leading block dims) is not simulated; "
-                                  "put the partition dim first")
-    return tuple(int(n) for n in shape)
-
-
-def ndarray(shape, dtype, buffer: Buffer = sbuf, name: str | None = None, address=None) -> NkiTensor:
-    """A new tensor, NaN-filled (4 for integers). ``shared_hbm`` tensors are the same tensor on both cores.
-    ``address`` (a fixed ``(partition, byte)`` placement) is accepted and ignored: every tensor gets its own
-    memory, and capacity is counted."""
-    return current_core().allocate(_plain_shape(shape), np.dtype(dtype), buffer, name or None)
-
-
-def zeros(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
-    """A new tensor filled with zeros (a ``memset`` on chip)."""
-    return full(shape, 0, dtype, buffer, name)
-
-
-def shared_identity_matrix(n: int, dtype=uint8, dst: NkiTensor | None = None) -> NkiTensor:
-    """An ``(n, n)`` identity matrix in SBUF (a constant the compiler loads once)."""
-    t = ndarray((n, n), dtype, sbuf, "identity") if dst is None else dst
-    if t.shape != (n, n):
-        raise ValueError(f"shared_identity_matrix: dst must be ({n}, {n}), got {t.shape}")
-    if t.alloc.has_data:
-        t.data[...] = np.eye(n, dtype=np.float32).astype(t.dtype)
-    return t
-
-
-def shared_constant(constant) -> NkiTensor:
-    """A shared-HBM tensor holding ``constant`` (a NumPy array, or the path of a ``.npy`` file): data the compiler
-    embeds and loads at model load time, so no DMA is counted; both cores of an LNC2 launch share it."""
-    values = np.load(constant) if isinstance(constant, (str, bytes)) or hasattr(constant, "__fspath__") \
-        else np.asarray(constant)
-    if values.dtype == np.float64:
-        raise TypeError("shared_constant: float64 is not an NKI dtype; convert the constant (e.g. to float32) first")
-    t = ndarray(values.shape if values.ndim else (1,), values.dtype, shared_hbm, "shared_constant")
-    if t.alloc.has_data:
-        t.data[...] = values.reshape(t.shape)
-    return t
-
-
-def full(shape, fill_value, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
-    """A new tensor filled with ``fill_value`` (a ``memset`` on chip)."""
-    from nxd_moe.nki_kernels import isa
-
-    t = ndarray(shape, dtype, buffer, name)
-    if t.buffer.on_chip:
-        isa.memset(t, fill_value)
-    elif t.alloc.has_data:
-        t.data[...] = fill_value
-    return t
-
-
-def ones(shape, dtype, buffer: Buffer = sbuf, name: str = "") -> NkiTensor:
-    return full(shape, 1, dtype, buffer, name)
-
-
-def load(src: NkiTensor, dtype=None) -> NkiTensor:
-    """A new SBUF tile holding ``src`` (one ``dma_copy``, converting to ``dtype`` if given)."""
-    from nxd_moe.nki_kernels import isa
-
-    t = ndarray(src.shape, src.dtype if dtype is None else dtype, sbuf)
-    isa.dma_copy(t, src)
-    return t
-
-
-def store(dst: NkiTensor, value: NkiTensor) -> None:
-    """Write an SBUF tile to device memory (one ``dma_copy``)."""
-    from nxd_moe.nki_kernels import isa
-
-    isa.dma_copy(dst, value)
 
 
 def program_id(axis: int = 0) -> int:
@@ -318,153 +336,3 @@ def dynamic_range(start, stop=None, step: int = 1) -> Iterator[VirtualRegister]:
         with core.scope():
             yield VirtualRegister(core, i)
     core.accounting.branches += 1
-
-
-class Op:
-    """An ALU opcode or activation function: a name and its fp32 NumPy semantics."""
-
-    def __init__(self, name: str, fn: Callable[..., np.ndarray]):
-        self.name = name
-        self.fn = fn
-
-    def __call__(self, *args, dtype=None):
-        """On NumPy values: the fp32 semantics the instructions use. On tiles: NKI's ``nl.<op>(x[, y], dtype=None)``,
-        a new tile (see :mod:`nxd_moe.nki_kernels.tiles`)."""
-        if any(isinstance(a, NkiTensor) for a in args):
-            from nxd_moe.nki_kernels import tiles
-
-            return tiles.elementwise(self, args, dtype)
-        return self.fn(*args)
-
-    def __repr__(self) -> str:
-        return f"nl.{self.name}"
-
-
-add = Op("add", np.add)
-subtract = Op("subtract", np.subtract)
-multiply = Op("multiply", np.multiply)
-maximum = Op("maximum", np.maximum)
-minimum = Op("minimum", np.minimum)
-equal = Op("equal", lambda a, b: (a == b).astype(np.float32))
-not_equal = Op("not_equal", lambda a, b: (a != b).astype(np.float32))
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return (0.5 * (1.0 + np.tanh(0.5 * x))).astype(np.float32)
-
-
-_ERF = np.frompyfunc(math.erf, 1, 1)
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf by the C library, element by element (NumPy has none). Not torch's: its result for the same input varied
-    with the state of torch's thread pool after LNC2 launches had called it from two threads, which made
-    fp32 gelu kernels differ from run to run by ~3e-5."""
-    return _ERF(np.asarray(x, dtype=np.float64)).astype(np.float32)
-
-
-def _gelu(x: np.ndarray) -> np.ndarray:
-    return (0.5 * x * (1.0 + _erf(np.asarray(x, dtype=np.float32) / np.float32(math.sqrt(2.0))))).astype(np.float32)
-
-
-divide = Op("divide", np.divide)
-power = Op("power", np.power)
-less = Op("less", lambda a, b: (a < b).astype(np.float32))
-less_equal = Op("less_equal", lambda a, b: (a <= b).astype(np.float32))
-greater = Op("greater", lambda a, b: (a > b).astype(np.float32))
-greater_equal = Op("greater_equal", lambda a, b: (a >= b).astype(np.float32))
-abs_max = Op("abs_max", lambda a, b: np.maximum(np.abs(a), np.abs(b)))
-abs_min = Op("abs_min", lambda a, b: np.minimum(np.abs(a), np.abs(b)))
-logical_and = Op("logical_and", lambda a, b: np.logical_and(a, b).astype(np.float32))
-logical_or = Op("logical_or", lambda a, b: np.logical_or(a, b).astype(np.float32))
-logical_xor = Op("logical_xor", lambda a, b: np.logical_xor(a, b).astype(np.float32))
-bitwise_and = Op("bitwise_and", np.bitwise_and)
-bitwise_or = Op("bitwise_or", np.bitwise_or)
-bitwise_xor = Op("bitwise_xor", np.bitwise_xor)
-left_shift = Op("left_shift", np.left_shift)
-right_shift = Op("right_shift", np.right_shift)
-mod = Op("mod", np.mod)
-fmod = Op("fmod", np.fmod)
-average = Op("average", lambda *xs: np.mean(np.stack(xs), axis=0))  # a reduction op (tensor_partition_reduce)
-invert = Op("invert", np.invert)  # bitwise not (a unary bitvec ALU op)
-bypass = Op("bypass", lambda x, *unused: x)  # passes its data through: skips an instruction's op0 / op1 stage
-
-copy = Op("copy", lambda x: x)
-silu = Op("silu", lambda x: x * _sigmoid(x))
-gelu = Op("gelu", _gelu)
-relu = Op("relu", lambda x: np.maximum(x, np.float32(0.0)))
-sigmoid = Op("sigmoid", _sigmoid)
-tanh = Op("tanh", np.tanh)
-leaky_relu = Op("leaky_relu", lambda x: np.where(x >= 0, x, np.float32(0.01) * x))
-# gelu approximations as documented: x * sigmoid(1.702 x), and the tanh form
-gelu_apprx_sigmoid = Op("gelu_apprx_sigmoid", lambda x: x * _sigmoid(np.float32(1.702) * x))
-gelu_apprx_tanh = Op("gelu_apprx_tanh", lambda x: (0.5 * x * (1.0 + np.tanh(
-    np.float32(math.sqrt(2.0 / math.pi)) * (x + np.float32(0.044715) * x * x * x)))).astype(np.float32))
-exp = Op("exp", np.exp)
-log = Op("log", np.log)
-sqrt = Op("sqrt", np.sqrt)
-rsqrt = Op("rsqrt", lambda x: (1.0 / np.sqrt(x)).astype(np.float32))
-reciprocal = Op("reciprocal", lambda x: (1.0 / x).astype(np.float32))
-square = Op("square", np.square)
-abs = Op("abs", np.abs)  # noqa: A001 -- NKI's name
-negative = Op("negative", np.negative)
-sign = Op("sign", np.sign)
-softplus = Op("softplus", lambda x: np.logaddexp(np.float32(0.0), x).astype(np.float32))
-mish = Op("mish", lambda x: (x * np.tanh(np.logaddexp(np.float32(0.0), x))).astype(np.float32))
-sin = Op("sin", np.sin)
-cos = Op("cos", np.cos)
-erf = Op("erf", _erf)
-arctan = Op("arctan", np.arctan)
-tan = Op("tan", np.tan)
-ceil = Op("ceil", np.ceil)
-floor = Op("floor", np.floor)
-trunc = Op("trunc", np.trunc)
-logical_not = Op("logical_not", lambda x: np.logical_not(x).astype(np.float32))
-# PReLU's negative slope is the instruction's relu_param (NeuronCore-v4's activate2); nisa.activation has none,
-# so there its slope is 0.
-prelu = Op("prelu", lambda x, alpha=0.0: np.where(x >= 0, x, np.float32(alpha) * x).astype(np.float32))
-
-
-def _phi(x):
-    return (np.exp(-0.5 * x * x) / np.float32(math.sqrt(2.0 * math.pi))).astype(np.float32)
-
-
-# Derivatives (the backward passes' activation functions)
-gelu_dx = Op("gelu_dx", lambda x: (0.5 * (1.0 + _erf(x / np.float32(math.sqrt(2.0)))) + x * _phi(x)).astype(
-    np.float32))
-silu_dx = Op("silu_dx", lambda x: (_sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x)))).astype(np.float32))
-gelu_apprx_sigmoid_dx = Op("gelu_apprx_sigmoid_dx", lambda x: (
-    _sigmoid(np.float32(1.702) * x) * (1.0 + np.float32(1.702) * x * (1.0 - _sigmoid(np.float32(1.702) * x)))
-).astype(np.float32))
-erf_dx = Op("erf_dx", lambda x: (np.float32(2.0 / math.sqrt(math.pi)) * np.exp(-x * x)).astype(np.float32))
-
-ACTIVATION_FUNCTIONS = {op.name: op for op in (
-    copy, silu, gelu, relu, sigmoid, tanh, leaky_relu, gelu_apprx_sigmoid, gelu_apprx_tanh, exp, log, sqrt, rsqrt,
-    reciprocal, square, abs, negative, sign, softplus, mish, sin, cos, erf, arctan, prelu, gelu_dx, silu_dx,
-    gelu_apprx_sigmoid_dx, erf_dx)}
-ALU_OPS = {op.name: op for op in (
-    add, subtract, multiply, maximum, minimum, equal, not_equal, divide, power, less, less_equal, greater,
-    greater_equal, abs_max, abs_min, logical_and, logical_or, logical_xor, bitwise_and, bitwise_or, bitwise_xor,
-    left_shift, right_shift, mod, fmod, abs, square, relu, rsqrt, reciprocal, invert, bypass)}
-INTEGER_ALU_OPS = ("bitwise_and", "bitwise_or", "bitwise_xor", "left_shift", "right_shift", "invert")
-# Unary ALU ops (NKI's "Arithmetic Unary" and bitwise not, and bypass) act on the data alone: an instruction's
-# scalar operand is ignored.
-UNARY_ALU_OPS = ("abs", "square", "relu", "rsqrt", "reciprocal", "invert", "bypass")
-
-# NKI's tile-level functions (nl.sum, nl.softmax, nl.matmul, ...) are built on nisa (tiles.py), which imports this
-# module: they are looked up on first use, so that importing any of language / isa / tiles first works.
-TILE_FUNCTIONS = ("all", "broadcast_to", "dropout", "empty_like", "expand_dims", "gather_flattened", "load_transpose2d",
-                  "matmul", "max", "mean", "min", "no_reorder", "prod", "rand", "random_seed", "rms_norm", "softmax",
-                  "sum", "transpose", "var", "where", "zeros_like")
-
-
-def __getattr__(name: str):  # noqa: N807 -- a module's __getattr__
-    if name in TILE_FUNCTIONS:
-        from nxd_moe.nki_kernels import tiles
-
-        return getattr(tiles, name)
-    raise AttributeError(f"module 'nki.language' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:  # noqa: N807
-    return sorted(list(globals()) + list(TILE_FUNCTIONS))

@@ -11,7 +11,7 @@ So capacity is checked against what *every* valid schedule must hold: a value of
 instruction ``I`` when one of its writes precedes ``I`` and one of its reads follows ``I`` in the dependency graph
 (read-after-write, write-after-read and write-after-write on the same tensor; ``core_barrier``, ``sendrecv``,
 registers and hardware loops are fences nothing moves across). A kernel whose necessary footprint exceeds SBUF or
-PSUM cannot fit under any schedule and raises :class:`~nxd_moe.nki_kernels.machine.HardwareLimitError` naming the
+PSUM cannot fit under any schedule and raises :class:`~nxd_moe.nki_kernels.hardware.HardwareLimitError` naming the
 tensors; one that fits in program order (the common case) is not analysed further.
 
 The trace records, per instruction, the tensors it reads and writes (``Trace.access``) -- a *value* (generation) of

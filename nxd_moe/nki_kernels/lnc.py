@@ -34,7 +34,10 @@ import numpy as np
 import torch
 
 from nxd_moe.nki_kernels.accounting import Accounting
-from nxd_moe.nki_kernels.machine import Allocation, Buffer, Core, HardwareLimitError, NkiTensor, hbm_tensor, whole
+from nxd_moe.nki_kernels.allocation import Allocation
+from nxd_moe.nki_kernels.hardware import Buffer, HardwareLimitError
+from nxd_moe.nki_kernels.machine import Core
+from nxd_moe.nki_kernels.tensor import NkiTensor, whole
 
 
 class CoreDivergenceError(RuntimeError):
@@ -227,7 +230,7 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True, grid_ndim: i
     """``simulate(kernel, lnc=2)(*args)`` runs ``kernel`` on ``lnc`` cores (NKI's ``kernel[2](...)``).
 
     NumPy array arguments are copied into shared HBM under their parameter names (which the accounting uses);
-    other arguments pass through. ``numerics=False`` makes a counting run (see :mod:`nxd_moe.nki_kernels.machine`).
+    other arguments pass through. ``numerics=False`` makes a counting run (see :mod:`nxd_moe.nki_kernels.allocation`).
     ``grid_ndim`` is what ``nl.program_ndim()`` reports (0 for NKI's plain ``kernel(...)`` call);
     ``liveness`` counts on-chip memory over the tensors' lifetimes (allocation to last use), as the NKI compiler
     allocates it, instead of by loop scopes (see ``Core``) -- for kernels written for the real compiler.
@@ -295,6 +298,14 @@ def simulate(kernel: Callable, lnc: int = 1, numerics: bool = True, grid_ndim: i
         return KernelRun(_to_numpy(results[0]), [core.accounting for core in cores], lnc, arguments)
 
     return run
+
+
+def hbm_tensor(array: np.ndarray, name: str, numerics: bool, alias: bool = False) -> NkiTensor:
+    """A kernel argument in shared HBM: a copy of ``array``, or with ``alias`` (a writeable C-contiguous array) the
+    array itself -- what the kernel writes lands in it, and a large weight costs no second copy."""
+    own = alias and array.flags.c_contiguous and array.flags.writeable
+    data = array if own else np.array(array, order="C")
+    return whole(Allocation(name, Buffer.SHARED_HBM, array.dtype, tuple(array.shape), numerics, None, data))
 
 
 def _to_numpy(value):

@@ -48,7 +48,7 @@ from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.backend import KernelCall, blockwise_call, pads_token_rows
 from nxd_moe.nki_kernels.cost_model import TRN2
 from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode, moe_tkg_all_expert, moe_tkg_selective_expert
-from nxd_moe.nki_kernels.machine import HardwareLimitError
+from nxd_moe.nki_kernels.hardware import HardwareLimitError
 from nxd_moe.quantization.formats import QUANTIZATION_CHOICES, Shape, get_format
 
 HELP = ("plan Trainium2 kernel settings for a model config (block size, DMA skipping, LNC2 strategy, TP vs EP, "

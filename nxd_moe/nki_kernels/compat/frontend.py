@@ -23,7 +23,7 @@ import numpy as np
 from nxd_moe.nki_kernels import isa, language
 from nxd_moe.nki_kernels.lnc import KernelRun
 from nxd_moe.nki_kernels.lnc import simulate as _launch
-from nxd_moe.nki_kernels.machine import _CURRENT
+from nxd_moe.nki_kernels.machine import running_core
 
 dtype = np.dtype
 _LAST = threading.local()
@@ -53,7 +53,7 @@ class Kernel:
         return self.grid[0] if self.grid else 1
 
     def __call__(self, *args, **kwargs):
-        if getattr(_CURRENT, "core", None) is not None:
+        if running_core() is not None:
             return self.fn(*args, **kwargs)
         return simulate(self)(*args, **kwargs)
 

@@ -5,7 +5,7 @@ against them is ``isinstance(x, NkiTensor)``."""
 
 from __future__ import annotations
 
-from nxd_moe.nki_kernels.machine import NkiTensor
+from nxd_moe.nki_kernels.tensor import NkiTensor
 
 
 class _TensorAnnotation(type):

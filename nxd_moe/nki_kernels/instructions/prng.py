@@ -11,25 +11,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.dtypes import float32, int8, int16, int32, is_integer, uint8, uint16, uint32
+from nxd_moe.nki_kernels.hardware import Buffer, HardwareLimitError
 from nxd_moe.nki_kernels.instruction_support import (
-    _account,
-    _computes,
-    _engine,
-    _f32,
-    _operand,
-    _reaches,
-    _same_shape,
-    _store,
-    _tile,
-    engine,
+    account,
+    as_f32,
+    check_reaches,
+    check_same_shape,
+    chosen_engine,
+    computes,
+    scalar_operand,
+    store_result,
+    tile_operand,
 )
-from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, current_core, instruction, is_integer
+from nxd_moe.nki_kernels.isa_constants import engine
+from nxd_moe.nki_kernels.machine import current_core, instruction
 
 LANES = 128
 XORWOW_WORDS = 6  # x, y, z, w, v and the Weyl counter d
 _WEYL = np.uint32(362437)
-_INTEGER_DTYPES = (nl.int8, nl.int16, nl.int32, nl.uint8, nl.uint16, nl.uint32)
+_INTEGER_DTYPES = (int8, int16, int32, uint8, uint16, uint32)
 
 
 def _splitmix32(x: np.ndarray) -> np.ndarray:
@@ -83,15 +84,15 @@ def rng(dst, engine=engine.vector, name=None) -> None:
     """32 random bits per element of ``dst`` (an integer tile), keeping the low bits its dtype holds; Vector
     Engine, or GpSimd (then ``dst`` must be in SBUF)."""
     label = "rng"
-    dst = _tile(dst, "dst", label)
-    on = _engine(engine, "vector", ("vector", "gpsimd"), label)
-    _reaches(on, label, dst)
+    dst = tile_operand(dst, "dst", label)
+    on = chosen_engine(engine, "vector", ("vector", "gpsimd"), label)
+    check_reaches(on, label, dst)
     if dst.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"{label}: dst must be an integer type (int8/16/32, uint8/16/32), got {dst.dtype}")
     if dst.alloc.has_data:
         bits = random_bits(on, dst.partitions, dst.free_size)
-        _store(dst, bits.astype(np.dtype(f"u{dst.dtype.itemsize}")).view(dst.dtype))
-    _account(on, label, dst)
+        store_result(dst, bits.astype(np.dtype(f"u{dst.dtype.itemsize}")).view(dst.dtype))
+    account(on, label, dst)
 
 
 @instruction
@@ -99,41 +100,41 @@ def dropout(dst, data, prob, name=None) -> None:
     """Vector Engine: each element of ``data`` is replaced by 0 with probability ``prob`` (a number or a ``(P, 1)``
     tile), otherwise kept (no rescaling); ``dst`` has ``data``'s dtype; integer data needs an fp32 ``prob``."""
     label = "dropout"
-    dst, data = _tile(dst, "dst", label), _tile(data, "data", label)
-    _same_shape(label, dst, "dst", data, "data")
+    dst, data = tile_operand(dst, "dst", label), tile_operand(data, "data", label)
+    check_same_shape(label, dst, "dst", data, "data")
     if dst.dtype != data.dtype:
         raise TypeError(f"{label}: dst must have data's dtype {data.dtype}, got {dst.dtype}")
-    prob = _operand(prob, data, label, "prob")
-    if is_integer(data.dtype) and hasattr(prob, "dtype") and prob.dtype != nl.float32:
+    prob = scalar_operand(prob, data, label, "prob")
+    if is_integer(data.dtype) and hasattr(prob, "dtype") and prob.dtype != float32:
         raise TypeError(f"{label}: with integer data, prob must be float32, got {prob.dtype}")
-    if _computes(dst, data, prob):
+    if computes(dst, data, prob):
         uniform = random_bits("vector", data.partitions, data.free_size).astype(np.float64) / 2.0**32
-        drop = uniform < np.asarray(_f32(prob), np.float64)
+        drop = uniform < np.asarray(as_f32(prob), np.float64)
         values = data.data.reshape(data.partitions, data.free_size)
-        _store(dst, np.where(drop, np.zeros((), data.dtype), values))
-    _account("vector", label, data, dst)
+        store_result(dst, np.where(drop, np.zeros((), data.dtype), values))
+    account("vector", label, data, dst)
 
 
 @instruction
 def set_rng_seed(src_seeds, name=None) -> None:
     """Seed the Vector Engine's generator from a ``(1, 1)`` 32-bit tile in SBUF or PSUM."""
     label = "set_rng_seed"
-    src = _tile(src_seeds, "src_seeds", label)
+    src = tile_operand(src_seeds, "src_seeds", label)
     if src.shape[0] != 1 or src.free_size != 1 or src.dtype.itemsize != 4:
         raise HardwareLimitError(f"{label}: src_seeds must be a (1, 1) 32-bit tensor, got {src.shape} {src.dtype}")
     if src.alloc.has_data:
         seed = int(src.data.reshape(-1).view(np.uint32)[0]) if src.dtype.kind != "f" else \
             int(np.float32(src.data.reshape(-1)[0]).view(np.uint32))
         current_core().accumulators.setdefault("prng:vector", {})["state"] = seeded_states(seed)
-    _account("vector", label, src)
+    account("vector", label, src)
 
 
 def _state_tile(t, role: str, label: str, on: str):
     if on != "gpsimd":
         raise HardwareLimitError(f"{label}: on NeuronCore-v3 (Trn2) only the GpSimd Engine has per-lane PRNG states; "
                                  "engine=vector is NeuronCore-v4 (Trn3)")
-    t = _tile(t, role, label, (Buffer.SBUF,))
-    if t.dtype != nl.uint32 or t.free_size != XORWOW_WORDS:
+    t = tile_operand(t, role, label, (Buffer.SBUF,))
+    if t.dtype != uint32 or t.free_size != XORWOW_WORDS:
         raise HardwareLimitError(f"{label}: {role} must be uint32 with {XORWOW_WORDS} XORWOW words per partition, "
                                  f"got {t.shape} {t.dtype}")
     return t
@@ -143,18 +144,18 @@ def _state_tile(t, role: str, label: str, on: str):
 def rand_set_state(src_seeds, engine=engine.gpsimd, name=None) -> None:
     """Load GpSimd's per-lane XORWOW states from ``src_seeds (P, 6)`` uint32 in SBUF (lane p from partition p)."""
     label = "rand_set_state"
-    src = _state_tile(src_seeds, "src_seeds", label, _engine(engine, "gpsimd", ("vector", "gpsimd"), label))
+    src = _state_tile(src_seeds, "src_seeds", label, chosen_engine(engine, "gpsimd", ("vector", "gpsimd"), label))
     if src.alloc.has_data:
         states = _states("gpsimd")
         states[:src.partitions] = src.data.reshape(src.partitions, XORWOW_WORDS).astype(np.uint32)
-    _account("gpsimd", label, src)
+    account("gpsimd", label, src)
 
 
 @instruction
 def rand_get_state(dst, engine=engine.gpsimd, name=None) -> None:
     """Store GpSimd's per-lane XORWOW states into ``dst (P, 6)`` uint32 in SBUF."""
     label = "rand_get_state"
-    dst = _state_tile(dst, "dst", label, _engine(engine, "gpsimd", ("vector", "gpsimd"), label))
+    dst = _state_tile(dst, "dst", label, chosen_engine(engine, "gpsimd", ("vector", "gpsimd"), label))
     if dst.alloc.has_data:
-        _store(dst, _states("gpsimd")[:dst.partitions])
-    _account("gpsimd", label, dst)
+        store_result(dst, _states("gpsimd")[:dst.partitions])
+    account("gpsimd", label, dst)

@@ -6,23 +6,25 @@ from __future__ import annotations
 
 import numpy as np
 
-from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.dtypes import float32, int32, is_integer, uint32
+from nxd_moe.nki_kernels.hardware import Buffer, HardwareLimitError
 from nxd_moe.nki_kernels.instruction_support import (
-    _accumulate,
-    _account,
-    _computes,
-    _f32,
-    _operand,
-    _same_shape,
-    _store,
-    _tile,
-    reduce_cmd,
+    account,
+    accumulate_registers,
+    as_f32,
+    check_same_shape,
+    computes,
+    scalar_operand,
+    store_result,
+    tile_operand,
 )
-from nxd_moe.nki_kernels.instruction_support import reduce_cmd as ReduceCmd
-from nxd_moe.nki_kernels.machine import Buffer, HardwareLimitError, current_core, instruction, is_integer
+from nxd_moe.nki_kernels.isa_constants import reduce_cmd
+from nxd_moe.nki_kernels.isa_constants import reduce_cmd as ReduceCmd
+from nxd_moe.nki_kernels.machine import current_core, instruction
+from nxd_moe.nki_kernels.opcodes import equal, greater, greater_equal, less, less_equal, maximum
 
 FP32_MIN = float(np.finfo(np.float32).min)
-COMPARISONS = (nl.equal, nl.less, nl.less_equal, nl.greater, nl.greater_equal)
+COMPARISONS = (equal, less, less_equal, greater, greater_equal)
 
 
 def affine_values(partitions: int, pattern, offset: int, channel_multiplier: int, free_size: int,
@@ -53,87 +55,87 @@ def _comparison(op, label: str, role: str):
 
 
 @instruction
-def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=nl.equal, offset=0,
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op=equal, offset=0,
                   name=None) -> None:
     """``dst = where(cmp_op(affine, 0), on_true_tile, on_false_value)`` on GpSimd, ``affine`` as in ``iota``
     (``offset + partition * channel_multiplier + pattern``); both tiles in SBUF; ``on_false_value`` an fp32
     number."""
     label = "affine_select"
-    dst = _tile(dst, "dst", label, (Buffer.SBUF,))
-    on_true_tile = _tile(on_true_tile, "on_true_tile", label, (Buffer.SBUF,))
-    _same_shape(label, dst, "dst", on_true_tile, "on_true_tile")
+    dst = tile_operand(dst, "dst", label, (Buffer.SBUF,))
+    on_true_tile = tile_operand(on_true_tile, "on_true_tile", label, (Buffer.SBUF,))
+    check_same_shape(label, dst, "dst", on_true_tile, "on_true_tile")
     _comparison(cmp_op, label, "cmp_op")
     affine = affine_values(dst.partitions, pattern, offset, channel_multiplier, dst.free_size, label)
-    if _computes(dst, on_true_tile):
+    if computes(dst, on_true_tile):
         keep = np.asarray(cmp_op(affine, 0), bool)
-        _store(dst, np.where(keep, _f32(on_true_tile), np.float32(on_false_value)))
-    _account("gpsimd", label, on_true_tile, dst)
+        store_result(dst, np.where(keep, as_f32(on_true_tile), np.float32(on_false_value)))
+    account("gpsimd", label, on_true_tile, dst)
 
 
 @instruction
 def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=reduce_cmd.reset_reduce,
-                 reduce_res=None, reduce_op=nl.maximum, range_start=0, on_false_value=FP32_MIN, name=None) -> None:
+                 reduce_res=None, reduce_op=maximum, range_start=0, on_false_value=FP32_MIN, name=None) -> None:
     """Vector Engine: with ``i = range_start + free index``, ``dst = where(comp_op0(i, bound0) & comp_op1(i, bound1),
     on_true_tile, on_false_value)`` (``bound0``/``bound1`` ``(P, 1)`` fp32, compared in fp32), and a running max of
     ``dst`` in the accumulator registers (``reduce_cmd``), written to ``reduce_res`` when given."""
     label = "range_select"
-    dst, on_true_tile = _tile(dst, "dst", label), _tile(on_true_tile, "on_true_tile", label)
-    _same_shape(label, dst, "dst", on_true_tile, "on_true_tile")
+    dst, on_true_tile = tile_operand(dst, "dst", label), tile_operand(on_true_tile, "on_true_tile", label)
+    check_same_shape(label, dst, "dst", on_true_tile, "on_true_tile")
     _comparison(comp_op0, label, "comp_op0")
     _comparison(comp_op1, label, "comp_op1")
     if getattr(reduce_op, "name", None) != "maximum":
         raise ValueError(f"{label}: reduce_op must be nl.maximum, got {reduce_op!r}")
     bounds = []
     for role, bound in (("bound0", bound0), ("bound1", bound1)):
-        bound = _tile(bound, role, label)
+        bound = tile_operand(bound, role, label)
         if bound.shape[0] != dst.partitions or bound.free_size != 1:
             raise HardwareLimitError(f"{label}: {role} must be ({dst.partitions}, 1), got {bound.shape}")
         bounds.append(bound)
     if is_integer(on_true_tile.dtype):
         raise TypeError(f"{label}: on_true_tile must be a float type, got {on_true_tile.dtype}")
-    if _computes(dst, on_true_tile, *bounds):
+    if computes(dst, on_true_tile, *bounds):
         index = (np.float32(range_start) + np.arange(dst.free_size, dtype=np.float32))[None, :]
-        keep = (np.asarray(comp_op0(index, _f32(bounds[0])), bool)
-                & np.asarray(comp_op1(index, _f32(bounds[1])), bool))
-        result = np.where(keep, _f32(on_true_tile), np.float32(on_false_value)).astype(np.float32)
-        _store(dst, result)
+        keep = (np.asarray(comp_op0(index, as_f32(bounds[0])), bool)
+                & np.asarray(comp_op1(index, as_f32(bounds[1])), bool))
+        result = np.where(keep, as_f32(on_true_tile), np.float32(on_false_value)).astype(np.float32)
+        store_result(dst, result)
         if reduce_cmd != ReduceCmd.idle:
-            _accumulate(current_core(), label, "vector", result, nl.maximum, reduce_res, reduce_cmd)
-    _account("vector", label, on_true_tile, dst)
+            accumulate_registers(current_core(), label, "vector", result, maximum, reduce_res, reduce_cmd)
+    account("vector", label, on_true_tile, dst)
 
 
 @instruction
 def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd=reduce_cmd.idle,
-                  reduce_op=nl.maximum, reverse_pred: bool = False, name=None) -> None:
+                  reduce_op=maximum, reverse_pred: bool = False, name=None) -> None:
     """Vector Engine: ``dst = where(predicate != 0, on_true, on_false)`` (``reverse_pred`` flips the predicate;
     ``on_false`` an fp32 number or a ``(P, 1)`` tile); ``reduce_cmd`` runs the max accumulator over the result, and
     ``reduce_res`` ``(P, 1)`` receives it (with ``reduce_cmd.idle`` and a ``reduce_res``, the max of this result)."""
     label = "select_reduce"
-    dst, predicate, on_true = (_tile(dst, "dst", label), _tile(predicate, "predicate", label),
-                               _tile(on_true, "on_true", label))
-    _same_shape(label, dst, "dst", on_true, "on_true")
-    _same_shape(label, predicate, "predicate", on_true, "on_true")
+    dst, predicate, on_true = (tile_operand(dst, "dst", label), tile_operand(predicate, "predicate", label),
+                               tile_operand(on_true, "on_true", label))
+    check_same_shape(label, dst, "dst", on_true, "on_true")
+    check_same_shape(label, predicate, "predicate", on_true, "on_true")
     if predicate.dtype.kind not in "iu" or predicate.dtype.itemsize > 2:
         raise TypeError(f"{label}: predicate must be int8, uint8, int16 or uint16, got {predicate.dtype}")
     if on_true.buffer is Buffer.PSUM and predicate.buffer is Buffer.PSUM:
         raise HardwareLimitError(f"{label}: on_true and predicate cannot both be in PSUM")
-    if on_true.dtype in (nl.int32, nl.uint32):
+    if on_true.dtype in (int32, uint32):
         raise TypeError(f"{label}: on_true cannot be int32 or uint32")
     if getattr(reduce_op, "name", None) != "maximum":
         raise ValueError(f"{label}: reduce_op must be nl.maximum, got {reduce_op!r}")
-    on_false = _operand(on_false, on_true, label, "on_false")
-    if _computes(dst, predicate, on_true, on_false):
+    on_false = scalar_operand(on_false, on_true, label, "on_false")
+    if computes(dst, predicate, on_true, on_false):
         keep = predicate.data.reshape(dst.partitions, dst.free_size) != 0
         if reverse_pred:
             keep = ~keep
-        result = np.where(keep, _f32(on_true), _f32(on_false)).astype(np.float32)
-        _store(dst, result)
+        result = np.where(keep, as_f32(on_true), as_f32(on_false)).astype(np.float32)
+        store_result(dst, result)
         cmd = reduce_cmd
         if cmd == ReduceCmd.idle and reduce_res is not None:
             cmd = ReduceCmd.reset_reduce
         if cmd != ReduceCmd.idle:
-            _accumulate(current_core(), label, "vector", result, nl.maximum, reduce_res, cmd)
-    _account("vector", label, on_true, dst)
+            accumulate_registers(current_core(), label, "vector", result, maximum, reduce_res, cmd)
+    account("vector", label, on_true, dst)
 
 
 @instruction
@@ -141,16 +143,16 @@ def sequence_bounds(dst, segment_ids, name=None) -> None:
     """GpSimd, one partition: for ``segment_ids (1, n)`` (0 = padding), ``dst (1, 2, n)`` holds each element's run
     ``[start, end)`` of equal consecutive ids; padding gets ``[n, -1]``. fp32 or int32 in and out."""
     label = "sequence_bounds"
-    dst, segment_ids = _tile(dst, "dst", label), _tile(segment_ids, "segment_ids", label)
+    dst, segment_ids = tile_operand(dst, "dst", label), tile_operand(segment_ids, "segment_ids", label)
     n = segment_ids.free_size
     if segment_ids.partitions != 1 or dst.partitions != 1 or dst.free_size != 2 * n:
         raise HardwareLimitError(f"{label}: segment_ids must be (1, n) and dst (1, 2, n); got {segment_ids.shape} and "
                                  f"{dst.shape}")
     for role, t in (("dst", dst), ("segment_ids", segment_ids)):
-        if t.dtype not in (nl.float32, nl.int32):
+        if t.dtype not in (float32, int32):
             raise TypeError(f"{label}: {role} must be float32 or int32, got {t.dtype}")
-    if _computes(dst, segment_ids):
-        ids = _f32(segment_ids).reshape(n)
+    if computes(dst, segment_ids):
+        ids = as_f32(segment_ids).reshape(n)
         new_run = np.r_[True, ids[1:] != ids[:-1]]
         run = np.cumsum(new_run) - 1
         starts = np.flatnonzero(new_run)
@@ -158,5 +160,5 @@ def sequence_bounds(dst, segment_ids, name=None) -> None:
         padding = ids == 0
         start = np.where(padding, n, starts[run])
         end = np.where(padding, -1, ends[run])
-        _store(dst, np.stack([start, end]).reshape(1, 2 * n).astype(np.float32))
-    _account("gpsimd", label, segment_ids, dst)
+        store_result(dst, np.stack([start, end]).reshape(1, 2 * n).astype(np.float32))
+    account("gpsimd", label, segment_ids, dst)

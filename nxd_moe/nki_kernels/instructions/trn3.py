@@ -4,11 +4,8 @@ something the hardware it targets would not."""
 
 from __future__ import annotations
 
-from nxd_moe.nki_kernels.machine import HardwareLimitError, instruction
-
-
-class Trn3OnlyError(HardwareLimitError):
-    """An instruction that exists only on NeuronCore-v4 (Trn3)."""
+from nxd_moe.nki_kernels.hardware import Trn3OnlyError
+from nxd_moe.nki_kernels.machine import instruction
 
 
 def _trn3_only(name: str, what: str):

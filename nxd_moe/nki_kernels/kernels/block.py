@@ -43,7 +43,10 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     weight_chunks,
 )
 from nxd_moe.nki_kernels.kernels.tiling import tiles
-from nxd_moe.nki_kernels.machine import PMAX, NkiTensor, counted_once_per_signature, is_integer, scalar_value
+from nxd_moe.nki_kernels.dtypes import is_integer
+from nxd_moe.nki_kernels.hardware import PMAX
+from nxd_moe.nki_kernels.machine import counted_once_per_signature
+from nxd_moe.nki_kernels.tensor import NkiTensor, scalar_value
 
 
 NO_SKIP = SkipMode(False, False)

@@ -30,7 +30,7 @@ from nxd_moe.nki_kernels.kernels.block import (
 )
 from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
-from nxd_moe.nki_kernels.machine import PMAX
+from nxd_moe.nki_kernels.hardware import PMAX
 
 
 def core_blocks(num_blocks: int, cores: int, core: int, strategy: BlockShardStrategy) -> tuple[int, int, int]:

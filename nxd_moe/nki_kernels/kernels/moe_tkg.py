@@ -39,7 +39,10 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     weight_chunks,
 )
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
-from nxd_moe.nki_kernels.machine import PMAX, NkiTensor, counted_once_per_signature, is_integer
+from nxd_moe.nki_kernels.dtypes import is_integer
+from nxd_moe.nki_kernels.hardware import PMAX
+from nxd_moe.nki_kernels.machine import counted_once_per_signature
+from nxd_moe.nki_kernels.tensor import NkiTensor
 
 
 def _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked, expert_mask,
