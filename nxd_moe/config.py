@@ -525,6 +525,40 @@ def normalize_distribution(expert_distribution: Sequence[Sequence[int]], what: s
 
 
 
+def contiguous_distribution(num_experts: int, expert_parallel_size: int) -> tuple[tuple[int, ...], ...]:
+    """NxD's default: EP rank ``p`` holds experts ``[p * E / EP, (p + 1) * E / EP)``."""
+    check_int("num_experts", num_experts, minimum=1)
+    check_int("expert_parallel_size", expert_parallel_size, minimum=1)
+    if num_experts % expert_parallel_size:
+        raise ValueError(f"the expert-parallel size ({expert_parallel_size}) must divide num_experts ({num_experts}) "
+                         "for the contiguous placement; pass an expert_distribution to place experts unevenly")
+    per = num_experts // expert_parallel_size
+    return tuple(tuple(range(p * per, (p + 1) * per)) for p in range(expert_parallel_size))
+
+
+def placed_distribution(num_experts: int, expert_parallel_size: int,
+                        expert_distribution: Sequence[Sequence[int]] | None = None) -> tuple[tuple[int, ...], ...]:
+    """The experts of each of ``expert_parallel_size`` EP ranks: ``expert_distribution`` checked (one list per rank,
+    experts in ``[0, num_experts)``, every expert placed at least once; :func:`normalize_distribution`'s rules), or
+    the contiguous blocks ``[p * E / EP, (p + 1) * E / EP)`` when it is None."""
+    if expert_distribution is None:
+        return contiguous_distribution(num_experts, expert_parallel_size)
+    check_int("num_experts", num_experts, minimum=1)
+    check_int("expert_parallel_size", expert_parallel_size, minimum=1)
+    distribution = normalize_distribution(expert_distribution)
+    if len(distribution) != expert_parallel_size:
+        raise ValueError(f"expert_distribution lists {len(distribution)} ranks, the expert-parallel size is "
+                         f"{expert_parallel_size}")
+    held = {e for ids in distribution for e in ids}
+    out_of_range = sorted(e for e in held if e >= num_experts)
+    if out_of_range:
+        raise ValueError(f"expert_distribution names experts {out_of_range} outside [0, {num_experts - 1}]")
+    missing = sorted(set(range(num_experts)) - held)
+    if missing:
+        raise ValueError(f"expert_distribution must place every expert at least once; missing {missing}")
+    return distribution
+
+
 @dataclass(frozen=True)
 class ExpertParallelConfig:
     """How routed experts run under expert parallelism (ignored on one device).

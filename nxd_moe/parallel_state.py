@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nxd_moe.config import check_float, check_int
+from nxd_moe.config import check_float, check_int, placed_distribution
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -636,13 +636,4 @@ def get_experts_for_expert_parallel_rank(
     block ``[ep_rank * E / EP, (ep_rank + 1) * E / EP)``."""
     check_int("expert_parallel_size", expert_parallel_size, minimum=1)
     check_int("ep_rank", ep_rank, minimum=0, maximum=expert_parallel_size - 1)
-    check_int("num_experts", num_experts, minimum=1)
-    if expert_distribution is not None:
-        from nxd_moe.parallel.placement import ExpertPlacement
-
-        return ExpertPlacement(num_experts, expert_parallel_size, expert_distribution).experts_of(ep_rank)
-    if num_experts % expert_parallel_size:
-        raise ValueError(f"the expert-parallel size ({expert_parallel_size}) must divide num_experts ({num_experts}) "
-                         "for the contiguous placement; pass an expert_distribution to place experts unevenly")
-    per_rank = num_experts // expert_parallel_size
-    return tuple(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+    return placed_distribution(num_experts, expert_parallel_size, expert_distribution)[ep_rank]

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1] / "nxd_moe"
 LAYERS: list[tuple[str, list[str]]] = [
     ("vocabulary: leaf modules that import nothing of nxd_moe",
      ["quantization.formats", "quantization.nxd_fields", "activations", "aliasing", "extras", "graphs", "validation",
-      "cuda_kernels.build", "gpu_info"]),
+      "cuda_kernels.build", "gpu_info", "layer_parts"]),
     ("quantized weights", ["quantization.activations", "quantization.weight", "quantization.checkpoint",
                            "quantization"]),
     ("configs", ["config"]),

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from nxd_moe import parallel_state
 from nxd_moe.activations import ACT2FN
 from nxd_moe.config import check_bool, check_int, to_torch_dtype
+from nxd_moe.layer_parts import SharedParts
 from nxd_moe.experts.shard import ShardSpec
 from nxd_moe.quantization.formats import Shape, get_format
 from nxd_moe.validation import FiniteWeightsOnLoad, check_hidden_states
@@ -210,6 +211,26 @@ class SharedExperts(FiniteWeightsOnLoad, nn.Module):
                                           ShardSpec(f"{name}.scale", dim=scale_dim - 1, tp_size=size, tp_rank=rank,
                                                     stride=stride))
         return specs
+
+    def fused_parts(self, dtype: torch.dtype) -> SharedParts | None:
+        """These shared experts as ``(K, N)`` weight views for a fused layer on ``dtype`` tokens, or None where
+        they have no such form (tensor-parallel, quantized, gated, weights of another dtype, or gate and up views
+        of different strides). Which activations a backend fuses is its own check."""
+        projections = [self.gate_up_proj] if self.fused_gate_up_projection else [self.gate_proj, self.up_proj]
+        projections.append(self.down_proj)
+        if (self.intermediate_shard is not None or self.shared_expert_gate is not None
+                or any(p.format.quantized or p.weight.dtype != dtype for p in projections)):
+            return None
+        # DenseProjection stores (out, in) unless transposed; the kernels read (K, N) = (in, out) views.
+        gate_up, *_, down = (p.weight if p.transposed else p.weight.t() for p in projections)
+        if self.fused_gate_up_projection:
+            width = gate_up.shape[1] // 2
+            gate, up = gate_up[:, :width], gate_up[:, width:]
+        else:
+            gate, up = gate_up, (projections[1].weight if projections[1].transposed else projections[1].weight.t())
+        if gate.stride() != up.stride():
+            return None
+        return SharedParts(gate, up, down, self.hidden_act)
 
     def forward(self, hidden_states: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """``(..., H) -> (..., H)``: the whole shared expert. ``seq_len`` is accepted for NxD compatibility."""

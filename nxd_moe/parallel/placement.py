@@ -13,19 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from nxd_moe.config import check_int, normalize_distribution
+from nxd_moe.config import check_int, placed_distribution
 from nxd_moe.experts.routing_inputs import expert_mask
-
-
-def contiguous_distribution(num_experts: int, expert_parallel_size: int) -> tuple[tuple[int, ...], ...]:
-    """NxD's default: EP rank ``p`` holds experts ``[p * E / EP, (p + 1) * E / EP)``."""
-    check_int("num_experts", num_experts, minimum=1)
-    check_int("expert_parallel_size", expert_parallel_size, minimum=1)
-    if num_experts % expert_parallel_size:
-        raise ValueError(f"the expert-parallel size ({expert_parallel_size}) must divide num_experts ({num_experts}) "
-                         "for the contiguous placement; pass an expert_distribution to place experts unevenly")
-    per = num_experts // expert_parallel_size
-    return tuple(tuple(range(p * per, (p + 1) * per)) for p in range(expert_parallel_size))
 
 
 class ExpertPlacement:
@@ -35,20 +24,7 @@ class ExpertPlacement:
                  expert_distribution: Sequence[Sequence[int]] | None = None):
         self.num_experts = check_int("num_experts", num_experts, minimum=1)
         self.expert_parallel_size = check_int("expert_parallel_size", expert_parallel_size, minimum=1)
-        if expert_distribution is None:
-            distribution = contiguous_distribution(num_experts, expert_parallel_size)
-        else:
-            distribution = normalize_distribution(expert_distribution)
-        if len(distribution) != expert_parallel_size:
-            raise ValueError(f"expert_distribution lists {len(distribution)} ranks, the expert-parallel size is "
-                             f"{expert_parallel_size}")
-        held = {e for ids in distribution for e in ids}
-        out_of_range = sorted(e for e in held if e >= num_experts)
-        if out_of_range:
-            raise ValueError(f"expert_distribution names experts {out_of_range} outside [0, {num_experts - 1}]")
-        missing = sorted(set(range(num_experts)) - held)
-        if missing:
-            raise ValueError(f"expert_distribution must place every expert at least once; missing {missing}")
+        distribution = placed_distribution(num_experts, expert_parallel_size, expert_distribution)
         self.distribution = distribution
         self._device_tables: dict[tuple, Any] = {}
         self.replicas: tuple[tuple[int, ...], ...] = tuple(

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nxd_moe.config import check_bool, check_float, check_int, to_torch_dtype
+from nxd_moe.layer_parts import RouterParts
 from nxd_moe.validation import FiniteWeightsOnLoad, check_hidden_states
 
 ROUTER_ACT_FNS = ("softmax", "sigmoid")
@@ -80,6 +81,11 @@ class RouterBase(FiniteWeightsOnLoad, nn.Module, abc.ABC):
         if self.act_fn == "softmax":
             return torch.softmax(logits, dim=-1)
         return torch.sigmoid(logits)
+
+    def fused_parts(self) -> RouterParts | None:
+        """This router as the plain parts a backend's fused forms take, or None where it has none (here: none;
+        :class:`~nxd_moe.routing.topk.RouterTopK` has one)."""
+        return None
 
     @abc.abstractmethod
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from nxd_moe.layer_parts import RouterParts
 from nxd_moe.routing.base import RouterBase
 
 
@@ -26,3 +27,16 @@ class RouterTopK(RouterBase):
         else:
             affinities = self.apply_activation_fn(logits)
         return logits, affinities, expert_index.detach()
+
+    def fused_parts(self) -> RouterParts | None:
+        """``logits = x @ W.T (+ b)`` in float32, top-k, the activation: as plain parts (``normalize`` False and no
+        ``padding``: the layer's, which the caller fills in), where a fused kernel computes exactly this router --
+        a float32 weight, no training jitter, and this class's own computation (a subclass that changes
+        ``forward``, the logits or the activation runs as it is); else None."""
+        own = all(getattr(type(self), name) is getattr(RouterTopK, name)
+                  for name in ("forward", "get_router_logits", "apply_activation_fn"))
+        weight = self.linear_router.weight
+        if not own or weight.dtype != torch.float32 or (self.training and self.jitter_eps > 0):
+            return None
+        return RouterParts(weight, self.linear_router.bias, self.top_k, self.act_fn == "sigmoid",
+                           self.apply_act_fn_over_topk, False, None)

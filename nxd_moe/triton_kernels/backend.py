@@ -30,6 +30,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.triton_kernels import compiled, persistent_decode, prefill_gemm
 from nxd_moe.triton_kernels import router as router_kernel
@@ -310,19 +311,16 @@ class TritonBackend(ExpertsBackend):
                          every_expert)
 
     def fused_router(self, hidden_states, router):
-        """A :class:`~nxd_moe.routing.topk.RouterTopK` with an fp32 weight (and no training jitter) as one kernel
-        (:mod:`~nxd_moe.triton_kernels.router`) instead of torch's fp32 copy, SIMT fp32 GEMM, top-k, activation and
-        scatter, where ``fuse_router`` asks for it; else None."""
-        from nxd_moe.routing.topk import RouterTopK
-
-        linear = router.linear_router
+        """A router with fused parts (:meth:`~nxd_moe.routing.topk.RouterTopK.fused_parts`: a top-k router with an
+        fp32 weight, no training jitter) as one kernel (:mod:`~nxd_moe.triton_kernels.router`) instead of torch's
+        fp32 copy, SIMT fp32 GEMM, top-k, activation and scatter, where ``fuse_router`` asks for it; else None."""
         wanted = (hidden_states.shape[0] >= router_kernel.MIN_TOKENS if self.fuse_router is None
                   else self.fuse_router)
-        if not (wanted and type(router) is RouterTopK and not (router.training and router.jitter_eps > 0)
-                and router_kernel.applies(hidden_states, linear.weight, router.top_k)):
+        parts = router.fused_parts() if wanted else None
+        if parts is None or not router_kernel.applies(hidden_states, parts.weight, parts.top_k):
             return None
-        return self.router_top_k(hidden_states, linear.weight, linear.bias, router.top_k, router.act_fn == "sigmoid",
-                                 router.apply_act_fn_over_topk)
+        return self.router_top_k(hidden_states, parts.weight, parts.bias, parts.top_k, parts.sigmoid,
+                                 parts.act_over_topk)
 
     def router_top_k(self, hidden_states, weight, bias, top_k: int, sigmoid: bool, act_over_topk: bool):
         """The router kernel's launch (:func:`~nxd_moe.triton_kernels.router.router_top_k`)."""
@@ -332,32 +330,28 @@ class TritonBackend(ExpertsBackend):
         return router_kernel.router_top_k(hidden_states, weight, bias, top_k, sigmoid, act_over_topk)
 
     def fused_decode(self, hidden_states, router, experts, shared_experts, padding_mask):
-        """A single-device decode layer in one launch when everything in it has a fused form: a
-        :class:`~nxd_moe.routing.topk.RouterTopK` with an fp32 weight, the experts' own dtype and width, and no or
-        replicated, unquantized, ungated shared experts with a supported activation; else None."""
-        from nxd_moe.routing.topk import RouterTopK
-
+        """A single-device decode layer in one launch when everything in it has a fused form: the router's and the
+        shared experts' fused parts (:meth:`~nxd_moe.routing.topk.RouterTopK.fused_parts`,
+        :meth:`~nxd_moe.experts.shared.SharedExperts.fused_parts`, with an activation the kernels have), the
+        experts' own dtype and width, unsharded; else None."""
         num_tokens = hidden_states.shape[0]
         cfg = experts.routed_experts_mlp_config
-        linear = router.linear_router
         weights = experts.expert_weights()
-        if not (self._one_launch(num_tokens, cfg.top_k, weights) and type(router) is RouterTopK
-                and linear.weight.dtype == torch.float32 and not (router.training and router.jitter_eps > 0)
+        parts = router.fused_parts()
+        if not (parts is not None and self._one_launch(num_tokens, cfg.top_k, weights) and parts.top_k == cfg.top_k
                 and not experts.is_sharded and cfg.hidden_size_actual is None
                 and hidden_states.dtype == experts.dtype and hidden_states.shape[1] == cfg.hidden_size):
             return None
         shared = None
         if shared_experts is not None:
-            shared = _shared_parts(shared_experts, hidden_states.dtype)
-            if shared is None:
+            shared = shared_experts.fused_parts(hidden_states.dtype)
+            if shared is None or shared.hidden_act not in ACTIVATIONS:
                 return None
-        parts = persistent_decode.RouterParts(linear.weight, linear.bias, cfg.top_k, router.act_fn == "sigmoid",
-                                              router.apply_act_fn_over_topk, cfg.normalize_top_k_affinities,
-                                              padding_mask)
+        parts = parts._replace(normalize=cfg.normalize_top_k_affinities, padding=padding_mask)
         return self.moe_decode(hidden_states, parts, weights, cfg.early_expert_affinity_modulation, shared)
 
-    def moe_decode(self, hidden_states, router: persistent_decode.RouterParts, weights: ExpertWeights,
-                   prescale: bool, shared: persistent_decode.SharedParts | None):
+    def moe_decode(self, hidden_states, router: RouterParts, weights: ExpertWeights, prescale: bool,
+                   shared: SharedParts | None):
         """The one-launch decode's launch (:func:`~nxd_moe.triton_kernels.persistent_decode.moe_decode`)."""
         if torch.compiler.is_compiling():
             return compiled.moe_decode(self, hidden_states, router, weights, prescale, shared)
@@ -375,24 +369,3 @@ class TritonBackend(ExpertsBackend):
         shown += [] if self.fuse_router is None else [f"fuse_router={self.fuse_router}"]
         shown += [] if self.prefill_kernel == "triton" else [f"prefill_kernel={self.prefill_kernel!r}"]
         return f"TritonBackend({', '.join(shown)})"
-
-
-def _shared_parts(shared, dtype: torch.dtype) -> persistent_decode.SharedParts | None:
-    """The shared experts as ``(K, N)`` weight views for the one-launch decode, or None if they have no fused form
-    there (tensor-parallel, quantized, gated, another dtype or activation)."""
-    projections = [shared.gate_up_proj] if shared.fused_gate_up_projection else [shared.gate_proj, shared.up_proj]
-    projections.append(shared.down_proj)
-    if (shared.intermediate_shard is not None or shared.shared_expert_gate is not None
-            or shared.hidden_act not in ACTIVATIONS
-            or any(p.format.quantized or p.weight.dtype != dtype for p in projections)):
-        return None
-    # DenseProjection stores (out, in) unless transposed; the kernels read (K, N) = (in, out) views.
-    gate_up, *_, down = (p.weight if p.transposed else p.weight.t() for p in projections)
-    if shared.fused_gate_up_projection:
-        width = gate_up.shape[1] // 2
-        gate, up = gate_up[:, :width], gate_up[:, width:]
-    else:
-        gate, up = gate_up, (projections[1].weight if projections[1].transposed else projections[1].weight.t())
-    if gate.stride() != up.stride():
-        return None
-    return persistent_decode.SharedParts(gate, up, down, shared.hidden_act)

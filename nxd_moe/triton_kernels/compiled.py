@@ -48,7 +48,7 @@ from nxd_moe.quantization.activations import ActivationQuantization
 from nxd_moe.quantization.formats import FORMATS
 from nxd_moe.quantization.weight import WeightLayout
 from nxd_moe.triton_kernels import compiled_graph_call
-from nxd_moe.triton_kernels.persistent_decode import RouterParts, SharedParts
+from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, max_tiles
 
 # ----------------------------------------------------------------------------------------------------------------

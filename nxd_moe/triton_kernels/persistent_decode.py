@@ -41,7 +41,6 @@ runs (and is tested) on a CPU.
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import torch
 import triton
@@ -49,6 +48,7 @@ import triton.language as tl
 
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.gpu_info import multiprocessors
+from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.triton_kernels.combine import combine_token, combine_width
 from nxd_moe.triton_kernels.grouped_gemm import (ACTIVATIONS, down_tile, epilogue_arguments, gate_up_tile,
@@ -464,32 +464,6 @@ def _decode_kernel(
         for slot in tl.static_range(0, 192, 32):  # NEXT_ITEM .. NUM_TILES; TIMED_OUT stays set
             tl.store(sync_ptr + slot, 0)
         tl.store(sync_ptr + ROUTE_DONE, 0)
-
-
-class RouterParts(NamedTuple):
-    """A top-k router fused into the launch: ``logits = x @ weight.T (+ bias)`` in fp32, ``expert_index`` its
-    top-k, affinities ``sigmoid`` or ``softmax`` of the logits (over the chosen ``k`` only when
-    ``act_over_topk``), then :func:`~nxd_moe.experts.routing_inputs.build_routing` (``padding (T,)``: token is
-    real; ``normalize``: L1 over the chosen)."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    top_k: int
-    sigmoid: bool
-    act_over_topk: bool
-    normalize: bool
-    padding: torch.Tensor | None
-
-
-class SharedParts(NamedTuple):
-    """A dense GLU expert every token goes through, fused into the launch: ``down(act(x @ gate) * (x @ up))``
-    with ``gate``, ``up (H, I_s)`` (same strides) and ``down (I_s, H)`` as ``(K, N)`` views of the stored weights
-    and ``hidden_act`` a name in :data:`~nxd_moe.triton_kernels.grouped_gemm.ACTIVATIONS`."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    hidden_act: str
 
 
 _SYNC: dict[tuple[str, int, int], torch.Tensor] = {}
