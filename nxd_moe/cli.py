@@ -61,7 +61,7 @@ from nxd_moe.reference import reference_for_moe
 
 # Subcommands that live with the code they drive: each module has HELP, add_arguments(parser), main(args) -> int.
 SUBCOMMANDS = {
-    "trace": "nxd_moe.trace",
+    "trace": "nxd_moe.tracing.command",
     "plan": "nxd_moe.nki_kernels.plan",
     "generate": "nxd_moe.application.generate_command",
     "compile": "nxd_moe.application.command",

@@ -454,9 +454,9 @@ def test_experts_do_not_import_the_parallel_layer():
     assert not offenders, offenders
 
 
-# The integration layers above the MoE layer, and the tools that drive them (trace.py traces whole transformers
-# decoders): they may import transformers and each other; nothing below them may.
-INTEGRATION_MODULES = ("hf/", "nxdi.py", "models/", "application/", "nxd_compat/", "trace.py")
+# The integration layers above the MoE layer, and the tools that drive them (tracing/decoder_command.py traces whole
+# transformers decoders): they may import transformers and each other; nothing below them may.
+INTEGRATION_MODULES = ("hf/", "nxdi.py", "models/", "application/", "nxd_compat/", "tracing/decoder_command.py")
 
 
 def test_core_does_not_import_transformers_or_the_model_layer():

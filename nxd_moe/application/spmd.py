@@ -1,5 +1,5 @@
 """The application's programs as ONE SPMD program per bucket, for ``tp_degree`` ranks split ``moe_tp_degree x
-moe_ep_degree`` (the layer's machinery, :mod:`nxd_moe.trace_spmd`, applied to whole programs).
+moe_ep_degree`` (the layer's machinery, :mod:`nxd_moe.tracing`, applied to whole programs).
 
 Each rank holds the whole model but its share of every MoE layer (``patch_model`` under
 :func:`~nxd_moe.parallel_state.initialize_spmd_model_parallel`: NxD's ``SPMDRank`` a tensor, the collectives XLA ops
@@ -23,16 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from nxd_moe.application.xla_programs import program_inputs, program_modules
-from nxd_moe.trace import save_parameter_values
-from nxd_moe.trace_spmd import (
-    SPMDLayout,
-    collective_summary,
-    compile_program,
-    run_replicated,
-    session,
-    trace_rank,
-    xla_devices,
-)
+from nxd_moe.tracing.collectives import collective_summary
+from nxd_moe.tracing.hlo import save_parameter_values
+from nxd_moe.tracing.spmd_layout import SPMDLayout
+from nxd_moe.tracing.spmd_program import compile_program, run_replicated, session, trace_rank
+from nxd_moe.tracing.xla import materialize, xla_devices
 
 if TYPE_CHECKING:
     from nxd_moe.application.application import CausalLMApplication
@@ -91,23 +86,19 @@ def _tensors_by_path(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _to_devices(ranks: list["CausalLMApplication"], devices: list[str]) -> None:
-    from nxd_moe.trace_spmd import _materialize
-
     for app, device in zip(ranks, devices, strict=True):
         app.programs.to(torch.device(device))
-        _materialize(list(_tensors_by_path(app.programs).values()), device)
+        materialize(list(_tensors_by_path(app.programs).values()), device)
 
 
 def _reset_cache(app: "CausalLMApplication", device: str | None = None) -> None:
     """Zero the cache as fresh device data (a program traced next reads it as an input, not as the lazy result of
     the previous trace)."""
-    from nxd_moe.trace_spmd import _materialize
-
     buffers = list(app.programs.cache.buffers())
     for buffer in buffers:
         buffer.data = torch.zeros(buffer.shape, dtype=buffer.dtype).to(buffer.device)
     if device is not None:
-        _materialize(buffers, device)
+        materialize(buffers, device)
 
 
 def _rank_inputs(full: "CausalLMApplication", layout: SPMDLayout, phase: str, bucket: int, rank: int,
@@ -116,14 +107,12 @@ def _rank_inputs(full: "CausalLMApplication", layout: SPMDLayout, phase: str, bu
 
 
 def _trace_all(ranks, layout, devices, full, name, phase, bucket, seed):
-    from nxd_moe.trace_spmd import _materialize
-
     programs, inputs = [], []
     for rank, app in enumerate(ranks):
         _reset_cache(app, devices[rank])
         mine = _rank_inputs(full, layout, phase, bucket, rank, seed)
         on_device = [t.to(torch.device(devices[rank])) for t in mine]
-        _materialize(on_device, devices[rank])
+        materialize(on_device, devices[rank])
         programs.append(trace_rank(program_modules(app)[name][0], on_device))
         inputs.append(mine)
     return programs, inputs

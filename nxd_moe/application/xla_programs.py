@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from nxd_moe.application.programs import ContextEncodingProgram, TokenGenerationProgram
+from nxd_moe.tracing.single_device import export_hlo
 
 if TYPE_CHECKING:
     from nxd_moe.application.application import CausalLMApplication
@@ -84,8 +85,6 @@ def program_inputs(app: "CausalLMApplication", phase: str, bucket: int, seed: in
 def export_programs(app: "CausalLMApplication", path: Path, signatures: dict[str, dict[str, Any]]) -> None:
     """Trace every program of ``app`` under XLA, write its HLO under ``path/<program>/`` and record the files,
     the trace's checks and the ``neuronx-cc`` command in ``signatures[<program>]``."""
-    from nxd_moe.trace import export_hlo
-
     lnc = app.config.logical_nc_config
     for name, (module, phase, bucket) in program_modules(app).items():
         out_dir = path / name

@@ -292,9 +292,9 @@ def test_a_python_rank_in_the_program_is_caught():
     sliced = trace_two(RankSliced)
     assert sliced[0].program_text != sliced[1].program_text
     constant = trace_two(RankConstant)
-    assert constant[0].program_text == constant[1].program_text and not ts._shared_values_equal(constant)
+    assert constant[0].program_text == constant[1].program_text and not ts.shared_values_equal(constant)
     plain = trace_two(lambda rank: RankConstant(0))  # the control's control: same program, same values
-    assert plain[0].program_text == plain[1].program_text and ts._shared_values_equal(plain)
+    assert plain[0].program_text == plain[1].program_text and ts.shared_values_equal(plain)
 
 
 def test_a_host_read_inside_the_layer_is_reported_not_run():
