@@ -41,14 +41,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("builders and converters of layers", ["build", "quantization.quantizer", "arguments"]),
     ("transformers blocks", ["hf"]),
     ("transformers models", ["models"]),
-    ("tracing for neuronx-cc", ["trace", "trace_spmd"]),
+    ("tracing for neuronx-cc", ["tracing"]),
     ("the application", ["application"]),
     ("NxD Inference's entry point", ["nxdi"]),
     ("NxD's front door", ["nxd_compat"]),
     ("command line", ["cli"]),
 ]
-# The package root re-exports the public API from every layer: above them all.
-FACADES = {"nxd_moe"}
+# Modules that only re-export (the package root, the public front of the transformers integration, the old module
+# paths of tracing): above every layer, so nothing inside the package imports them; they may import any layer.
+FACADES = {"nxd_moe", "nxd_moe.hf", "nxd_moe.trace", "nxd_moe.trace_spmd"}
 # Modules that need an optional third-party package (the gpu extra's triton, nvcc at build time; the hf extra's
 # transformers, which nxd_moe.hf imports when it is imported): imported inside the function that uses them, so that
 # the rest works without them (and does not pay for importing them).
@@ -188,7 +189,14 @@ def violations(edges: list[Edge]) -> set[tuple[str, ...]]:
 
 
 # What breaks the contract today, by the reason it is still there (issue 36 empties this).
-KNOWN: dict[str, list[tuple[str, ...]]] = {}
+KNOWN: dict[str, list[tuple[str, ...]]] = {
+    "ExpertMLPsV2 and SharedExperts are layer modules that decide their own shard from parallel_state; they move to "
+    "the modules layer once the expert-parallel forward and the one-device forward are one routed pipeline (today "
+    "parallel.ExpertParallel wraps ExpertMLPsV2, so the modules cannot sit above parallel yet)": [
+        ("upward", "nxd_moe.experts.expert_mlps", "nxd_moe.parallel_state"),
+        ("upward", "nxd_moe.experts.shared", "nxd_moe.parallel_state"),
+    ],
+}
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ __all__ = ["CausalLMApplication"]
 
 
 def _served_model_type(model: nn.Module) -> str:
-    from nxd_moe.hf import SUPPORTED_MODEL_TYPES  # the hf extra (transformers): imported where it is needed
+    from nxd_moe.hf.configs import SUPPORTED_MODEL_TYPES  # the hf extra (transformers): imported where needed
 
     model_type = getattr(model.config.get_text_config(), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -82,7 +82,7 @@ class CausalLMApplication:
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         self.group = self._expert_parallel_group(config)
         model = _to_dtype_keeping_routers(model, config.torch_dtype).eval()
-        from nxd_moe.hf import patch_model
+        from nxd_moe.models.patch import patch_model
         if getattr(model, "nxd_moe_patched", None) is None:
             patch_model(model, backend=backend, quantization=config.quantization)
         # Llama 4's torch.polar has no XLA lowering (a host round trip per step): the same values from cos / sin

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nxd_moe.application.xla_programs import program_inputs, program_modules
+from nxd_moe import parallel_state
+from nxd_moe.application.xla_programs import cache_as_inputs, program_inputs, program_modules
 from nxd_moe.tracing.collectives import collective_summary
 from nxd_moe.tracing.hlo import save_parameter_values
 from nxd_moe.tracing.spmd_layout import SPMDLayout
@@ -53,8 +54,6 @@ def layout_of(config) -> SPMDLayout:
 def token_group(layout: SPMDLayout, rank: int) -> int:
     """Which sequences rank ``rank`` runs: its expert-parallel index within its MoE block (the ranks of a
     tensor-parallel group share them), blocks one after another."""
-    from nxd_moe import parallel_state
-
     rows = parallel_state.model_parallel_layout(layout.world_size, **layout._sizes())
     block = rank // layout.block_size
     return block * layout.expert_model_parallel_size + rows.index_in_groups("expert_model_parallel_groups")[rank]
@@ -156,8 +155,6 @@ def export_programs(full: "CausalLMApplication", ranks: list["CausalLMApplicatio
     """Write every program's SPMD HLO (rank 0's trace: every rank runs it), its parameter map (the KV cache as
     inputs) and every rank's weight shard under ``path/<program>/``, and record them in ``signatures``. Run
     :func:`check_programs` first: this writes, it does not check."""
-    from nxd_moe.application.xla_programs import _cache_as_inputs
-
     devices = xla_devices(layout.world_size)
     with session(layout, devices):
         for name, (_, phase, bucket) in program_modules(full).items():
@@ -174,7 +171,7 @@ def export_programs(full: "CausalLMApplication", ranks: list["CausalLMApplicatio
                 torch.save({k: v.cpu() for k, v in _tensors_by_path(module).items() if not k.startswith(_CACHE)},
                            out / "shards" / f"rank{rank}.pt")
             save_parameter_values([dataclasses.replace(p) for p in program.parameters], program.arguments, out, None)
-            _cache_as_inputs(out)
+            cache_as_inputs(out)
             signatures[name].update({
                 "hlo": {"text": f"{name}/model.hlo.txt", "proto": f"{name}/model.hlo_module.pb"},
                 "spmd": {"world_size": layout.world_size, **layout.to_dict(),

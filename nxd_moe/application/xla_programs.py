@@ -89,7 +89,7 @@ def export_programs(app: "CausalLMApplication", path: Path, signatures: dict[str
     for name, (module, phase, bucket) in program_modules(app).items():
         out_dir = path / name
         report = export_hlo(module, program_inputs(app, phase, bucket)(1), out_dir, atol=_atol(app))
-        _cache_as_inputs(out_dir)
+        cache_as_inputs(out_dir)
         signatures[name].update({
             "hlo": {"text": f"{name}/{report['files']['hlo_text']}", "proto": f"{name}/{report['files']['hlo_proto']}"},
             "static": report["static"], "matches_eager": report["matches_eager"],
@@ -102,7 +102,7 @@ def export_programs(app: "CausalLMApplication", path: Path, signatures: dict[str
 _CACHE_PATH = "programs.cache."
 
 
-def _cache_as_inputs(out_dir: Path) -> None:
+def cache_as_inputs(out_dir: Path) -> None:
     """The KV cache is state the runtime keeps and feeds to every program (and gets back updated), not a constant:
     in ``parameters.json`` its buffers become inputs named as in the manifest (``cache.keys_0``...), and they leave
     ``shared.pt``."""
