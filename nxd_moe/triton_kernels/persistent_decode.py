@@ -466,6 +466,12 @@ def _decode_kernel(
         tl.store(sync_ptr + ROUTE_DONE, 0)
 
 
+def launch_multiprocessors(device: torch.device) -> int:
+    """The multiprocessors a launch fills: the GPU's; one on a CPU, where Triton's interpreter runs the programs one
+    after another."""
+    return multiprocessors(device) if device.type == "cuda" else 1
+
+
 _SYNC: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
@@ -566,8 +572,7 @@ class _Plan:
         down_prefetch = config.get("down_prefetch", False)
         if not isinstance(down_prefetch, bool):
             raise ValueError(f"decode config: down_prefetch must be a bool, got {down_prefetch!r}")
-        # on a CPU one program: the interpreter runs programs one after another
-        capacity = (multiprocessors(device) if device.type == "cuda" else 1) * config["programs_per_sm"]
+        capacity = launch_multiprocessors(device) * config["programs_per_sm"]
         gate_up_items = tile_bound * _cdiv(inter, gu_n) + shared_tiles * _cdiv(max(shared_inter, 1), gu_n)
         # As many prefetch items as programs the gate/up items leave idle: they run alongside the gate/up phase.
         prefetch_items = max(1, capacity - gate_up_items) if down_prefetch else 0

@@ -433,7 +433,7 @@ PREFETCH_PROGRAMS = 40
 
 def _prefetch_decode(moe, x, monkeypatch, down_prefetch, l2=None):
     """The layer's fused decode with the down prefetch on or off -> (out, the item kinds in order of the trace)."""
-    monkeypatch.setattr(persistent_decode, "multiprocessors", lambda device: PREFETCH_PROGRAMS)
+    monkeypatch.setattr(persistent_decode, "launch_multiprocessors", lambda device: PREFETCH_PROGRAMS)
     monkeypatch.setattr(persistent_decode, "TRACE_PLANS", True)
     if l2 is not None:
         monkeypatch.setattr(persistent_decode, "l2_bytes", lambda device: l2)
