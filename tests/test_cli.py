@@ -123,7 +123,9 @@ def test_ci_runs_exactly_the_readme_test_commands():
                 if line and not line.startswith(("#", "set ", "cd ")) and line not in CI_HOUSEKEEPING]
     assert len(commands) == 2 and all(f"\n{command}\n" in readme for command in commands)
     assert readme.index(commands[0]) < readme.index(commands[1])
-    assert commands[0].endswith("&& pytest") and "'.[xla,test]'" in commands[1] and "pytest tests/xla" in commands[1]
+    # both run the slow tests too: the main suite as a second pytest, the XLA suite (short) in one run of everything
+    assert commands[0].endswith("&& pytest && pytest -m slow") and "'.[xla,test]'" in commands[1]
+    assert "pytest -m 'slow or not slow' tests/xla" in commands[1]
 
 
 def test_a_broken_yaml_config_is_one_line_naming_file_and_line(tmp_path, capsys):
