@@ -22,8 +22,9 @@ decode wall time; medians of ``--repeats`` runs after warm-up), and for the appl
 token-generation step (its CUDA graph replayed back to back, CUDA events) and of the context-encoding program, so
 ``gpu_busy = device step time / wall time per step`` and ``ttft_over_device = time to first token / CTE device time``.
 Roofline: ``B * copy bandwidth / bytes a decode step must read`` (``benchmarks/hf_generate.py``'s, measured in the
-same run). Same greedy tokens: the fraction of the application's tokens equal to ``patch_model``'s (the same layer
-under transformers' loop), else to ``grouped_mm``'s.
+same run); under expert parallelism ``N * B * copy bandwidth / bytes one rank must read``. Same greedy tokens: the
+fraction of the application's tokens equal to ``patch_model``'s (the same layer under transformers' loop), else to
+``grouped_mm``'s.
 
 Expert parallelism: under ``torchrun --nproc-per-node N`` each rank builds the same model and runs the application
 with ``moe_ep_degree = N`` on its own ``B`` sequences (data-parallel attention, each rank E / N experts, lockstep);
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -149,8 +151,6 @@ def time_app(app, ids: torch.Tensor, new_tokens: int, repeats: int, read_every: 
 def distributed(device: torch.device) -> tuple[int, int, torch.device]:
     """Under torchrun: the process group (NCCL on GPUs, gloo on CPUs), this rank's GPU; the application sets up
     expert parallelism over every rank itself (``moe_ep_degree`` = the world). One process: ``(0, 1, device)``."""
-    import os
-
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -208,9 +208,10 @@ def run(args) -> dict:
     prompts = {b: torch.randint(0, text.vocab_size, (b, args.prompt_len), device=device,
                                 generator=torch.Generator(device).manual_seed(b + 1000 * rank)) for b in args.batches}
     for b in args.batches:
-        bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2)
+        # per rank under expert parallelism; every rank reads its bytes at the same time
+        bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2, world)
         result["roofline"][f"B{b}"] = {"bytes_per_step": bytes_step, "decode_tokens_per_s":
-                                       None if bandwidth is None else b * bandwidth / bytes_step}
+                                       None if bandwidth is None else world * b * bandwidth / bytes_step}
     patched = False
     for variant in [v for v in VARIANTS if v in args.variants]:
         row = result["rows"].setdefault(variant, {})
@@ -331,7 +332,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    print(table(result, args.batches))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(table(result, args.batches))
     return 0
 
 

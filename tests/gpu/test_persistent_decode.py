@@ -20,6 +20,7 @@ from conftest import (TF32X3_ROUNDINGS, TORCH_ROUNDINGS, TRITON_ROUNDINGS, asser
 triton = pytest.importorskip("triton")
 from nxd_moe.triton_kernels import persistent_decode  # noqa: E402
 from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
+from nxd_moe.triton_kernels.launch_configs import decode_config  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -237,6 +238,44 @@ def test_launches_on_two_streams_may_overlap():
                 _check(outs[i], reference_for_experts(experts, xs[i], *routings[i]), torch.bfloat16, f"stream {i}")
 
 
+def test_layers_with_equal_launch_configs_share_one_plan():
+    """A plan is found by what its launch configuration says, not by which dict says it: every layer (every
+    application) builds its own config dicts, and keyed by identity each new layer made new plans and kept their
+    scratch for ever. A second layer of the same shape adds no plan; one with another config does."""
+    x = randn(3, 1, 32, seed=15).to(DEVICE)
+    with torch.no_grad():
+        _moe(RouterTopK(8, 2, 32), seed=1)(x)
+        plans = len(persistent_decode._PLANS)
+        for seed in (2, 3):
+            _moe(RouterTopK(8, 2, 32), seed=seed)(x)
+        assert len(persistent_decode._PLANS) == plans
+        other = _moe(RouterTopK(8, 2, 32), seed=4)
+        config = decode_config(8, 32, 24, 2, 3, torch.device(DEVICE), torch.float32)
+        other.expert_mlps.backend.decode_configs = dict(config, num_stages=config["num_stages"] + 1)
+        other(x)
+    assert len(persistent_decode._PLANS) == plans + 1
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_a_decode_first_launched_inside_a_capture_keeps_nothing_from_it():
+    """A decode whose first launch on a stream is inside a CUDA-graph capture (its warm-up ran on another stream)
+    makes its counters and scratch inside the graph, at every replay. Kept instead, they would live in the graph's
+    pool -- memory that holds whatever it last held (here: -1 bytes, written and freed before the captures) -- and
+    be zeroed only when the graph that first made them replays. Two graphs of one shape captured one after the
+    other on the same stream, the second replayed first: both give the eager results."""
+    moe = _moe(RouterTopK(64, 8, 256), num_experts=64, top_k=8, hidden=256, inter=192, dtype=torch.bfloat16)
+    xs = [randn(5, 1, 256, seed=40 + i).to("cuda", torch.bfloat16) for i in range(2)]
+    dirty = torch.full((1 << 28,), -1, dtype=torch.int8, device="cuda")
+    del dirty
+    with torch.no_grad():
+        captured = [capture_cuda_graph(lambda x=x: moe(x)[0]) for x in xs]
+        for (graph, out), x in reversed(list(zip(captured, xs))):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert not persistent_decode.timed_out(out.device)
+            assert torch.equal(out, moe(x)[0])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("shared", [False, True])
 def test_cuda_graph_replays_new_routings(shared):
@@ -419,7 +458,8 @@ def test_bound_rejects_broken_pair_tiles(broken, monkeypatch):
             init(self, *args)
             self.constexprs["k_per_split"] //= 2  # 8 of each split's 16
         monkeypatch.setattr(persistent_decode._Plan, "__init__", halved)
-    moe = _small_moe(4, torch.bfloat16)  # the same weights (seeded), a new config object: a new plan
+    monkeypatch.setattr(persistent_decode, "_PLANS", {})  # plans are found by config: make a new one
+    moe = _small_moe(4, torch.bfloat16)  # the same weights (seeded)
     out = _small_decode(moe, x)[0]
     with pytest.raises(AssertionError):
         _check(out, reference, torch.bfloat16, broken)
@@ -435,6 +475,7 @@ def _prefetch_decode(moe, x, monkeypatch, down_prefetch, l2=None):
     """The layer's fused decode with the down prefetch on or off -> (out, the item kinds in order of the trace)."""
     monkeypatch.setattr(persistent_decode, "launch_multiprocessors", lambda device: PREFETCH_PROGRAMS)
     monkeypatch.setattr(persistent_decode, "TRACE_PLANS", True)
+    monkeypatch.setattr(persistent_decode, "_PLANS", {})  # new plans, made under the patches
     if l2 is not None:
         monkeypatch.setattr(persistent_decode, "l2_bytes", lambda device: l2)
     moe.expert_mlps.backend = TritonBackend(decode_configs={**moe.expert_mlps.backend.decode_configs,
