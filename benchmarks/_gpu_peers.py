@@ -421,8 +421,15 @@ def build_ours(problem: Problem, backend: str, block_size: int | None, dtype: to
                share_with=None):
     """nxd_moe's ``MoE`` for the problem on ``backend``: built on the meta device, then given the problem's
     weights, or ``share_with``'s tensors (another backend's layer: one copy of the weights for both)."""
-    from nxd_moe import (BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RoutedExpertsMLPOpsConfig, RouterTopK,
-                         build_moe, load_model_config)
+    from nxd_moe import (
+        BlockwiseMatmulConfig,
+        ExpertMLPsV2,
+        MoE,
+        RoutedExpertsMLPOpsConfig,
+        RouterTopK,
+        build_moe,
+        load_model_config,
+    )
 
     experts, two_i, hidden = problem.gate_up.shape
     if problem.function == "llama4":

@@ -25,9 +25,8 @@ import os
 import sys
 from typing import Callable
 
-import torch
-
 import _vllm_stubs
+import torch
 from _gpu_peers import flashinfer_output, up_first
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # x (T, H), affinities (T, E), index

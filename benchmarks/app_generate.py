@@ -164,9 +164,8 @@ def distributed(device: torch.device) -> tuple[int, int, torch.device]:
 
 
 def run(args) -> dict:
-    from transformers import AutoModelForCausalLM
-
     import torch._inductor.config  # noqa: F401  (app_freezing patches it)
+    from transformers import AutoModelForCausalLM
 
     from nxd_moe.application import ApplicationConfig, CausalLMApplication
     from nxd_moe.hf import patch_model

@@ -61,9 +61,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import OtherCpuMeter, percentile, time_interleaved, wait_for_quiet  # noqa: E402
-
 import transformers  # noqa: E402
+from _timing import OtherCpuMeter, percentile, time_interleaved, wait_for_quiet  # noqa: E402
 from transformers import MixtralConfig, Qwen3MoeConfig  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402

@@ -25,8 +25,8 @@ Rank 0 prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import datetime as dt
 import json
 import os

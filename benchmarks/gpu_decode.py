@@ -102,10 +102,10 @@ def _merged(base: dict, override: dict) -> dict:
 
 
 def run(args) -> dict:
-    import torch
-
     import gpu_layer
+    import torch
     from _gpu_peers import build_ours, reference
+
     from nxd_moe.triton_kernels import persistent_decode
     from nxd_moe.triton_kernels.backend import TritonBackend
     from nxd_moe.triton_kernels.launch_configs import decode_config

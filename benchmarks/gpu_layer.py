@@ -153,7 +153,6 @@ ALL_CASES = {case.name: case for case in CASES + SMOKE_CASES}
 def make_problem(case: Case, dtype, device, rotations: int, seed: int):
     """The case's weights and its ``rotations`` inputs. Weights are N(0, 1/fan_in): outputs stay O(1)."""
     import torch
-
     from _gpu_peers import Problem
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -283,9 +282,18 @@ def _error(exc: BaseException) -> str:
 def contenders(case: Case, problem, args, device, dtype):
     """Yield the case's contenders one at a time (ours last: they hold a second copy of the weights), or
     ``(name, why skipped)`` pairs."""
-    from _gpu_peers import (backend_available, build_ours, flashinfer_contender, flashinfer_unavailable,
-                            grouped_mm_contender, hf_contenders, liger_contender, ours_contender, vllm_contender,
-                            vllm_kernels_only_contender)
+    from _gpu_peers import (
+        backend_available,
+        build_ours,
+        flashinfer_contender,
+        flashinfer_unavailable,
+        grouped_mm_contender,
+        hf_contenders,
+        liger_contender,
+        ours_contender,
+        vllm_contender,
+        vllm_kernels_only_contender,
+    )
 
     triton_ok = device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     yield "torch_grouped_mm", lambda: grouped_mm_contender(problem)
@@ -353,7 +361,6 @@ def run_case(case: Case, args) -> None:
     """Run one case in this process; rewrite ``args.child_out`` after every contender (a crash or a timeout
     keeps what was measured)."""
     import torch
-
     from _gpu_peers import reference
 
     device = torch.device(args.device)

@@ -109,8 +109,8 @@ def rel_err(out, ref, rows) -> float:
 def setup(name: str):
     """The case's weights, one routing of its tokens, and the old path's rows (the reference of every variant)."""
     import torch
-
     from gpu_layer import ALL_CASES
+
     from nxd_moe import RoutedExpertsMLPOpsConfig
     from nxd_moe.experts.activation import ExpertActivation
     from nxd_moe.triton_kernels.grouped_gemm import down_projection, gate_up_projection
@@ -266,9 +266,9 @@ def kernel_profile(layer, x, steps: int = 5) -> list:
 def run_layer(name: str, args, result: dict) -> None:
     """The whole layer on the triton backend with and without the persistent path."""
     import torch
-
     from _gpu_peers import build_ours
     from gpu_layer import ALL_CASES, make_problem
+
     from nxd_moe.triton_kernels import prefill_gemm
 
     case = ALL_CASES[name]

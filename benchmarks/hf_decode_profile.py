@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+
 def busy_time_us(kernels) -> float:
     """Microseconds during which at least one of ``kernels`` (profiler events) ran."""
     busy, current = 0.0, None

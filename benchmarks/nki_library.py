@@ -40,13 +40,13 @@ from nxd_moe.experts.token_mapping import num_blocks, token_to_block_mapping
 from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.cost_model import TRN2
 from nxd_moe.nki_kernels.kernels import (
+    ExpertAffinityScaleMode,
     bwmm_shard_on_block,
     bwmm_shard_on_H,
     bwmm_shard_on_I,
     moe_tkg_all_expert,
     moe_tkg_selective_expert,
 )
-from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode
 from nxd_moe.nki_kernels.lnc import simulate
 
 RTOL, ATOL = 2e-2, 1e-5  # nki-library's MoE tolerances (reference section 3.3)
@@ -314,8 +314,8 @@ def load_library(path: str) -> types.SimpleNamespace:
     from nkilib_src.nkilib.core.subkernels.indexed_flatten import indexed_flatten
     from nkilib_src.nkilib.core.subkernels.indexed_flatten_torch import indexed_flatten_torch_ref
     from nkilib_src.nkilib.core.utils.common_types import ActFnType
-    from nkilib_src.nkilib.experimental.moe.forward.bwmm_shard_on_H import blockwise_mm_baseline_shard_hidden
     from nkilib_src.nkilib.core.utils.common_types import ExpertAffinityScaleMode as LibScale
+    from nkilib_src.nkilib.experimental.moe.forward.bwmm_shard_on_H import blockwise_mm_baseline_shard_hidden
 
     return types.SimpleNamespace(moe_cte=moe_cte, MoECTEImplementation=MoECTEImplementation, MoECTESpec=MoECTESpec,
                                  moe_cte_torch_ref=moe_cte_torch_ref, SkipMode=LibSkipMode, moe_tkg=moe_tkg,

@@ -26,9 +26,9 @@ import torch
 from triton.testing import do_bench_cudagraph
 
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, RoutedExpertsMLPOpsConfig
-from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.quantization.formats import QUANTIZATION_CHOICES
 from nxd_moe.quantization.quantizer import quantize_experts
+from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.launch_configs import CONFIG_DIR, default_config, device_name, launch_config, shape_key
 
 # name: (E, H, I, k, T) -- the shapes of benchmarks/gpu_layer.py.

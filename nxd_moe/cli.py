@@ -54,8 +54,8 @@ from nxd_moe.experts.backends import BACKENDS
 from nxd_moe.graphs import GraphedStep, capture
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
-from nxd_moe.quantization.formats import describe_weights, reported_format
 from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec
+from nxd_moe.quantization.formats import describe_weights, reported_format
 from nxd_moe.quantization.quantizer import expert_weight_bytes
 from nxd_moe.reference import reference_for_moe
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import (
     DROPLESS_MODES,
     FP32_ATOL,
@@ -26,6 +25,7 @@ from conftest import (
     scaling_expected,
     zero_router,
 )
+
 from nxd_moe import GroupLimitedRouter, MoE, RouterSinkhorn, RouterTopK
 from nxd_moe.experts.token_mapping import num_blocks
 from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import (
     FP32_ATOL,
     MODES,
@@ -17,10 +16,11 @@ from conftest import (
     make_router,
     make_shared,
     randn,
-    randomize_,
     random_routing,
+    randomize_,
     router_top_k,
 )
+
 from nxd_moe import (
     BlockwiseMatmulConfig,
     ExpertMLPsV2,

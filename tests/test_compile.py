@@ -19,7 +19,6 @@ import re
 
 import pytest
 import torch
-
 from conftest import (
     ACTIVATIONS,
     FP32_ATOL,
@@ -37,6 +36,7 @@ from conftest import (
     random_routing,
     router_top_k,
 )
+
 from nxd_moe import MoE
 from nxd_moe.trace import static_backend
 

@@ -103,8 +103,9 @@ def test_real_build_loads_and_reports_errors_without_a_gpu(monkeypatch):
 
 
 def test_applies_only_on_sm90_cuda_tensors():
-    from nxd_moe import ExpertMLPsV2
     from conftest import make_config
+
+    from nxd_moe import ExpertMLPsV2
 
     layer = ExpertMLPsV2(make_config(4, 64, 64, 2, "glu_silu"), dtype=torch.bfloat16, backend="torch")
     assert not ws_gemm.applies(torch.zeros(4, 64, dtype=torch.bfloat16), layer.expert_weights(), 128, False)

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
-
 from conftest import (
     ACTIVATIONS,
     FP32_ATOL,
@@ -25,6 +22,9 @@ from conftest import (
     random_routing,
     rounding_tolerance,
 )
+from hypothesis import given
+from hypothesis import strategies as st
+
 from nxd_moe import MoE
 from nxd_moe.experts.blockwise import blockwise_forward
 from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import (
     ACTIVATIONS,
     DROPLESS_MODES,
@@ -30,9 +29,10 @@ from conftest import (
     pad_experts_like,
     randn,
     random_routing,
-    router_top_k,
     rounding_tolerance,
+    router_top_k,
 )
+
 from nxd_moe import ExpertMLPsV2, ExpertsMode, MoE, RouterTopK, TorchBackend, select_mode
 from nxd_moe.activations import ACT2FN
 from nxd_moe.reference import first_come_first_served, reference_for_experts

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import pytest
 import torch
-
 from conftest import (
     FP32_ATOL,
     ItemExperts,
@@ -26,6 +25,7 @@ from conftest import (
     randn,
     random_routing,
 )
+
 from nxd_moe import MoE
 from nxd_moe.cli import main as cli_main
 from nxd_moe.trace import ExportReport, compile_check, export_program, moe_inputs

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import ATOL_FP32, HIDDEN, LAYERS, assert_parity, hf_output, inputs, one_intra_op_thread, randomize_hf_  # noqa: E402,F401 (autouse fixture)
 from transformers import (  # noqa: E402
     DbrxConfig,
     DeepseekV3Config,
@@ -35,12 +36,9 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: E402
 
-from hf_helpers import (  # noqa: E402,F401 (autouse fixture)
-    ATOL_FP32, HIDDEN, LAYERS, assert_parity, hf_output, inputs, one_intra_op_thread, randomize_hf_)
 from nxd_moe.config import MoEModelConfig, RouterSpec, SharedExpertsSpec  # noqa: E402
 from nxd_moe.experts.backends import TorchBackend  # noqa: E402
 from nxd_moe.hf import from_hf_config, from_hf_moe_block  # noqa: E402
-
 
 # The GPT-OSS variants' swiglu_limit. transformers 5.17 ignores it (GptOssExperts hard-codes 7.0): there the gate/up
 # projection is scaled by limit / GPT_OSS_LIMIT and the down projection by its inverse squared (the SwiGLU is about

@@ -15,9 +15,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from hf_helpers import MODELS, assert_parity, inputs, one_intra_op_thread, randomize_hf_  # noqa: E402,F401 (autouse fixture)
 from transformers import MixtralConfig  # noqa: E402
 
-from hf_helpers import MODELS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
 from nxd_moe import build_moe  # noqa: E402
 from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, load_hf_layer, nxd_to_hf_state_dict  # noqa: E402
 

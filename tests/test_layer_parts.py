@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_rounding_close, randn, rounding_tolerance
+
 from nxd_moe.build import build_moe
 from nxd_moe.routing.topk import RouterTopK
 from nxd_moe.triton_kernels.backend import TritonBackend

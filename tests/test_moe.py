@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import (
     FP32_ATOL,
     assert_close,
@@ -21,6 +20,7 @@ from conftest import (
     randn,
     randomize_,
 )
+
 from nxd_moe import ExpertsMode, ExpertsStats, MoE, RouterTopK, build_moe, builtin_config_names
 from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe
 

@@ -8,21 +8,21 @@ logits, sometimes skewed so a few experts take most tokens. Runs derandomized wi
 from __future__ import annotations
 
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from conftest import (
     ACTIVATIONS,
     FP32_ATOL,
     assert_close,
     expert_count_dropped,
+    expert_scales,
     make_config,
     make_experts,
     make_scaling_experts,
     randn,
     scaling_expected,
-    expert_scales,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from nxd_moe.experts.routing_inputs import expert_mask as make_expert_mask
 from nxd_moe.experts.token_mapping import num_blocks, token_to_block_mapping
 from nxd_moe.reference import first_come_first_served, reference_for_experts

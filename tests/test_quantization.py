@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
+from conftest import FP32_ATOL, MODES, assert_close, make_config, make_experts, randn, random_routing
 
-from conftest import FP32_ATOL, MODES, assert_close, make_config, make_experts, random_routing, randn
 from nxd_moe.build import build_moe
 from nxd_moe.config import load_model_config
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend

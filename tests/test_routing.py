@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_close, make_router, randn, randomize_, zero_router
+
 from nxd_moe import GroupLimitedRouter, RouterConfig, RouterSinkhorn, RouterTopK
 from nxd_moe.routing.sinkhorn import sinkhorn
 

@@ -40,7 +40,8 @@ def test_a_stale_entry_is_reported(tmp_path):
     (a parametrized id, a class method) are not."""
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "test_x.py").write_text("def test_a(x):\n    pass\n\n\nclass TestB:\n    def test_c(self):\n        pass\n")
+    (tests / "test_x.py").write_text("def test_a(x):\n    pass\n\n\n"
+                                     "class TestB:\n    def test_c(self):\n        pass\n")
     good = {"tests/test_x.py", "tests/test_x.py::test_a[1-2]", "tests/test_x.py::TestB::test_c"}
     bad = {"tests/test_y.py", "tests/test_x.py::test_gone", "tests/test_x.py::TestB::test_d"}
     assert stale_entries(good | bad, tmp_path) == sorted(bad)

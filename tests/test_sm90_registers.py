@@ -19,9 +19,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from conftest import INTERPRETED, make_config, make_experts, quantized_pair, random_routing, randn  # noqa: E402
-
 import sm90_offline  # noqa: E402
+from conftest import INTERPRETED, make_config, make_experts, quantized_pair, randn, random_routing  # noqa: E402
+
 from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
 from nxd_moe.triton_kernels.launch_configs import decode_config, launch_config  # noqa: E402
 

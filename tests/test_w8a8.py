@@ -12,8 +12,8 @@ import json
 
 import pytest
 import torch
+from conftest import MODES, make_config, make_experts, randn, random_routing
 
-from conftest import MODES, make_config, make_experts, random_routing, randn
 from nxd_moe.build import build_moe
 from nxd_moe.cli import main, resolve_dtype
 from nxd_moe.config import RoutedExpertsMLPOpsConfig

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from nxd_moe.models.hf_models import build_hf_model
 from nxd_moe.arguments import positive_int
+from nxd_moe.models.hf_models import build_hf_model
 
 __all__ = ["SPECIAL_TOKENS", "write_checkpoint"]
 

@@ -32,6 +32,8 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import num_static_blocks
 from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.compat.frontend import Kernel
+from nxd_moe.nki_kernels.compat.frontend import run as run_nki
 from nxd_moe.nki_kernels.kernels import (
     ExpertAffinityScaleMode,
     bwmm_shard_on_block,
@@ -41,8 +43,6 @@ from nxd_moe.nki_kernels.kernels import (
     moe_tkg_selective_expert,
     shard_conditions,
 )
-from nxd_moe.nki_kernels.compat.frontend import Kernel
-from nxd_moe.nki_kernels.compat.frontend import run as run_nki
 from nxd_moe.nki_kernels.lnc import KernelRun, simulate
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 

@@ -21,7 +21,6 @@ from nxd_moe.nki_kernels.machine import check_alive, current_core
 from nxd_moe.nki_kernels.opcodes import ALU_OPS, INTEGER_ALU_OPS, UNARY_ALU_OPS
 from nxd_moe.nki_kernels.tensor import NkiTensor
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # operands
 

@@ -43,12 +43,12 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.token_mapping import num_blocks, num_static_blocks, token_to_block_mapping
 from nxd_moe.extras import MissingExtraError, require
-from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels import compat
+from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.backend import KernelCall, blockwise_call, pads_token_rows
 from nxd_moe.nki_kernels.cost_model import TRN2
-from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode, moe_tkg_all_expert, moe_tkg_selective_expert
 from nxd_moe.nki_kernels.hardware import HardwareLimitError
+from nxd_moe.nki_kernels.kernels import ExpertAffinityScaleMode, moe_tkg_all_expert, moe_tkg_selective_expert
 from nxd_moe.quantization.formats import QUANTIZATION_CHOICES, Shape, get_format
 
 HELP = ("plan Trainium2 kernel settings for a model config (block size, DMA skipping, LNC2 strategy, TP vs EP, "

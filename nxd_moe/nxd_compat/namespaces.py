@@ -18,9 +18,9 @@ from __future__ import annotations
 import types
 
 from nxd_moe import nxdi
+from nxd_moe.activations import ACT2FN, ACTFunc, get_kernel_activation_func_id
 from nxd_moe.aliasing import new_module as _module
 from nxd_moe.aliasing import new_package as _package
-from nxd_moe.activations import ACT2FN, ACTFunc, get_kernel_activation_func_id
 from nxd_moe.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PADDING_VALUE,

@@ -44,11 +44,11 @@ from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.mlp import ExpertWeights, ExpertWeightsLayout
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping
+from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.quantization.activations import ActivationQuantization
 from nxd_moe.quantization.formats import FORMATS
 from nxd_moe.quantization.weight import WeightLayout
 from nxd_moe.triton_kernels import compiled_graph_call
-from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.triton_kernels.routing_metadata import TileLayout, max_tiles
 
 # ----------------------------------------------------------------------------------------------------------------

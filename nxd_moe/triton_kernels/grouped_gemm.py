@@ -20,17 +20,16 @@ Accumulation is fp32; results are rounded once.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
-from nxd_moe.gpu_info import capability
-from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.config import GLUType
+from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.gpu_info import capability
+from nxd_moe.triton_kernels import interpreting
 from nxd_moe.triton_kernels.repack import RepackedWeight
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
-from nxd_moe.triton_kernels import interpreting
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "sigmoid": 3, "tanh": 4, "leaky_relu": 5}
 

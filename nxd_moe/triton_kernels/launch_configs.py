@@ -31,8 +31,9 @@ import json
 from pathlib import Path
 
 import torch
-from nxd_moe.gpu_info import multiprocessors
 import triton
+
+from nxd_moe.gpu_info import multiprocessors
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 

@@ -41,22 +41,26 @@ runs (and is tested) on a CPU.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.gpu_info import multiprocessors
 from nxd_moe.layer_parts import RouterParts, SharedParts
-from nxd_moe.experts.routing_inputs import Routing
+from nxd_moe.triton_kernels import in_compiled_graph_call, interpreting
 from nxd_moe.triton_kernels.combine import combine_token, combine_width
-from nxd_moe.triton_kernels.grouped_gemm import (ACTIVATIONS, down_tile, epilogue_arguments, gate_up_tile,
-                                                 stored_operands)
+from nxd_moe.triton_kernels.grouped_gemm import (
+    ACTIVATIONS,
+    down_tile,
+    epilogue_arguments,
+    gate_up_tile,
+    stored_operands,
+)
 from nxd_moe.triton_kernels.launch_configs import l2_bytes
 from nxd_moe.triton_kernels.router import activation, top_k_rounds
 from nxd_moe.triton_kernels.routing_metadata import max_tiles
-from nxd_moe.triton_kernels import in_compiled_graph_call, interpreting
 
 # The synchronisation buffer (int32). Each global counter has its own 128-byte line, each tile counter its own
 # 32-byte sector: polled words never share a sector with the item queue's counter.

@@ -46,17 +46,23 @@ Results are deterministic: every output element is written once, sums run in a f
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.gpu_info import capability, multiprocessors
-from nxd_moe.triton_kernels.grouped_gemm import (tile_dot, gate_up_epilogue, grouped_order, launch_options,
-                                                 down_projection, epilogue_arguments, gate_up_projection)
-from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels import interpreting
+from nxd_moe.triton_kernels.grouped_gemm import (
+    down_projection,
+    epilogue_arguments,
+    gate_up_epilogue,
+    gate_up_projection,
+    grouped_order,
+    launch_options,
+    tile_dot,
+)
+from nxd_moe.triton_kernels.routing_metadata import TileLayout
 
 # Rows and columns one permute_rows program copies.
 PERMUTE_ROWS = 16

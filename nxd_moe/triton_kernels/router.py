@@ -12,10 +12,10 @@ The top-k and activation helpers are shared with :mod:`~nxd_moe.triton_kernels.p
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
+
 from nxd_moe.triton_kernels import interpreting
 
 # Router widths one program holds in registers (E <= 256 covers every top-k router of the supported models).

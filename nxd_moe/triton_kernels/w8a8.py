@@ -31,20 +31,24 @@ Quantization is the one of :class:`~nxd_moe.quantization.activations.ActivationQ
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
 from nxd_moe.config import GLUType
 from nxd_moe.experts.mlp import ExpertWeights
-from nxd_moe.quantization.activations import INV_FP8_MAX
 from nxd_moe.gpu_info import capability
-from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, gate_up_epilogue, tile_and_column
-from nxd_moe.triton_kernels.launch_configs import (default_config, device_name, rule_multiprocessors, shape_key,
-                                                   tuned_table)
-from nxd_moe.triton_kernels.routing_metadata import TileLayout
+from nxd_moe.quantization.activations import INV_FP8_MAX
 from nxd_moe.triton_kernels import interpreting
+from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, gate_up_epilogue, tile_and_column
+from nxd_moe.triton_kernels.launch_configs import (
+    default_config,
+    device_name,
+    rule_multiprocessors,
+    shape_key,
+    tuned_table,
+)
+from nxd_moe.triton_kernels.routing_metadata import TileLayout
 
 # The smallest K of an FP8 tensor-core product (and of Triton's FP8 dot).
 MIN_FP8_K = 32

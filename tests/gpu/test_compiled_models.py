@@ -15,8 +15,8 @@ import gc
 
 import pytest
 import torch
-
 from conftest import FP32_ATOL, assert_close, make_config, make_shared, randn, randomize_
+
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.quantization.quantizer import quantize_experts

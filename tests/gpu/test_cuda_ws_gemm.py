@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conftest import (TRITON_ROUNDINGS, assert_rounding_close, capture_cuda_graph, make_config, randomize_, randn,
-                      random_routing, rounding_tolerance)
+from conftest import (
+    TRITON_ROUNDINGS,
+    assert_rounding_close,
+    capture_cuda_graph,
+    make_config,
+    randn,
+    random_routing,
+    randomize_,
+    rounding_tolerance,
+)
 
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not (CUDA and torch.cuda.get_device_capability() == (9, 0)),

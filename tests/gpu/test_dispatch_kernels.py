@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from conftest import randn, triton_rounding_unit  # noqa: E402
+
 from nxd_moe.parallel import all_to_all as torch_side  # noqa: E402
 from nxd_moe.parallel.payload import FieldSpec, unpack  # noqa: E402
 from nxd_moe.triton_kernels import dispatch as triton_side  # noqa: E402

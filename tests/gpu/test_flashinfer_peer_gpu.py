@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import UNIT_ROUNDOFF, assert_rounding_close, capture_cuda_graph, rounding_tolerance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,10 +70,10 @@ def test_bf16_layer_matches_the_float64_reference(case):
 
 
 def test_fp8_block_path_matches_our_fp8_block_layer(monkeypatch):
+    import _quantized_peers
+
     from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, RoutedExpertsMLPOpsConfig
     from nxd_moe.quantization.quantizer import quantize_experts
-
-    import _quantized_peers
 
     tokens, experts, top_k, hidden, inter = 64, 16, 4, 512, 256
     config = RoutedExpertsMLPOpsConfig(num_experts=experts, top_k=top_k, hidden_size=hidden, intermediate_size=inter,

@@ -14,13 +14,12 @@ pytest.importorskip("triton")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from hf_helpers import DISPATCHING_FAMILIES, LAYERS, LOGITS_RTOL, ExpertsModeSpy, tiny_causal_lm, token_ids  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig  # noqa: E402
 
 import nxd_moe.hf  # noqa: E402,F401 (registers the implementations)
 import nxd_moe.models.experts_backend as backend_module  # noqa: E402
 from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
-
-from hf_helpers import DISPATCHING_FAMILIES, LAYERS, LOGITS_RTOL, ExpertsModeSpy, tiny_causal_lm, token_ids  # noqa: E402
 
 # bf16 logits: eager and nxd_moe round differently (unit roundoff 2**-8) through two layers; 16 roundings' worth of
 # the largest logit bounds what rounding alone does to a token, a wrong gate or layout is O(1) on every token.

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "nxd_compat"))
 import deep_dive_examples as dd  # noqa: E402
 import nxdi_models as nm  # noqa: E402
 from conftest import randn, randomize_  # noqa: E402
+
 from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: E402,F401 -- the fixture
 from nxd_moe.reference import reference_for_moe  # noqa: E402
 

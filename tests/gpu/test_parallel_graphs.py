@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 
+from conftest import PARALLEL_BF16_TOLERANCE, assert_rounding_close, without_device_sync  # noqa: E402
 from parallel_harness import assert_scenario, run_world, selected_scenarios  # noqa: E402
 from parallel_worker import SUITES  # noqa: E402
-from conftest import PARALLEL_BF16_TOLERANCE, assert_rounding_close, without_device_sync  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -70,6 +70,7 @@ def one_rank_world():
 
 def _layers(dispatch: str, splits: str, backend: str, config: str = "qwen3-30b-a3b"):
     from conftest import randomize_
+
     from nxd_moe import build_moe
     from nxd_moe.config import ExpertParallelConfig
     from nxd_moe.parallel import load_full_state_dict

@@ -13,7 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from hf_helpers import LAYERS, MODELS, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
+from hf_helpers import LAYERS, MODELS, one_intra_op_thread, randomize_hf_  # noqa: E402,F401 (autouse fixture)
+
 from nxd_moe.hf import patch_model  # noqa: E402
 from nxd_moe.models.patch import PatchedMoEBlock  # noqa: E402
 

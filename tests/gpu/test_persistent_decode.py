@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    TF32X3_ROUNDINGS,
+    TORCH_ROUNDINGS,
+    TRITON_ROUNDINGS,
+    assert_nan_stays_in_its_row,
+    assert_rounding_close,
+    capture_cuda_graph,
+    make_config,
+    randn,
+    random_routing,
+    randomize_,
+    rounding_tolerance,
+)
 
 from nxd_moe import ExpertMLPsV2, GroupLimitedRouter, MoE, RouterTopK, SharedExperts
 from nxd_moe.reference import reference_for_experts, reference_for_moe
-from conftest import (TF32X3_ROUNDINGS, TORCH_ROUNDINGS, TRITON_ROUNDINGS, assert_nan_stays_in_its_row,
-                      assert_rounding_close, capture_cuda_graph, make_config, randn, randomize_, random_routing,
-                      rounding_tolerance)
 
 triton = pytest.importorskip("triton")
 from nxd_moe.triton_kernels import persistent_decode  # noqa: E402
@@ -384,8 +394,9 @@ def test_small_decode_rule():
 def test_small_decode_pair_tiles(num_tokens, dtype):
     """Router, routing, pair tiles and combine in one launch against the float64 reference and the torch backend
     (each with its own roundings: conftest.assert_backends_close), logits and expert choice against the router's."""
-    from nxd_moe.experts.backends import TorchBackend
     from conftest import assert_backends_close
+
+    from nxd_moe.experts.backends import TorchBackend
 
     moe = _small_moe(num_tokens, dtype)
     x = randn(num_tokens, 1, SMALL_H, seed=60 + num_tokens).to(DEVICE, dtype)

@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    TF32X3_ROUNDINGS,
+    UNIT_ROUNDOFF,
+    assert_rounding_close,
+    capture_cuda_graph,
+    make_config,
+    make_router,
+    randn,
+    randomize_,
+    rounding_tolerance,
+)
 
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK
-from conftest import (TF32X3_ROUNDINGS, UNIT_ROUNDOFF, assert_rounding_close, capture_cuda_graph, make_config,
-                      make_router, randn, randomize_, rounding_tolerance)
 
 triton = pytest.importorskip("triton")
 from nxd_moe.triton_kernels import router as router_kernel  # noqa: E402

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import (
+    ACTIVATIONS,
+    MODES,
+    TORCH_ROUNDINGS,
+    TRITON_ROUNDINGS,
+    assert_rounding_close,
+    capture_cuda_graph,
+    make_config,
+    randn,
+    random_routing,
+    randomize_,
+    rounding_tolerance,
+)
 
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK, SharedExperts
 from nxd_moe.experts import ExpertsMode
 from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe
-from conftest import (ACTIVATIONS, MODES, TORCH_ROUNDINGS, TRITON_ROUNDINGS, assert_rounding_close, capture_cuda_graph,
-                      make_config, randn, randomize_, random_routing, rounding_tolerance)
 
 triton = pytest.importorskip("triton")
 

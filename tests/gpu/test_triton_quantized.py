@@ -13,16 +13,26 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import (
+    MODES,
+    TORCH_ROUNDINGS,
+    TRITON_ROUNDINGS,
+    assert_backends_close,
+    assert_rounding_close,
+    make_config,
+    quantized_pair,
+    randn,
+    random_routing,
+    rounding_tolerance,
+)
+
 from nxd_moe.quantization.formats import get_format, k_fastest
 from nxd_moe.quantization.weight import QuantizedWeight
+from nxd_moe.reference import first_come_first_served, reference_for_experts
 from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.grouped_gemm import down_projection
-from nxd_moe.triton_kernels.routing_metadata import TileLayout
 from nxd_moe.triton_kernels.launch_configs import default_config
-from nxd_moe.reference import first_come_first_served, reference_for_experts
-from conftest import (MODES, TORCH_ROUNDINGS, TRITON_ROUNDINGS, assert_backends_close, assert_rounding_close,
-                      make_config, quantized_pair, randn, random_routing, rounding_tolerance)
-
+from nxd_moe.triton_kernels.routing_metadata import TileLayout
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

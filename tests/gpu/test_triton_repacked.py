@@ -17,6 +17,20 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import (
+    TORCH_ROUNDINGS,
+    TRITON_ROUNDINGS,
+    assert_backends_close,
+    assert_nan_stays_in_its_row,
+    assert_rounding_close,
+    capture_cuda_graph,
+    make_config,
+    quantized_pair,
+    randn,
+    random_routing,
+    rounding_tolerance,
+)
+
 from nxd_moe.quantization.formats import E2M1_GRID, get_format, k_fastest
 from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.reference import reference_for_experts
@@ -24,9 +38,6 @@ from nxd_moe.triton_kernels import repack
 from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.grouped_gemm import down_projection
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
-from conftest import (TORCH_ROUNDINGS, TRITON_ROUNDINGS, assert_backends_close, assert_nan_stays_in_its_row,
-                      assert_rounding_close, capture_cuda_graph, make_config, quantized_pair, randn, random_routing,
-                      rounding_tolerance)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

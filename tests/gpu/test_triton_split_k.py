@@ -16,10 +16,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from nxd_moe.triton_kernels import grouped_gemm, repack
-from nxd_moe.triton_kernels.backend import TritonBackend
 from conftest import assert_nan_stays_in_its_row, make_config, quantized_pair, randn, random_routing
 from test_triton_repacked import _check  # the same float64-reference and torch-backend check (folder on sys.path)
+
+from nxd_moe.triton_kernels import grouped_gemm, repack
+from nxd_moe.triton_kernels.backend import TritonBackend
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

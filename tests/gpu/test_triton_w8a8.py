@@ -15,6 +15,22 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import (
+    ACCUMULATION_LAMBDA,
+    MODES,
+    TORCH_ROUNDINGS,
+    TRITON_ROUNDINGS,
+    UNIT_ROUNDOFF,
+    assert_rounding_close,
+    make_config,
+    make_experts,
+    randn,
+    random_routing,
+    randomize_,
+    rounding_tolerance,
+    triton_rounding_unit,
+)
+
 from nxd_moe import BlockwiseMatmulConfig, ExpertMLPsV2, MoE, RouterTopK
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.quantization.activations import ActivationQuantization
@@ -22,9 +38,6 @@ from nxd_moe.quantization.quantizer import quantize_experts
 from nxd_moe.reference import first_come_first_served, reference_for_experts, reference_for_moe
 from nxd_moe.triton_kernels.backend import TritonBackend
 from nxd_moe.triton_kernels.w8a8 import quantize_rows
-from conftest import (ACCUMULATION_LAMBDA, MODES, TORCH_ROUNDINGS, TRITON_ROUNDINGS, UNIT_ROUNDOFF,
-                      assert_rounding_close, make_config, make_experts, randn, randomize_, random_routing,
-                      rounding_tolerance, triton_rounding_unit)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-
 from hf_helpers import one_intra_op_thread  # noqa: E402, F401
+
 from nxd_moe.hf import patch_model  # noqa: E402
 from nxd_moe.models.decoder_step import StaticCacheStep, replace_polar_rotary_embeddings  # noqa: E402
 from nxd_moe.models.hf_models import build_hf_model  # noqa: E402

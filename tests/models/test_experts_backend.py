@@ -19,14 +19,6 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, DbrxConfig, GptOssConfig, Llama4TextConfig, MixtralConfig  # noqa: E402
-from transformers.activations import ACT2FN as HF_ACT2FN  # noqa: E402
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation  # noqa: E402
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
-
-import nxd_moe.hf  # noqa: E402,F401 (registers the implementations)
-import nxd_moe.models.experts_backend as backend_module  # noqa: E402
 from hf_helpers import (  # noqa: E402,F401 (one_intra_op_thread: autouse fixture)
     DISPATCHING_FAMILIES,
     HIDDEN,
@@ -39,6 +31,14 @@ from hf_helpers import (  # noqa: E402,F401 (one_intra_op_thread: autouse fixtur
     tiny_causal_lm,
     token_ids,
 )
+from transformers import AutoModelForCausalLM, DbrxConfig, GptOssConfig, Llama4TextConfig, MixtralConfig  # noqa: E402
+from transformers.activations import ACT2FN as HF_ACT2FN  # noqa: E402
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface, use_experts_implementation  # noqa: E402
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts  # noqa: E402
+
+import nxd_moe.hf  # noqa: E402,F401 (registers the implementations)
+import nxd_moe.models.experts_backend as backend_module  # noqa: E402
 from nxd_moe.config import BlockwiseMatmulConfig  # noqa: E402
 from nxd_moe.experts import ExpertsMode, TorchBackend  # noqa: E402
 from nxd_moe.experts.pairs import experts_forward_pairs  # noqa: E402

@@ -12,6 +12,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from hf_helpers import LAYERS, MODELS  # noqa: E402
+
 from nxd_moe.cli import main  # noqa: E402
 
 

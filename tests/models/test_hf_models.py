@@ -10,8 +10,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-
 from hf_helpers import hf_output, one_intra_op_thread  # noqa: E402, F401
+
 from nxd_moe.config import builtin_config_names, load_model_config  # noqa: E402
 from nxd_moe.hf import from_hf_config, from_hf_moe_block  # noqa: E402
 from nxd_moe.models.hf_models import build_hf_config, build_hf_model  # noqa: E402

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from conftest import no_host_sync  # noqa: E402
-from hf_helpers import LAYERS, MODELS, assert_parity, inputs, randomize_hf_, one_intra_op_thread  # noqa: E402,F401 (autouse fixture)
+from hf_helpers import LAYERS, MODELS, assert_parity, inputs, one_intra_op_thread, randomize_hf_  # noqa: E402,F401 (autouse fixture)
+
 from nxd_moe.hf import from_hf_config, hf_to_nxd_state_dict, nxd_to_hf_state_dict, patch_model  # noqa: E402
 from nxd_moe.models.patch import PatchedMoEBlock, PatchReport  # noqa: E402
 from nxd_moe.quantization import dequantized  # noqa: E402

@@ -18,17 +18,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "parallel")]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
 import deep_dive_examples as dd  # noqa: E402
 import parallel_worker as pw  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from conftest import randomize_  # noqa: E402
-from nxd_moe.parallel.sharding import load_full_state_dict  # noqa: E402
-
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
 from neuronx_distributed.parallel_layers import layers, mappings, parallel_state  # noqa: E402
 from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_module  # noqa: E402
+
+from nxd_moe.parallel.sharding import load_full_state_dict  # noqa: E402
 
 
 def deep_dive_layout(tensor_model_parallel_size: int, expert_model_parallel_size: int, batch: int, seq: int):

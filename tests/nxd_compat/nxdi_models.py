@@ -11,11 +11,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from hf_helpers import HIDDEN, LAYERS, randomize_hf_
 from transformers import GptOssConfig, Llama4TextConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
-from hf_helpers import HIDDEN, LAYERS, randomize_hf_
 from nxd_moe.config import BlockwiseMatmulConfig, RouterConfig
 from nxd_moe.hf import from_hf_moe_block
 from nxd_moe.nxdi import NEURON_CONFIG_DEFAULTS

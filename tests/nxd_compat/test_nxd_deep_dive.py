@@ -10,11 +10,11 @@ layer computing something else.
 
 from __future__ import annotations
 
+import deep_dive_examples as dd
 import pytest
 import torch
-
-import deep_dive_examples as dd
 from conftest import FP32_ATOL, assert_close, randn, randomize_
+
 from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: F401 -- the fixture
 from nxd_moe.reference import reference_for_moe
 

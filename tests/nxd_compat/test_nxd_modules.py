@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FP32_ATOL, assert_close, randn, randomize_
 
 import nxd_moe
-from conftest import FP32_ATOL, assert_close, randn, randomize_
 from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: F401 -- the fixture
 from nxd_moe.reference import reference_for_experts, reference_for_moe
 

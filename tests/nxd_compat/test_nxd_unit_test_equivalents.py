@@ -30,10 +30,10 @@ from unittest import mock
 
 import pytest
 import torch
-
-import nxd_moe
 from conftest import FP32_ATOL, assert_close, randn, randomize_
 from hf_helpers import randomize_hf_
+
+import nxd_moe
 from nxd_moe.nxd_compat.not_served import NotServedError
 from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: F401 -- the fixture
 

@@ -19,13 +19,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import nxd_moe  # noqa: E402
 from hf_helpers import ATOL_FP32, HIDDEN, assert_parity, inputs, one_intra_op_thread  # noqa: E402,F401
-from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: E402,F401 -- the fixture
-from nxd_moe.nxdi import initialize_moe_module, routed_quantization  # noqa: E402
 from nxdi_models import (  # noqa: E402
-    E,
     INTER,
+    E,
     K,
     gpt_oss_block,
     gpt_oss_moe,
@@ -36,6 +33,10 @@ from nxdi_models import (  # noqa: E402
     load_from_hf,
     rmsnorm,
 )
+
+import nxd_moe  # noqa: E402
+from nxd_moe.nxd_compat.pytest_plugin import nxd_compat  # noqa: E402,F401 -- the fixture
+from nxd_moe.nxdi import initialize_moe_module, routed_quantization  # noqa: E402
 
 
 @pytest.mark.parametrize("seq_len", [12, 1])

@@ -26,21 +26,21 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 from conftest import (  # noqa: E402
     FP32_ATOL,
-    PARALLEL_BF16_TOLERANCE,
     MODES,
+    PARALLEL_BF16_TOLERANCE,
     assert_close,
     assert_rounding_close,
     make_config,
     make_router,
     no_host_sync,
-    random_routing,
     randn,
+    random_routing,
     randomize_,
     without_device_sync,
 )
+
 from nxd_moe import (  # noqa: E402
     BlockwiseMatmulConfig,
     ExpertMLPsV2,
@@ -683,11 +683,11 @@ def rank_never_arrives() -> None:
 def hf_checkpoint() -> None:
     """A transformers DeepSeek-V3 checkpoint loads into the parallel layer (each rank its shard) and the layer
     computes what the transformers block computes."""
+    from hf_helpers import LAYERS, randomize_hf_
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    from hf_helpers import LAYERS, randomize_hf_
-    from nxd_moe.hf import from_hf_config, load_hf_layer
     from nxd_moe.build import build_moe
+    from nxd_moe.hf import from_hf_config, load_hf_layer
 
     init(dist.get_world_size(), 1)
     torch.manual_seed(0)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from parallel_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from parallel_harness import free_port
 
 from nxd_moe.cli import main
-from parallel_harness import free_port
 
 
 def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:

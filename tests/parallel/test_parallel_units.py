@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import FP64_ATOL, assert_close, make_config, make_experts, randn, random_routing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import FP64_ATOL, assert_close, make_config, make_experts, random_routing, randn
 from nxd_moe import ExpertMLPsV2, ExpertsMode, parallel_state
 from nxd_moe.config import ExpertParallelConfig
 from nxd_moe.experts.backends import TorchBackend
-from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
-from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads, replica_counts
 from nxd_moe.experts.local_routing import local_routing
 from nxd_moe.experts.pairs import run_experts
 from nxd_moe.parallel import ExpertParallel
+from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
+from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads, replica_counts
 from nxd_moe.parallel.payload import pack, unpack
 from nxd_moe.parallel.placement import ExpertPlacement, pair_positions
 from nxd_moe.parallel.sharding import ShardSpec, shard_state_dict, shard_tensor, tensor_parallel_slice

@@ -9,7 +9,6 @@ on any rank stops the world, and the scenarios after it report as skipped.
 from __future__ import annotations
 
 import pytest
-
 from parallel_harness import assert_scenario, run_world
 from parallel_worker import SUITES
 

@@ -17,11 +17,11 @@ sys.path[:0] = [str(ROOT / "tests" / "parallel"), str(ROOT / "tests"), str(ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from parallel_worker import make_moe, randomize_  # noqa: E402
 
 from nxd_moe import parallel_state  # noqa: E402
 from nxd_moe.parallel.sharding import load_full_state_dict  # noqa: E402
 from nxd_moe.trace_spmd import SPMDLayout  # noqa: E402
-from parallel_worker import make_moe, randomize_  # noqa: E402
 
 
 def layer(layout: SPMDLayout, model_parallel: bool | None = None, **kwargs):

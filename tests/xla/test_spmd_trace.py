@@ -21,12 +21,12 @@ os.environ.setdefault("CPU_NUM_DEVICES", "4")
 torch_xla = pytest.importorskip("torch_xla")
 
 import torch  # noqa: E402
-
 from gloo_reference import layer  # noqa: E402
+from parallel_worker import quantized_pair  # noqa: E402
+
 from nxd_moe import trace_spmd as ts  # noqa: E402
 from nxd_moe.parallel_state import model_parallel_layout  # noqa: E402
 from nxd_moe.trace import hlo_entry_parameters  # noqa: E402
-from parallel_worker import quantized_pair  # noqa: E402
 
 WORLD = 4
 # float32: the parallel layer sums the same products as one device in another order (intermediate slices and EP

@@ -15,8 +15,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 torch_xla = pytest.importorskip("torch_xla")
 
 import torch_xla.core.xla_builder as xb  # noqa: E402
-
 from conftest import make_config, make_experts, make_router, make_shared  # noqa: E402
+
 from nxd_moe import MoE  # noqa: E402
 from nxd_moe.cli import main as cli_main  # noqa: E402
 from nxd_moe.trace import export_hlo, hlo_entry_parameters, hlo_op_histogram, moe_inputs, run_exported  # noqa: E402

@@ -14,7 +14,6 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 torch_xla = pytest.importorskip("torch_xla")
 
 import torch  # noqa: E402
-
 from conftest import (  # noqa: E402
     ItemExperts,
     NonzeroExperts,
@@ -25,6 +24,7 @@ from conftest import (  # noqa: E402
     randn,
     random_routing,
 )
+
 from nxd_moe import MoE  # noqa: E402
 from nxd_moe.experts.while_loop import while_loop  # noqa: E402
 from nxd_moe.trace import check_static, export_hlo, moe_inputs  # noqa: E402

@@ -12,7 +12,6 @@ from nxd_moe.nki_kernels.instruction_support import as_f32, chosen_engine, compu
 from nxd_moe.nki_kernels.machine import check_alive, current_core, instruction
 from nxd_moe.nki_kernels.tensor import NkiTensor
 
-
 MATMUL_DTYPES = (bfloat16, float16, float8_e4m3, float32)
 
 

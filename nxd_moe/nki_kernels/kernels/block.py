@@ -27,6 +27,8 @@ from nxd_moe.config import SkipMode
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.dtypes import is_integer
+from nxd_moe.nki_kernels.hardware import PMAX
 from nxd_moe.nki_kernels.kernels.expert_mlp import (
     HIDDEN_CHUNK,
     ExpertAffinityScaleMode,
@@ -43,11 +45,8 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     weight_chunks,
 )
 from nxd_moe.nki_kernels.kernels.tiling import tiles
-from nxd_moe.nki_kernels.dtypes import is_integer
-from nxd_moe.nki_kernels.hardware import PMAX
 from nxd_moe.nki_kernels.machine import counted_once_per_signature
 from nxd_moe.nki_kernels.tensor import NkiTensor, scalar_value
-
 
 NO_SKIP = SkipMode(False, False)
 

@@ -18,6 +18,7 @@ from nxd_moe.config import BlockShardStrategy, SkipMode
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.hardware import PMAX
 from nxd_moe.nki_kernels.kernels.block import (
     NO_SKIP,
     BlockwiseInputs,
@@ -30,7 +31,6 @@ from nxd_moe.nki_kernels.kernels.block import (
 )
 from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
-from nxd_moe.nki_kernels.hardware import PMAX
 
 
 def core_blocks(num_blocks: int, cores: int, core: int, strategy: BlockShardStrategy) -> tuple[int, int, int]:

@@ -26,8 +26,8 @@ from nxd_moe.config import GLUType
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
-from nxd_moe.nki_kernels.kernels.tiling import tiles
 from nxd_moe.nki_kernels.hardware import PMAX, HardwareLimitError
+from nxd_moe.nki_kernels.kernels.tiling import tiles
 from nxd_moe.nki_kernels.tensor import NkiTensor
 from nxd_moe.quantization.formats import QuantizationFormat, Shape, get_format
 

@@ -22,6 +22,8 @@ from dataclasses import replace
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
+from nxd_moe.nki_kernels.dtypes import is_integer
+from nxd_moe.nki_kernels.hardware import PMAX
 from nxd_moe.nki_kernels.kernels.expert_mlp import (
     HIDDEN_CHUNK,
     ExpertAffinityScaleMode,
@@ -39,8 +41,6 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     weight_chunks,
 )
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
-from nxd_moe.nki_kernels.dtypes import is_integer
-from nxd_moe.nki_kernels.hardware import PMAX
 from nxd_moe.nki_kernels.machine import counted_once_per_signature
 from nxd_moe.nki_kernels.tensor import NkiTensor
 

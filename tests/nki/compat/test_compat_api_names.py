@@ -9,13 +9,12 @@ import importlib
 
 import numpy as np
 import pytest
+from nki_api_names import DOCUMENTED, MULTI_RANK, SIM, TRN3, TRN3_ONLY, inventory
 
 from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.compat.collectives import CollectivesNotSimulatedError
 from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.instructions.trn3 import Trn3OnlyError
-
-from nki_api_names import DOCUMENTED, MULTI_RANK, SIM, TRN3, TRN3_ONLY, inventory
 
 
 def test_every_listed_name_exists(nki_compat):  # noqa: F811

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_compat_ops import _load, _store  # the same test helpers (pytest puts this folder on sys.path)
 
 from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.machine import HardwareLimitError
-
-from test_compat_ops import _load, _store  # the same test helpers (pytest puts this folder on sys.path)
 
 rng = np.random.default_rng(7)
 

@@ -26,7 +26,8 @@ def test_every_family_resolves_to_one_implementation_and_uninstall_restores():
     before = _aliased()
     compat.install(families=compat.ALL_FAMILIES)
     try:
-        # The imports of nki-library's test/utils/simulation_setup.py, verbatim in form.
+        # The imports of nki-library's test/utils/simulation_setup.py, verbatim in form (and order).
+        # isort: off
         import nki_cpu_simulator.nki.builtin as sim_builtin
         import nki_cpu_simulator.nki.compiler as sim_ncc
         import nki_cpu_simulator.nki.isa as sim_nisa
@@ -43,6 +44,7 @@ def test_every_family_resolves_to_one_implementation_and_uninstall_restores():
         from neuronxcc.starfish.support.dtype import static_cast
 
         import nki
+        # isort: on
 
         assert sim_nki is nki and sim_nisa is isa is legacy_nisa and sim_nl is language
         assert sim_nisa_constants.oob_mode is isa.oob_mode and sim_nt is legacy_nt

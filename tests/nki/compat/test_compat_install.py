@@ -123,10 +123,9 @@ def test_jit_launch_syntax_and_last_run(nki_compat):  # noqa: F811
 
 
 def test_torch_in_torch_out_and_inputs_written_back(nki_compat):  # noqa: F811
-    import torch
-
     import nki.isa as nisa
     import nki.language as nl
+    import torch
 
     def scale_in_place(a):
         t = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
-from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from test_compat_ops import _load, k  # noqa: F401 -- the same fixture and helper (this folder is on sys.path)
 from test_compat_ops import _store as _out
+
+from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from nxd_moe.nki_kernels.machine import HardwareLimitError, OutOfBoundsError
 
 rng = np.random.default_rng(7)

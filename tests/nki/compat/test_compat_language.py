@@ -7,10 +7,10 @@ import math
 
 import numpy as np
 import pytest
-
-from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 from test_compat_ops import _load, k  # noqa: F401 -- the same fixture and helper (this folder is on sys.path)
 from test_compat_ops import _store as _out
+
+from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
 
 rng = np.random.default_rng(3)
 

@@ -8,11 +8,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
-from nxd_moe.nki_kernels.machine import HardwareLimitError
-
 # the same fixture and helper as the instruction tests (pytest puts this folder on sys.path)
 from test_compat_instructions import _out, k  # noqa: F401
+
+from nxd_moe.nki_kernels.compat.pytest_plugin import nki_compat  # noqa: F401 -- the fixture
+from nxd_moe.nki_kernels.machine import HardwareLimitError
 
 rng = np.random.default_rng(11)
 
