@@ -541,6 +541,10 @@ _RUNTIME = ("x", "index", "mask", "affinities", "padding", "logits", "addend", "
             "row_token", "tile_expert", "pair_row", "act", "y", "sh_act", "sh_y", "sync", "trace")
 
 
+# Plans of at most this many tokens keep their scratch between launches (see ``_Plan.keeps_scratch``).
+KEPT_SCRATCH_TOKENS = 64
+
+
 class _Plan:
     """Everything about one launch that follows from static shapes -- grid, sizes, constexprs, scratch buffers
     (shared by all layers of that shape on one stream: launches on one stream run one after another) -- and, after
@@ -607,6 +611,10 @@ class _Plan:
         if trace:
             self.scratch_shapes.update(trace=((max_items, 4), torch.int64))
         self.sync = self.scratch = self.trace = None  # made on the first launch outside a compiled graph
+        # Only decode-sized plans keep their scratch: a decode loop launches the same few shapes step after step, so
+        # keeping them saves the allocator calls in a host-bound step; a prefill-sized launch (prompt lengths vary,
+        # each its own plan) kept its scratch -- 20 MiB at 256 tokens of a small model -- for ever, once per length.
+        self.keeps_scratch = trace or num_tokens <= KEPT_SCRATCH_TOKENS
         shared_strides = (0, 0, 0, 0) if shared is None else (*shared.gate.stride(), *shared.down.stride())
         self.constexprs = dict(
             hidden=hidden, inter=inter, inter_actual=scalars[0], shared_inter=shared_inter, num_experts=num_experts,
@@ -650,6 +658,8 @@ class _Plan:
             # it, or the pool's next owner, would read garbage. Per-call buffers, made inside the graph, instead.
             return (torch.zeros(self.sync_slots, dtype=torch.int32, device=device),
                     self._new_scratch(device))
+        if not self.keeps_scratch:  # from the caching allocator, returned to it when the launch's op ends
+            return _sync_buffer(device, self.sync_slots), self._new_scratch(device)
         if self.scratch is None:
             self.sync = _sync_buffer(device, self.sync_slots)
             self.scratch = self._new_scratch(device)

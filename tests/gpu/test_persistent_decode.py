@@ -266,6 +266,26 @@ def test_layers_with_equal_launch_configs_share_one_plan():
     assert len(persistent_decode._PLANS) == plans + 1
 
 
+def test_only_decode_sized_plans_keep_their_scratch(monkeypatch):
+    """A decode loop relaunches a few small shapes, whose plans keep their scratch between launches; a prefill-sized
+    launch (prompt lengths vary, each length its own plan) takes its scratch from the allocator for that call alone
+    -- kept, every prompt length seen held its own (20 MiB at 256 tokens of a small model) for ever. The large
+    launch's output is the small launches' algorithm all the same (float64 reference)."""
+    monkeypatch.setattr(persistent_decode, "_PLANS", {})
+    moe = _moe(RouterTopK(8, 2, 32), seed=5)
+    small = randn(2, 1, 32, seed=16).to(DEVICE)
+    large = randn(persistent_decode.KEPT_SCRATCH_TOKENS + 8, 1, 32, seed=17).to(DEVICE)
+    with torch.no_grad():
+        moe(small)
+        out = moe(large)[0]
+    plans = {plan.sizes[0]: plan for plan in persistent_decode._PLANS.values()}
+    assert sorted(plans) == [2, large.shape[0]]
+    assert plans[2].scratch is not None and plans[large.shape[0]].scratch is None
+    _check(out, reference_for_moe(moe, large), torch.float32, "prefill-sized")
+    with torch.no_grad():
+        assert torch.equal(moe(large)[0], out)  # per-call scratch: the same result launch after launch
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_a_decode_first_launched_inside_a_capture_keeps_nothing_from_it():
     """A decode whose first launch on a stream is inside a CUDA-graph capture (its warm-up ran on another stream)
