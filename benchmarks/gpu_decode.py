@@ -197,7 +197,7 @@ def run(args) -> dict:
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
                 entry["profile"][label] = text.getvalue()[-6000:]
         kernels = {}
-        for fn in (persistent_decode._decode_kernel,):
+        for fn in (persistent_decode.decode_kernel,):
             for cache in fn.device_caches.values():
                 for key, compiled in cache[0].items():
                     kernels[str(hash(key))] = {"n_regs": getattr(compiled, "n_regs", None),

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from nxd_moe.config import to_torch_dtype
+from nxd_moe.checks import to_torch_dtype
 from nxd_moe.experts.backends import get_backend
 
 __all__ = ["AUTO_SCALE_MAX_HIDDEN", "MIN_AUTO_SCALE", "auto_scale", "positive_float", "positive_int", "resolve_device",

@@ -42,16 +42,10 @@ from nxd_moe.arguments import (
     scale_argument,
 )
 from nxd_moe.build import build_moe, scale_rounding, scaled_model
-from nxd_moe.config import (
-    ALL_TO_ALL_SPLITS,
-    EXPERT_PARALLEL_DISPATCHES,
-    ExpertParallelConfig,
-    MoEModelConfig,
-    builtin_config_names,
-    load_model_config,
-)
 from nxd_moe.experts.backends import BACKENDS
 from nxd_moe.graphs import GraphedStep, capture
+from nxd_moe.model_config import MoEModelConfig, builtin_config_names, load_model_config
+from nxd_moe.moe_configs import ALL_TO_ALL_SPLITS, EXPERT_PARALLEL_DISPATCHES, ExpertParallelConfig
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nxd_moe.config import check_bool
+from nxd_moe.checks import check_bool
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2, check_expert_index
 from nxd_moe.experts.shared import SharedExperts
 from nxd_moe.parallel.expert_parallel import ExpertParallel

@@ -40,9 +40,10 @@ import torch
 import torch.nn as nn
 
 from nxd_moe import parallel_state
-from nxd_moe.config import BlockwiseMatmulConfig, RoutedExpertsMLPOpsConfig, RouterConfig, to_torch_dtype
+from nxd_moe.checks import to_torch_dtype
 from nxd_moe.experts import ExpertMLPsV2, SharedExperts
 from nxd_moe.moe import MoE
+from nxd_moe.moe_configs import BlockwiseMatmulConfig, RoutedExpertsMLPOpsConfig, RouterConfig
 from nxd_moe.quantization.nxd_fields import format_of_nxd_fields
 from nxd_moe.routing import RouterTopK
 

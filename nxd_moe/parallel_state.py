@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from nxd_moe.config import check_float, check_int, placed_distribution
+from nxd_moe.checks import check_float, check_int
+from nxd_moe.moe_configs import placed_distribution
 
 DEFAULT_TIMEOUT_S = 60.0
 

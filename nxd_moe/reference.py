@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from nxd_moe.config import GLUType, RoutedExpertsMLPOpsConfig
+from nxd_moe.moe_configs import GLUType, RoutedExpertsMLPOpsConfig
 from nxd_moe.quantization.weight import dequantized
 
 _ACTS = {

@@ -196,3 +196,28 @@ def test_model_config_errors_name_the_key(tmp_path):
         load_model_config(bad)
     with pytest.raises(FileNotFoundError, match="built-in"):
         load_model_config("no-such-model")
+
+
+def test_nxd_moe_config_is_the_public_path_of_the_config_modules():
+    """``nxd_moe.config`` re-exports checks, fingerprint, moe_configs and model_config, and their classes and functions
+    keep it as their ``__module__`` (their home before the split): pickles name it, and annotations resolve there."""
+    import pickle
+    import types
+    import typing
+
+    import nxd_moe.config as config
+    from nxd_moe import checks, fingerprint, model_config, moe_configs
+
+    homes = (checks, fingerprint, moe_configs, model_config)
+    for name in config.__all__:
+        value = getattr(config, name)
+        assert any(vars(m).get(name) is value for m in homes), name
+        if isinstance(value, (type, types.FunctionType)) and name != "check_limits":  # check_limits: new
+            assert value.__module__ == "nxd_moe.config", name
+    cfg = load_model_config("qwen3-30b-a3b")
+    for obj in (cfg, cfg.routed_experts_config(), cfg.blockwise_config(), GLUType.SWIGLU, SkipMode(True, False),
+                config.ExpertParallelConfig(), config.RouterConfig(), config.MoEFusedTKGConfig(quantized=False)):
+        data = pickle.dumps(obj)
+        assert b"nxd_moe.config" in data and pickle.loads(data) == obj
+        if dataclasses.is_dataclass(obj):
+            assert set(typing.get_type_hints(type(obj))) == {f.name for f in dataclasses.fields(obj)}

@@ -28,10 +28,11 @@ ROOT = Path(__file__).resolve().parents[1] / "nxd_moe"
 LAYERS: list[tuple[str, list[str]]] = [
     ("vocabulary: leaf modules that import nothing of nxd_moe",
      ["quantization.formats", "quantization.nxd_fields", "activations", "aliasing", "extras", "graphs", "validation",
-      "cuda_kernels.build", "gpu_info", "layer_parts"]),
+      "cuda_kernels.build", "gpu_info", "layer_parts", "checks", "fingerprint"]),
     ("quantized weights", ["quantization.activations", "quantization.weight", "quantization.checkpoint",
                            "quantization"]),
-    ("configs", ["config"]),
+    ("NxD's configs", ["moe_configs"]),
+    ("model configurations (configs/*.yaml)", ["model_config"]),
     ("rank-free math: routers, expert algorithms, the float64 reference", ["routing", "experts", "reference"]),
     ("hand-built CUDA kernels", ["cuda_kernels"]),
     ("backends", ["triton_kernels", "nki_kernels"]),
@@ -48,8 +49,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("command line", ["cli"]),
 ]
 # Modules that only re-export (the package root, the public front of the transformers integration, the old module
-# paths of tracing): above every layer, so nothing inside the package imports them; they may import any layer.
-FACADES = {"nxd_moe", "nxd_moe.hf", "nxd_moe.trace", "nxd_moe.trace_spmd"}
+# paths of tracing, nxd_moe.config -- the public path of checks, fingerprint, moe_configs and model_config): above
+# every layer, so nothing inside the package imports them; they may import any layer.
+FACADES = {"nxd_moe", "nxd_moe.hf", "nxd_moe.trace", "nxd_moe.trace_spmd", "nxd_moe.config"}
 # Modules that need an optional third-party package (the gpu extra's triton, nvcc at build time; the hf extra's
 # transformers, which nxd_moe.hf imports when it is imported): imported inside the function that uses them, so that
 # the rest works without them (and does not pay for importing them).
@@ -225,8 +227,8 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
     (pkg / "experts").mkdir(parents=True)
     files = {
         "__init__.py": "",
-        "config.py": "from nxd_moe.moe import MoE\n",  # upward (and a circle with moe)
-        "moe.py": "import nxd_moe.config\n\ndef f():\n    from nxd_moe.experts import mlp\n",  # in function
+        "moe_configs.py": "from nxd_moe.moe import MoE\n",  # upward (and a circle with moe)
+        "moe.py": "import nxd_moe.moe_configs\n\ndef f():\n    from nxd_moe.experts import mlp\n",  # in function
         "routing.py": "from nxd_moe.experts.mlp import _helper\n",  # sibling and private
         "experts/__init__.py": "",
         "experts/mlp.py": "def _helper():\n    pass\n",
@@ -238,11 +240,11 @@ def test_the_checker_sees_each_kind_of_violation(tmp_path):
         (pkg / name).write_text(text)
     found = violations(import_edges(module_files(pkg)))
     assert found == {
-        ("upward", "nxd_moe.config", "nxd_moe.moe"),
+        ("upward", "nxd_moe.moe_configs", "nxd_moe.moe"),
         ("in function", "nxd_moe.moe", "nxd_moe.experts.mlp"),
         ("sibling", "nxd_moe.routing", "nxd_moe.experts.mlp"),
         ("private", "nxd_moe.routing", "nxd_moe.experts.mlp"),
-        ("circle", "nxd_moe.config", "nxd_moe.moe"),
+        ("circle", "nxd_moe.moe", "nxd_moe.moe_configs"),
     }
 
 

@@ -107,7 +107,7 @@ def test_prefill_gemms_compile_without_spills():
 def test_one_launch_decode_compiles_without_spills(model, fmt, num_tokens, small_tokens):
     launches, _ = _launches(model, num_tokens, small_tokens, fmt, decode=True)
     reports = sm90_offline.compile_launches(launches)
-    assert "_decode_kernel" in {r["kernel"] for r in reports}
+    assert "decode_kernel" in {r["kernel"] for r in reports}
     _assert_no_spills(reports)
 
 
@@ -115,7 +115,7 @@ def test_gpt_oss_interleaved_decode_compiles_without_spills():
     """GPT-OSS-20B's one-launch decode at T=32 (bias, clamps, SwiGLU) reading transformers' interleaved gate/up
     columns as 2 * BLOCK_N adjacent ones (the experts backend's layout; the flag set on the captured launch)."""
     launches, _ = _launches(GPT_OSS, 32, 8, activation="swiglu_gptoss", decode=True)
-    decode = copy.deepcopy(next(launch for launch in launches if launch["kernel"] == "_decode_kernel"))
+    decode = copy.deepcopy(next(launch for launch in launches if launch["kernel"] == "decode_kernel"))
     decode["args"]["GATE_UP_INTERLEAVED"] = {"value": True}
     _assert_no_spills(sm90_offline.compile_launches([decode]))
 

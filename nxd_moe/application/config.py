@@ -27,7 +27,8 @@ from typing import Any, Mapping
 import torch
 
 from nxd_moe.application.sampling import SamplingConfig
-from nxd_moe.config import BlockwiseMatmulConfig, RouterConfig, check_bool, check_int, to_torch_dtype
+from nxd_moe.checks import check_bool, check_int, to_torch_dtype
+from nxd_moe.moe_configs import BlockwiseMatmulConfig, RouterConfig
 from nxd_moe.quantization.nxd_fields import format_of_nxd_fields
 
 __all__ = ["IGNORED", "REFUSED", "SERVED", "ApplicationConfig", "NxDIFieldWarning", "autobucket"]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_moe.application.runner import MAX_EOS_TOKENS, ProgramRunner
-from nxd_moe.config import check_int
+from nxd_moe.checks import check_int
 
 __all__ = ["GenerationOutput", "generate_tokens", "prompts_of"]
 

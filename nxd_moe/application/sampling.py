@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nxd_moe.config import check_bool, check_float, check_int
+from nxd_moe.checks import check_bool, check_float, check_int
 
 __all__ = ["SamplingConfig", "prepare_sampling_params", "sample_tokens"]
 

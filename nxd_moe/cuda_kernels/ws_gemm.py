@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from nxd_moe.config import GLUType
 from nxd_moe.cuda_kernels import build
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.gpu_info import capability, multiprocessors
+from nxd_moe.moe_configs import GLUType
 
 # The kernels' row tile (TileLayout.block_m) and the multiple of H and I they handle (one 128-byte K step).
 BLOCK_M = 128

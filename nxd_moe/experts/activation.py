@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from nxd_moe.activations import ACT2FN
-from nxd_moe.config import GLUType, RoutedExpertsMLPOpsConfig
+from nxd_moe.moe_configs import GLUType, RoutedExpertsMLPOpsConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import importlib
 
 import torch
 
-from nxd_moe.config import BlockwiseMatmulConfig, check_bool
+from nxd_moe.checks import check_bool
 from nxd_moe.experts.blockwise import blockwise_forward
 from nxd_moe.experts.capacity import capacity_factor_forward
 from nxd_moe.experts.decode import all_experts_forward, selective_loading_forward
@@ -27,6 +27,7 @@ from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.routing_inputs import Routing, build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, token_to_block_mapping
+from nxd_moe.moe_configs import BlockwiseMatmulConfig
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from nxd_moe.config import check_float, check_int
+from nxd_moe.checks import check_float, check_int
 from nxd_moe.experts.mlp import ExpertWeights, combine, dense_expert_mlp
 from nxd_moe.experts.routing_inputs import Routing
 

@@ -26,12 +26,12 @@ from typing import NamedTuple
 
 import torch
 
-from nxd_moe.config import BlockwiseMatmulConfig
 from nxd_moe.experts.blockwise import gather_block_inputs
 from nxd_moe.experts.mlp import ExpertWeights, ExpertWeightsLayout, combine, grouped_expert_mlp
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_static_blocks
 from nxd_moe.experts.while_loop import while_loop_into
+from nxd_moe.moe_configs import BlockwiseMatmulConfig
 
 
 class DynamicWhileResult(NamedTuple):

@@ -12,15 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nxd_moe import parallel_state
-from nxd_moe.config import (
-    BlockwiseMatmulConfig,
-    ExpertParallelConfig,
-    RoutedExpertsMLPOpsConfig,
-    check_bool,
-    check_int,
-    config_fingerprint,
-    to_torch_dtype,
-)
+from nxd_moe.checks import check_bool, check_int, to_torch_dtype
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, check_backend_supports, get_backend
 from nxd_moe.experts.capacity import expert_capacity
@@ -30,6 +22,8 @@ from nxd_moe.experts.pairs import experts_forward_pairs, run_experts
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.shard import ShardSpec, WeightShard
 from nxd_moe.experts.token_mapping import BlockMapping
+from nxd_moe.fingerprint import config_fingerprint
+from nxd_moe.moe_configs import BlockwiseMatmulConfig, ExpertParallelConfig, RoutedExpertsMLPOpsConfig
 from nxd_moe.quantization import QuantizedWeight, Shape, Weight, get_format
 from nxd_moe.quantization.activations import activation_quantization_spec
 from nxd_moe.quantization.formats import k_fastest

@@ -12,12 +12,12 @@ from typing import NamedTuple
 
 import torch
 
-from nxd_moe.config import BlockwiseMatmulConfig
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.moe_configs import BlockwiseMatmulConfig
 
 
 class ExpertsRun(NamedTuple):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from nxd_moe import parallel_state
 from nxd_moe.activations import ACT2FN
-from nxd_moe.config import check_bool, check_int, to_torch_dtype
+from nxd_moe.checks import check_bool, check_int, to_torch_dtype
 from nxd_moe.experts.shard import ShardSpec
 from nxd_moe.layer_parts import SharedParts
 from nxd_moe.quantization.formats import Shape, get_format

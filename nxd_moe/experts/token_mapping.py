@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from nxd_moe.config import DEFAULT_PADDING_VALUE, check_int
+from nxd_moe.checks import check_int
+from nxd_moe.moe_configs import DEFAULT_PADDING_VALUE
 
 
 def num_blocks(num_tokens: int, top_k: int, num_experts: int, block_size: int, pad_to_even: bool = False) -> int:

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from nxd_moe.build import build_moe
-from nxd_moe.config import MoEModelConfig
 from nxd_moe.hf.families import LAYOUTS, NXD_OWNED, as_model_config, family_of
 from nxd_moe.hf.stored_formats import StateDict, check_stored_formats, hf_quantization, nxd_quantization
+from nxd_moe.model_config import MoEModelConfig
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import load_full_state_dict
 

@@ -13,14 +13,8 @@ from typing import Any, Mapping
 import torch
 
 from nxd_moe.activations import ACT2FN
-from nxd_moe.config import (
-    DEFAULT_BLOCK_SIZE,
-    MoEModelConfig,
-    RouterSpec,
-    SharedExpertsSpec,
-    builtin_config_names,
-    load_model_config,
-)
+from nxd_moe.model_config import MoEModelConfig, RouterSpec, SharedExpertsSpec, builtin_config_names, load_model_config
+from nxd_moe.moe_configs import DEFAULT_BLOCK_SIZE
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama4_text", "llama4",
                          "dbrx")

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from nxd_moe.config import MoEModelConfig
 from nxd_moe.hf.configs import from_hf_config
 from nxd_moe.hf.stored_formats import StateDict, hf_quantization, nxd_quantization
+from nxd_moe.model_config import MoEModelConfig
 from nxd_moe.quantization.checkpoint import mxfp4_from_gpt_oss, mxfp4_to_gpt_oss
 
 LAYOUTS = ("transformers", "hub")

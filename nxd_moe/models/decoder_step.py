@@ -15,7 +15,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from nxd_moe.config import check_int
+from nxd_moe.checks import check_int
 
 __all__ = ["PolarFreeRotaryEmbedding", "StaticCacheStep", "check_cache_length", "replace_polar_rotary_embeddings"]
 

@@ -33,12 +33,12 @@ import torch
 import torch.nn as nn
 
 from nxd_moe.activations import ACT2FN
-from nxd_moe.config import DEFAULT_SELECTIVE_LOADING_THRESHOLD, BlockwiseMatmulConfig, GLUType
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.experts.pairs import experts_forward_pairs
+from nxd_moe.moe_configs import DEFAULT_SELECTIVE_LOADING_THRESHOLD, BlockwiseMatmulConfig, GLUType
 
 # NxD's defaults: blockwise from T*k >= 512 assignments, selective loading while T*k < E.
 BLOCKWISE_MATMUL_CONFIG = BlockwiseMatmulConfig()

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from nxd_moe.arguments import auto_scale, positive_int, resolve_device, resolve_dtype, scale_argument
-from nxd_moe.config import builtin_config_names, check_int, load_model_config
+from nxd_moe.checks import check_int
 from nxd_moe.extras import require
+from nxd_moe.model_config import builtin_config_names, load_model_config
 from nxd_moe.models.experts_backend import register_experts_implementations
 
 HELP = "generate with a whole transformers MoE model through nxd_moe and print tokens/s next to transformers' default"

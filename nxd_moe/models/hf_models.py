@@ -16,8 +16,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from nxd_moe.build import scaled_model
-from nxd_moe.config import MoEModelConfig, check_int, load_model_config, scaled_width, to_torch_dtype
+from nxd_moe.checks import check_int, to_torch_dtype
 from nxd_moe.hf.configs import from_hf_config
+from nxd_moe.model_config import MoEModelConfig, load_model_config, scaled_width
 
 __all__ = ["HF_MODEL_TYPES", "build_hf_config", "build_hf_model"]
 

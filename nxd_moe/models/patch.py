@@ -17,13 +17,13 @@ import torch
 import torch.nn as nn
 
 from nxd_moe.build import build_moe, check_overrides
-from nxd_moe.config import MoEModelConfig
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.hf.blocks import from_hf_moe_block
 from nxd_moe.hf.checkpoints import check_hf_block, hf_block_to_nxd, meta_state_dict
 from nxd_moe.hf.configs import SUPPORTED_MODEL_TYPES, from_hf_config
 from nxd_moe.hf.families import HF_QUANT_METHODS, family_of, unsaved_formats
 from nxd_moe.hf.stored_formats import check_stored_formats, layer_formats
+from nxd_moe.model_config import MoEModelConfig
 from nxd_moe.moe import MoE
 from nxd_moe.parallel.sharding import shard_state_dict
 from nxd_moe.quantization.formats import get_format, reported_format

@@ -26,11 +26,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nxd_moe.config import BlockShardStrategy, BlockwiseMatmulConfig, check_int, default_logical_nc_config
+from nxd_moe.checks import check_int
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import num_static_blocks
+from nxd_moe.moe_configs import BlockShardStrategy, BlockwiseMatmulConfig, default_logical_nc_config
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.compat.frontend import Kernel
 from nxd_moe.nki_kernels.compat.frontend import run as run_nki

@@ -32,17 +32,13 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from nxd_moe.config import (
-    BlockwiseMatmulConfig,
-    MoEModelConfig,
-    builtin_config_names,
-    check_int,
-    load_model_config,
-)
+from nxd_moe.checks import check_int
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.mode import ExpertsMode, select_mode
 from nxd_moe.experts.token_mapping import num_blocks, num_static_blocks, token_to_block_mapping
 from nxd_moe.extras import MissingExtraError, require
+from nxd_moe.model_config import MoEModelConfig, builtin_config_names, load_model_config
+from nxd_moe.moe_configs import BlockwiseMatmulConfig
 from nxd_moe.nki_kernels import compat
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.backend import KernelCall, blockwise_call, pads_token_rows

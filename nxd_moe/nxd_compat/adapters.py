@@ -20,20 +20,18 @@ import dataclasses
 import torch
 
 from nxd_moe import moe as moe_module
-from nxd_moe.config import (
+from nxd_moe.checks import check_bool, check_int, to_torch_dtype
+from nxd_moe.experts import expert_mlps as expert_mlps_module
+from nxd_moe.experts import shared as shared_module
+from nxd_moe.moe_configs import (
     DEFAULT_BLOCK_SIZE,
     BlockShardStrategy,
     BlockwiseMatmulConfig,
     GLUType,
     MoEFusedTKGConfig,
     RoutedExpertsMLPOpsConfig,
-    check_bool,
-    check_int,
     default_logical_nc_config,
-    to_torch_dtype,
 )
-from nxd_moe.experts import expert_mlps as expert_mlps_module
-from nxd_moe.experts import shared as shared_module
 from nxd_moe.nxd_compat.block_mapping import ExpertMLPsHelpers
 from nxd_moe.nxd_compat.not_served import KERNELS, NotServed
 from nxd_moe.nxd_compat.parallel_state import check_group

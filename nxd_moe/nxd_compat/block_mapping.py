@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nxd_moe.config import check_int
+from nxd_moe.checks import check_int
 from nxd_moe.experts.token_mapping import token_to_block_mapping
 from nxd_moe.nxd_compat.not_served import KERNELS, NotServed
 

@@ -31,7 +31,7 @@ import torch
 
 from nxd_moe.application import ApplicationConfig, CausalLMApplication, SamplingConfig
 from nxd_moe.application.artifacts import CONFIG_FILE, MANIFEST_FILE
-from nxd_moe.config import to_torch_dtype
+from nxd_moe.checks import to_torch_dtype
 
 __all__ = ["FAMILIES", "HuggingFaceGenerationAdapter", "InferenceConfig", "MoENeuronConfig", "NeuronConfig",
            "OnDeviceSamplingConfig", "benchmark_sampling", "load_pretrained_config"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from nxd_moe import parallel_state
-from nxd_moe.config import check_bool
+from nxd_moe.checks import check_bool
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, group_size, reduce_scatter
 
 __all__ = ["copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",

@@ -21,7 +21,8 @@ from nxd_moe import nxdi
 from nxd_moe.activations import ACT2FN, ACTFunc, get_kernel_activation_func_id
 from nxd_moe.aliasing import new_module as _module
 from nxd_moe.aliasing import new_package as _package
-from nxd_moe.config import (
+from nxd_moe.checks import to_torch_dtype
+from nxd_moe.moe_configs import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_PADDING_VALUE,
     DEFAULT_SELECTIVE_LOADING_THRESHOLD,
@@ -32,7 +33,6 @@ from nxd_moe.config import (
     RouterConfig,
     SkipMode,
     default_logical_nc_config,
-    to_torch_dtype,
 )
 from nxd_moe.nxd_compat import adapters, inference, mappings, parallel_state, support_namespaces
 from nxd_moe.nxd_compat.not_served import KERNELS

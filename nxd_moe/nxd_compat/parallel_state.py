@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch.distributed as dist
 
 from nxd_moe import parallel_state as _ours
-from nxd_moe.config import check_bool, check_int
+from nxd_moe.checks import check_bool, check_int
 from nxd_moe.parallel_state import (  # noqa: F401 -- NxD's names, the same functions
     get_data_parallel_rank,
     get_data_parallel_size,

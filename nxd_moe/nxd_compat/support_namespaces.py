@@ -17,7 +17,7 @@ import types
 
 from nxd_moe.aliasing import new_module as _module
 from nxd_moe.aliasing import new_package as _package
-from nxd_moe.config import BlockShardStrategy, SkipMode
+from nxd_moe.moe_configs import BlockShardStrategy, SkipMode
 from nxd_moe.nxd_compat import testing, utils
 from nxd_moe.nxd_compat.not_served import KERNELS, QUANTIZATION, TRAINING, not_served
 

@@ -14,7 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from nxd_moe.config import check_int, default_logical_nc_config
+from nxd_moe.checks import check_int
+from nxd_moe.moe_configs import default_logical_nc_config
 
 __all__ = ["LogicalNCConfig", "get_platform_lnc", "move_model_to_device", "get_logger",
            "model_parallel_xla_manual_seed", "serve_xla_backend"]

@@ -17,7 +17,7 @@ The process groups themselves are :mod:`nxd_moe.parallel_state` (NxD's module na
 (:mod:`nxd_moe.experts`) know nothing of ranks: this package drives them.
 """
 
-from nxd_moe.config import contiguous_distribution
+from nxd_moe.moe_configs import contiguous_distribution
 from nxd_moe.parallel.eplb import plan_expert_distribution, rank_loads
 from nxd_moe.parallel.expert_parallel import ExpertParallel
 from nxd_moe.parallel.placement import ExpertPlacement

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from nxd_moe.config import EXPERT_PARALLEL_DISPATCHES
+from nxd_moe.moe_configs import EXPERT_PARALLEL_DISPATCHES
 from nxd_moe.parallel.all_gather import all_gather_dispatch
 from nxd_moe.parallel.all_to_all import all_to_all_dispatch
 from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult

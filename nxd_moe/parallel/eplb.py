@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from nxd_moe.config import check_int
+from nxd_moe.checks import check_int
 from nxd_moe.parallel.placement import ExpertPlacement
 
 

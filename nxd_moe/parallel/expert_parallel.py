@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from nxd_moe import parallel_state
-from nxd_moe.config import config_fingerprint
 from nxd_moe.experts.capacity import expert_capacity
 from nxd_moe.experts.expert_mlps import ExpertMLPsV2, ExpertsStats, PairsComputed
 from nxd_moe.experts.mode import ExpertsMode
+from nxd_moe.fingerprint import config_fingerprint
 from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.dispatch import DispatchInputs
 from nxd_moe.parallel.dispatches import get_dispatch

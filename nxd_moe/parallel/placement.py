@@ -13,8 +13,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from nxd_moe.config import check_int, placed_distribution
+from nxd_moe.checks import check_int
 from nxd_moe.experts.routing_inputs import expert_mask
+from nxd_moe.moe_configs import placed_distribution
 
 
 class ExpertPlacement:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from nxd_moe.config import check_int
+from nxd_moe.checks import check_int
 from nxd_moe.experts.shard import ShardSpec
 from nxd_moe.parallel_state import SPMDRank
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nxd_moe.config import check_bool, check_int
+from nxd_moe.checks import check_bool, check_int
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from nxd_moe.config import check_bool
+from nxd_moe.checks import check_bool
 from nxd_moe.experts.backends import check_backend_supports
 from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
 from nxd_moe.experts.shared import DenseProjection

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nxd_moe.config import check_bool, check_float, check_int, to_torch_dtype
+from nxd_moe.checks import check_bool, check_float, check_int, to_torch_dtype
 from nxd_moe.layer_parts import RouterParts
 from nxd_moe.validation import FiniteWeightsOnLoad, check_hidden_states
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nxd_moe.config import check_bool, check_float, check_int
+from nxd_moe.checks import check_bool, check_float, check_int
 from nxd_moe.routing.base import RouterBase
 
 

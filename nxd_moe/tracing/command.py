@@ -11,7 +11,7 @@ import json
 import sys
 
 from nxd_moe.arguments import MIN_AUTO_SCALE, positive_int, scale_argument
-from nxd_moe.config import builtin_config_names
+from nxd_moe.model_config import builtin_config_names
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 from nxd_moe.tracing.decoder_command import format_model_report, trace_model
 from nxd_moe.tracing.layer_command import format_layer_report, trace_layer

@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 import torch
 
 from nxd_moe.arguments import auto_scale
-from nxd_moe.config import load_model_config, to_torch_dtype
+from nxd_moe.checks import to_torch_dtype
+from nxd_moe.model_config import load_model_config
 
 DEFAULT_TOKENS = {"prefill": 512, "decode": 8}
 DEFAULT_MODEL_TOKENS = {"prefill": 64, "decode": 8}

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from nxd_moe.build import build_moe
-from nxd_moe.config import ExpertParallelConfig
+from nxd_moe.moe_configs import ExpertParallelConfig
 from nxd_moe.quantization.formats import describe_weights
 from nxd_moe.tracing.inputs import block_inputs
 from nxd_moe.tracing.layer_command import layer_report

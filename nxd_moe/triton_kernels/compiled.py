@@ -39,12 +39,12 @@ import weakref
 
 import torch
 
-from nxd_moe.config import GLUType
 from nxd_moe.experts.activation import ExpertActivation
 from nxd_moe.experts.mlp import ExpertWeights, ExpertWeightsLayout
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping
 from nxd_moe.layer_parts import RouterParts, SharedParts
+from nxd_moe.moe_configs import GLUType
 from nxd_moe.quantization.activations import ActivationQuantization
 from nxd_moe.quantization.formats import FORMATS
 from nxd_moe.quantization.weight import WeightLayout

@@ -17,7 +17,7 @@ Both GEMMs are *persistent*: one program per multiprocessor (``NUM_PROGRAMS``), 
 ``(tile, column slice)`` from its program id up to the device-side tile count times the column slices, in steps of
 the grid size -- no host sync, one launch shape for every routing (one CUDA graph serves them all), and programs
 with nothing left exit. Items are numbered in the grouped order of
-:func:`~nxd_moe.triton_kernels.grouped_gemm.grouped_order`, so the programs running at any time share the
+:func:`~nxd_moe.triton_kernels.tile_math.grouped_order`, so the programs running at any time share the
 weight slices of a few experts through L2. The K loop is software-pipelined ``num_stages`` deep (TMA loads with
 mbarriers, asynchronous ``wgmma``); the item loop is either flattened with it (``FLATTEN``: Triton fuses the two
 loops so the next item's first loads are issued during this item's epilogue), or left as an outer loop (each item
@@ -58,11 +58,10 @@ from nxd_moe.triton_kernels.grouped_gemm import (
     epilogue_arguments,
     gate_up_epilogue,
     gate_up_projection,
-    grouped_order,
     launch_options,
-    tile_dot,
 )
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
+from nxd_moe.triton_kernels.tile_math import grouped_order, tile_dot
 
 # Rows and columns one permute_rows program copies.
 PERMUTE_ROWS = 16

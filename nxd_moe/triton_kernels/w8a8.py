@@ -35,12 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from nxd_moe.config import GLUType
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.gpu_info import capability
+from nxd_moe.moe_configs import GLUType
 from nxd_moe.quantization.activations import INV_FP8_MAX
 from nxd_moe.triton_kernels import interpreting
-from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, gate_up_epilogue, tile_and_column
+from nxd_moe.triton_kernels.grouped_gemm import ACTIVATIONS, gate_up_epilogue
 from nxd_moe.triton_kernels.launch_configs import (
     default_config,
     device_name,
@@ -49,6 +49,7 @@ from nxd_moe.triton_kernels.launch_configs import (
     tuned_table,
 )
 from nxd_moe.triton_kernels.routing_metadata import TileLayout
+from nxd_moe.triton_kernels.tile_math import tile_and_column
 
 # The smallest K of an FP8 tensor-core product (and of Triton's FP8 dot).
 MIN_FP8_K = 32

@@ -1,5 +1,5 @@
 """Quantized weights repacked into the decode GEMMs' operand order (``triton_kernels/repack.py``) and the swapped
-decode GEMMs that read them (``grouped_gemm._swapped_dot``).
+decode GEMMs that read them (``tile_math.swapped_dot``).
 
 The repack itself on CPU in pure torch (round trips, the bit placement against a torch emulation of the kernel's
 PTX, the cache); the kernels against the float64 reference and the torch backend on the dequantized weights --
@@ -83,7 +83,7 @@ def test_fp8_repack_round_trips(k, order):
 
 
 def _emulate_operand_ptx(values: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
-    """What ``grouped_gemm._MX_OPERAND_PTX`` computes, in torch, from the repacked tensors: each 32-bit word's four
+    """What ``tile_math._MX_OPERAND_PTX`` computes, in torch, from the repacked tensors: each 32-bit word's four
     register pairs by the kernel's shifts and masks, as bf16 bits times 2**126, times the row's E8M0 scale (exact,
     in float64); laid out as the logical ``(E, K', N)``. Written from the PTX, independently of
     ``repack.MX_CODE_BITS``."""

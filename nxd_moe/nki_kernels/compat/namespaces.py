@@ -22,7 +22,7 @@ import numpy as np
 
 from nxd_moe.aliasing import new_module as _module
 from nxd_moe.aliasing import new_package as _package
-from nxd_moe.config import SkipMode
+from nxd_moe.moe_configs import SkipMode
 from nxd_moe.nki_kernels import isa, language
 from nxd_moe.nki_kernels.compat import collectives, frontend, neuron_dtypes, nki_typing
 

@@ -23,8 +23,8 @@ from typing import Iterator
 
 import numpy as np
 
-from nxd_moe.config import SkipMode
 from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.moe_configs import SkipMode
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.dtypes import is_integer

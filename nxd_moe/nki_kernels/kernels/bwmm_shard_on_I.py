@@ -15,8 +15,8 @@ guarantees.
 
 from __future__ import annotations
 
-from nxd_moe.config import SkipMode
 from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.moe_configs import SkipMode
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.kernels.block import (

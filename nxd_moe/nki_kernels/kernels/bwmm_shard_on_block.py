@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from nxd_moe.config import BlockShardStrategy, SkipMode
 from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.moe_configs import BlockShardStrategy, SkipMode
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.hardware import PMAX

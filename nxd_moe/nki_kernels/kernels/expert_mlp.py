@@ -22,8 +22,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from nxd_moe.config import GLUType
 from nxd_moe.experts.activation import ExpertActivation
+from nxd_moe.moe_configs import GLUType
 from nxd_moe.nki_kernels import isa as nisa
 from nxd_moe.nki_kernels import language as nl
 from nxd_moe.nki_kernels.hardware import PMAX, HardwareLimitError
