@@ -51,7 +51,7 @@ PHASES = {
     "agreement_start": ("parallel/expert_parallel.py", "_start_agreement"),
     "agreement_wait": ("nxd_moe/parallel_state.py", "wait"),
     "router": ("nxd_moe/moe.py", "_layer"),  # minus everything below (see phases())
-    "routing": ("experts/expert_mlps.py", "routing"),
+    "routing": ("nxd_moe/expert_mlps_v2.py", "routing"),
     "owned_pairs": ("parallel/all_to_all.py", "owned_pairs"),
     "destination_slots": ("parallel/all_to_all.py", "destination_slots"),
     "pack": ("parallel/all_to_all.py", "destination_fields"),
@@ -60,7 +60,7 @@ PHASES = {
     "all_to_all": ("parallel/collectives.py", "all_to_all"),
     "all_gather": ("parallel/collectives.py", "all_gather"),
     "reduce_scatter": ("parallel/collectives.py", "reduce_scatter"),
-    "experts": ("experts/expert_mlps.py", "forward_pairs"),
+    "experts": ("nxd_moe/expert_mlps_v2.py", "compute"),
     "combine": ("parallel/all_to_all.py", "combine_from_destinations"),
     "combine_kernel": ("triton_kernels/dispatch.py", "combine_from_destinations"),
     "expert_parallel_call": ("parallel/expert_parallel.py", "__call__"),

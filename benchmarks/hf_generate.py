@@ -24,6 +24,10 @@ same process were measured slower (8.1 vs 5.6 ms per step, same code), so mixing
 
 Measured
 --------
+With ``--interleave`` the eager rows of the contenders that switch on one model are timed in turns
+(:func:`interleaved_eager`): run one after another in one process, the second of two was measured 13-22% slower
+than the first in either order (``benchmarks/results/hf_generate_qwen3_4l_b1_eager_{nxd,gm}_first_h200.json``).
+
 Per batch size B (``--batches``): prefill ms (``generate`` of one new token from a ``--prompt-len`` prompt), decode
 tokens/s (``B * (N - 1) / (t_N - t_1)`` with ``N = --new-tokens``), medians of ``--repeats`` runs after two warm-up
 runs (the first compiles; attention libraries plan once per new cache length, which a cold first ``generate`` pays at
@@ -272,8 +276,14 @@ def run(args) -> dict:
     if "patch_model" in args.variants:
         variants.append("patch_model")
     base_memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    interleaved = [v for v in variants if v != "patch_model"] if args.interleave and "eager" in args.modes else []
+    if interleaved:
+        result["rows"] += interleaved_eager(model, prompts, interleaved, args)
+        save()
     for variant in variants:
         for mode in args.modes:
+            if mode == "eager" and variant in interleaved:
+                continue
             compiled = mode == "compiled"
             row = {"variant": variant, "mode": mode}
             result["rows"].append(row)
@@ -315,6 +325,55 @@ def run(args) -> dict:
     derive(result, args.batches)
     save()
     return result
+
+
+def interleaved_eager(model, prompts: dict, variants: list[str], args) -> list[dict]:
+    """Eager rows of the contenders that switch on one model (not ``patch_model``), timed in turns: every repeat
+    times each contender once (one-token and ``--new-tokens`` generates), the order rotating from repeat to repeat,
+    after each contender's warm-up. Measured on an H200 (Qwen3-30B-A3B, 4 layers, B=1): run one after the other in
+    one process, whichever of two contenders ran second was 13-22% slower in either order, so only turns compare
+    them."""
+    from nxd_moe.models.generate import generate_timing, generate_tokens
+
+    device = next(model.parameters()).device
+    rows = {v: {"variant": v, "mode": "eager", "interleaved": True} for v in variants}
+
+    def timed(ids, n):
+        _sync(device)
+        start = time.perf_counter()
+        out = generate_tokens(model, ids, n, False)
+        _sync(device)
+        return time.perf_counter() - start, out
+
+    for b in args.batches:
+        ids = prompts[b]
+        running = [v for v in variants if not (v == "eager" and b > args.eager_max_batch)]
+        for v in variants:
+            if v not in running:
+                rows[v][f"B{b}"] = {"skipped": f"eager loop over experts above batch {args.eager_max_batch}"}
+        for v in list(running):
+            try:
+                model.set_experts_implementation(v)
+                for n in (args.new_tokens, args.new_tokens, 1):
+                    timed(ids, n)
+            except Exception as exc:  # a contender that cannot run is a row saying why
+                rows[v]["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+                running.remove(v)
+        times = {v: ([], [], None) for v in running}
+        for r in range(args.repeats):
+            for v in running[r % len(running):] + running[:r % len(running)] if running else []:
+                model.set_experts_implementation(v)
+                times[v][0].append(timed(ids, 1)[0])
+                t, out = timed(ids, args.new_tokens)
+                times[v][1].append(t)
+                times[v] = (*times[v][:2], out)
+        for v in running:
+            timing = generate_timing(times[v][0], times[v][1], ids, args.new_tokens, times[v][2])
+            timing["tokens"] = timing["tokens"].tolist()
+            rows[v][f"B{b}"] = timing
+            print(f"{v:12s} eager    B={b:3d} {timing['prefill_ms']:9.2f} ms prefill "
+                  f"{timing['decode_tokens_per_s']:9.1f} tok/s (interleaved)", flush=True)
+    return list(rows.values())
 
 
 def derive(result: dict, batches) -> None:
@@ -383,6 +442,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--eager-max-batch", type=int, default=16)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--interleave", action="store_true",
+                   help="time the eager rows of the switchable contenders in turns (see interleaved_eager)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--clock", choices=("wall", "process"), default=None,
                    help="wall time (default on a GPU) or this process's CPU time (default on a CPU: a shared CPU's "

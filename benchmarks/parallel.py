@@ -62,7 +62,7 @@ from nxd_moe.config import ExpertParallelConfig  # noqa: E402
 from nxd_moe.graphs import capture  # noqa: E402
 from nxd_moe.parallel.collectives import CommLedger, all_to_all  # noqa: E402
 from nxd_moe.parallel.dispatch import DispatchInputs  # noqa: E402
-from nxd_moe.parallel.dispatches import get_dispatch  # noqa: E402
+from nxd_moe.parallel.dispatches import get_dispatcher  # noqa: E402
 from nxd_moe.quantization.quantizer import expert_weight_bytes  # noqa: E402
 
 DISPATCHES = ("all_gather", "all_to_all_v")
@@ -249,18 +249,17 @@ def dispatch_combine(moe, x: torch.Tensor, device, args) -> dict:
     with torch.inference_mode():
         _, affinities, index = moe.router(tokens)
         routing = experts.routing(affinities, index)
-        pair_expert = torch.where(routing.pair_valid(), routing.expert_index, -1)
-        pair_weight = routing.affinities.gather(1, routing.expert_index)
         layout = par.groups.token_layout(x.shape[0], x.shape[1], False)
         shard = par.parallelism.shard(decode=True)
         epc = experts.expert_parallel_config
+        dispatcher = get_dispatcher(epc.dispatch)
         ledger = CommLedger()
 
         def run(rows):
             ledger.steps.clear()
-            return get_dispatch(epc.dispatch)(DispatchInputs(
-                rows, pair_expert, pair_weight, layout, par.groups, shard, None, lambda r, e, w: r, ledger,
-                epc.all_to_all_splits, count_pairs=False)).output
+            dispatched = dispatcher.dispatch(DispatchInputs(rows, routing, layout, par.groups, shard, None, ledger,
+                                                            epc.all_to_all_splits, count_pairs=False))
+            return dispatcher.combine(dispatched.rows, dispatched.handle).output
 
         run(tokens)
         step = stepper(run, tokens, args.graphs)

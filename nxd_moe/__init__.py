@@ -18,14 +18,13 @@ from nxd_moe.config import (
     builtin_config_names,
     load_model_config,
 )
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.experts import (
     BACKENDS,
     BlockMapping,
-    ExpertMLPsV2,
     ExpertsBackend,
     ExpertsMode,
     ExpertsStats,
-    SharedExperts,
     TorchBackend,
     expert_capacity,
     num_blocks,
@@ -34,6 +33,7 @@ from nxd_moe.experts import (
 )
 from nxd_moe.moe import MoE
 from nxd_moe.routing import GroupLimitedRouter, RouterBase, RouterSinkhorn, RouterTopK
+from nxd_moe.shared_experts import SharedExperts
 
 __version__ = "0.1.0"
 

@@ -11,14 +11,14 @@ from typing import Any, Mapping
 import torch
 
 from nxd_moe.checks import check_bool, check_int, to_torch_dtype
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.experts.backends import ExpertsBackend
-from nxd_moe.experts.expert_mlps import ExpertMLPsV2
-from nxd_moe.experts.shared import SharedExperts
 from nxd_moe.model_config import MoEModelConfig, RouterSpec, load_model_config
 from nxd_moe.moe import MoE
 from nxd_moe.moe_configs import BlockwiseMatmulConfig, ExpertParallelConfig, RoutedExpertsMLPOpsConfig
 from nxd_moe.quantization.formats import get_format
 from nxd_moe.routing import GroupLimitedRouter, RouterBase, RouterSinkhorn, RouterTopK
+from nxd_moe.shared_experts import SharedExperts
 
 
 def build_router(spec: RouterSpec, num_experts: int, top_k: int, hidden_size: int, device=None,

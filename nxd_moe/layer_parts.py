@@ -1,6 +1,6 @@
 """The plain parts a backend's fused forms of a whole MoE layer take (the one-launch decode, the fused router):
 tensors and flags, not modules, so no backend reads a module's internals or imports the routers. The modules give
-their own (:meth:`~nxd_moe.routing.topk.RouterTopK.fused_parts`, :meth:`~nxd_moe.experts.shared.SharedExperts.
+their own (:meth:`~nxd_moe.routing.topk.RouterTopK.fused_parts`, :meth:`~nxd_moe.shared_experts.SharedExperts.
 fused_parts`) or None where they have no such form."""
 
 from __future__ import annotations

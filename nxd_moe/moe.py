@@ -6,11 +6,14 @@ import torch
 import torch.nn as nn
 
 from nxd_moe.checks import check_bool
-from nxd_moe.experts.expert_mlps import ExpertMLPsV2, check_expert_index
-from nxd_moe.experts.shared import SharedExperts
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
+from nxd_moe.experts.expert_mlps import check_expert_index
+from nxd_moe.experts.mlp import ExpertWeights
+from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.parallel.expert_parallel import ExpertParallel
 from nxd_moe.parallel.shared_experts import shared_experts_forward
 from nxd_moe.routing.base import RouterBase
+from nxd_moe.shared_experts import SharedExperts
 from nxd_moe.validation import FiniteWeightsOnLoad, check_finite, check_hidden_states, check_mask_dtype
 
 
@@ -153,10 +156,10 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         flat = x.reshape(batch * seq_len, hidden)
         token_is_real = None if padding_mask is None else padding_mask.reshape(-1).bool()
         fused = None
-        if seq_len == 1 and not (return_stats or self.validate_inputs or self._distributed):
+        if seq_len == 1 and self.expert_mlps.backend.fuses_layers and not (
+                return_stats or self.validate_inputs or self._distributed):
             # The backend's one-launch decode of the whole layer, where it has one.
-            fused = self.expert_mlps.backend.fused_decode(flat, self.router, self.expert_mlps, self.shared_experts,
-                                                          token_is_real)
+            fused = self.expert_mlps.backend.fused_decode(flat, *self._decode_parts(flat, token_is_real))
         if fused is not None:
             out, router_logits, expert_index = fused
             stats = None
@@ -176,11 +179,30 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
             result.append(stats)
         return tuple(result)
 
+    def _decode_parts(self, flat: torch.Tensor, token_is_real: torch.Tensor | None
+                      ) -> tuple[RouterParts | None, ExpertWeights, bool, SharedParts | None]:
+        """The layer as the plain parts of a backend's fused decode (``ExpertsBackend.fused_decode``): router parts
+        with the experts' normalisation and the padding (None where the router, the shared experts or the shapes
+        have no fused form), the routed experts' weights, whether the affinity scales the expert input, the shared
+        experts' parts (None: none)."""
+        experts = self.expert_mlps
+        cfg = experts.routed_experts_mlp_config
+        weights, prescale = experts.expert_weights(), cfg.early_expert_affinity_modulation
+        router = self.router.fused_parts()
+        shared = None if self.shared_experts is None else self.shared_experts.fused_parts(flat.dtype)
+        if (router is None or router.top_k != cfg.top_k or cfg.hidden_size_actual is not None
+                or flat.dtype != experts.dtype or flat.shape[1] != cfg.hidden_size
+                or (self.shared_experts is not None and shared is None)):
+            return None, weights, prescale, shared
+        return router._replace(normalize=cfg.normalize_top_k_affinities, padding=token_is_real), weights, prescale, \
+            shared
+
     def _layer(self, x: torch.Tensor, flat: torch.Tensor, token_is_real: torch.Tensor | None, seq_len: int,
                batch: int, return_stats: bool):
         """Router, routed experts and shared experts as separate modules: ``(out (T, H), router_logits,
         expert_index, stats or None)``."""
-        fused = self.expert_mlps.backend.fused_router(flat, self.router)
+        backend = self.expert_mlps.backend
+        fused = backend.fused_router(flat, self.router.fused_parts()) if backend.fuses_layers else None
         router_logits, expert_affinities, expert_index = self.router(flat) if fused is None else fused
         if self.validate_inputs:
             check_finite(expert_affinities, "MoE: router expert_affinities")

@@ -41,11 +41,12 @@ import torch.nn as nn
 
 from nxd_moe import parallel_state
 from nxd_moe.checks import to_torch_dtype
-from nxd_moe.experts import ExpertMLPsV2, SharedExperts
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.moe import MoE
 from nxd_moe.moe_configs import BlockwiseMatmulConfig, RoutedExpertsMLPOpsConfig, RouterConfig
 from nxd_moe.quantization.nxd_fields import format_of_nxd_fields
 from nxd_moe.routing import RouterTopK
+from nxd_moe.shared_experts import SharedExperts
 
 __all__ = ["initialize_moe_module", "initialize_moe_process_group", "routed_quantization", "NEURON_CONFIG_DEFAULTS"]
 

@@ -36,8 +36,11 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("rank-free math: routers, expert algorithms, the float64 reference", ["routing", "experts", "reference"]),
     ("hand-built CUDA kernels", ["cuda_kernels"]),
     ("backends", ["triton_kernels", "nki_kernels"]),
+    ("rank layouts: which ranks form which groups", ["rank_layout"]),
     ("ranks", ["parallel_state"]),
     ("parallel plumbing", ["parallel"]),
+    ("expert modules: the routed experts (their one routed pipeline) and the shared experts",
+     ["expert_mlps_v2", "shared_experts"]),
     ("layer modules", ["moe"]),
     ("builders and converters of layers", ["build", "quantization.quantizer", "arguments"]),
     ("transformers blocks", ["hf"]),
@@ -190,15 +193,8 @@ def violations(edges: list[Edge]) -> set[tuple[str, ...]]:
     return found
 
 
-# What breaks the contract today, by the reason it is still there (issue 36 empties this).
-KNOWN: dict[str, list[tuple[str, ...]]] = {
-    "ExpertMLPsV2 and SharedExperts are layer modules that decide their own shard from parallel_state; they move to "
-    "the modules layer once the expert-parallel forward and the one-device forward are one routed pipeline (today "
-    "parallel.ExpertParallel wraps ExpertMLPsV2, so the modules cannot sit above parallel yet)": [
-        ("upward", "nxd_moe.experts.expert_mlps", "nxd_moe.parallel_state"),
-        ("upward", "nxd_moe.experts.shared", "nxd_moe.parallel_state"),
-    ],
-}
+# What breaks the contract today, by the reason it is still there (issue 36 emptied it; keep it empty).
+KNOWN: dict[str, list[tuple[str, ...]]] = {}
 
 
 @pytest.fixture(scope="module")

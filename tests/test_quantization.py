@@ -16,8 +16,8 @@ from conftest import FP32_ATOL, MODES, assert_close, make_config, make_experts, 
 
 from nxd_moe.build import build_moe
 from nxd_moe.config import load_model_config
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.experts.backends import ExpertsBackend, TorchBackend, get_backend
-from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.quantization import FORMATS, QuantizedWeight, Shape, dequantized, get_format
 from nxd_moe.quantization.formats import k_fastest
@@ -238,7 +238,7 @@ def test_build_moe_quantizes_only_the_routed_experts():
 
 def shared_pair(name, transposed, fused):
     """(bf16 SharedExperts, the same quantized, a bf16 one holding the quantized weights' dequantized values)."""
-    from nxd_moe.experts.shared import SharedExperts
+    from nxd_moe.shared_experts import SharedExperts
 
     def make(quantization="bf16"):
         torch.manual_seed(4)
@@ -335,7 +335,7 @@ def test_quantize_shared_experts_alone():
 
 
 def test_shared_quantization_bad_input_is_named(monkeypatch):
-    from nxd_moe.experts.shared import SharedExperts
+    from nxd_moe.shared_experts import SharedExperts
 
     moe = build_moe("deepseek-v3", scale=32, quantization="fp8", shared_quantization="fp8_block", seed=0)
     sd = moe.state_dict()

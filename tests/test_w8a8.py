@@ -17,8 +17,8 @@ from conftest import MODES, make_config, make_experts, randn, random_routing
 from nxd_moe.build import build_moe
 from nxd_moe.cli import main, resolve_dtype
 from nxd_moe.config import RoutedExpertsMLPOpsConfig
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.experts.backends import get_backend
-from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 from nxd_moe.quantization.activations import ActivationQuantization, activation_quantization_spec
 from nxd_moe.quantization.quantizer import quantize_experts
 from nxd_moe.reference import first_come_first_served, reference_for_experts

@@ -24,9 +24,10 @@ from nxd_moe.experts.dynamic_while import dynamic_while_blockwise_forward
 from nxd_moe.experts.grouped_matmul import MATMUL_IMPLS, grouped_mm_applies
 from nxd_moe.experts.local_routing import local_routing
 from nxd_moe.experts.mlp import ExpertWeights
-from nxd_moe.experts.mode import ExpertsMode, select_mode
+from nxd_moe.experts.mode import NXD_POLICY, ExpertsMode, ModePolicy, select_mode
 from nxd_moe.experts.routing_inputs import Routing, build_routing
 from nxd_moe.experts.token_mapping import BlockMapping, token_to_block_mapping
+from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.moe_configs import BlockwiseMatmulConfig
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 
@@ -34,6 +35,8 @@ from nxd_moe.quantization import QUANTIZATION_CHOICES
 class ExpertsBackend(abc.ABC):
     """One implementation of the four expert algorithms.
 
+    ``fuses_layers``: the backend has fused forms of more than the experts (:meth:`fused_decode`,
+    :meth:`fused_router`), which ``MoE`` then offers the layer's parts to.
     ``fuses_addend``: the four methods also take ``addend=`` -- a ``(T, H)`` tensor (the shared experts'
     output) to add inside the backend's last pass; otherwise the front end adds it to the result.
     ``supported_formats``: the weight formats (:data:`nxd_moe.quantization.QUANTIZATION_CHOICES`) whose
@@ -44,14 +47,22 @@ class ExpertsBackend(abc.ABC):
 
     name: str
     fuses_addend: bool = False
+    fuses_layers: bool = False
     supported_formats: frozenset[str] = frozenset({"bf16"})
     supports_activation_quantization: bool = False
 
+    @property
+    def mode_policy(self) -> ModePolicy:
+        """What this backend changes in the one mode rule (:class:`~nxd_moe.experts.mode.ModePolicy`): nothing by
+        default."""
+        return NXD_POLICY
+
     def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
                     capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:
-        """The algorithm for a forward of these static shapes: NxD's rule unless the hardware wants another."""
+        """The algorithm for a forward of these static shapes: the one rule
+        (:func:`~nxd_moe.experts.mode.select_mode`) under this backend's :attr:`mode_policy`."""
         return select_mode(num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
-                           selective_loading_threshold)
+                           selective_loading_threshold, self.mode_policy)
 
     def select_mode_from_tokens(self, num_tokens: int, top_k: int, num_experts: int, block_size: int,
                                 selective_loading_threshold: float) -> ExpertsMode:
@@ -79,22 +90,26 @@ class ExpertsBackend(abc.ABC):
         its own tiling as ``BlockMapping.tiles``; the mapping itself must be the shared one)."""
         return token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, num_blocks, optimized)
 
-    def fused_decode(self, hidden_states: torch.Tensor, router, experts, shared_experts,
-                     padding_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Optional: a whole single-device decode layer -- ``router`` (a ``RouterBase``), routing, the routed
-        ``experts`` (the ``ExpertMLPsV2`` calling this backend), ``shared_experts`` (``SharedExperts`` or None) and
-        the combine -- in the backend's own fused form, on ``hidden_states (T, H)`` (after any norm) with
-        ``padding_mask (T,)`` (True = real token; padded tokens' rows are zeroed by the caller). Returns
-        ``(output (T, H), router_logits (T, E), expert_index (T, k))`` -- the same function as the unfused layer --
-        or None when the backend has no fused form for these modules (the caller then runs them as usual).
-        ``MoE`` calls it for decode (``S == 1``) on one device, without stats or input validation."""
+    def fused_decode(self, hidden_states: torch.Tensor, router: RouterParts | None, weights: ExpertWeights,
+                     prescale: bool, shared: SharedParts | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Optional (backends with ``fuses_layers``): a whole single-device decode layer -- router, routing, routed
+        experts, shared experts and combine -- in the backend's own fused form, from plain parts
+        (:mod:`nxd_moe.layer_parts`): ``router`` (the layer's normalisation and ``padding (T,)``, True = real
+        token, filled in; None where the layer's router, shared experts or shapes have no fused form), the routed
+        experts' ``weights``, ``prescale`` (the affinity scales the expert input) and ``shared`` (None: no shared
+        experts), on ``hidden_states (T, H)`` (after any norm; padded tokens' rows are zeroed by the caller).
+        Returns ``(output (T, H), router_logits (T, E), expert_index (T, k))`` -- the same function as the unfused
+        layer -- or None (the caller then runs the modules as usual). ``MoE`` calls it for decode (``S == 1``) on
+        one device, without stats or input validation."""
         return None
 
-    def fused_router(self, hidden_states: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor,
-                                                                          torch.Tensor] | None:
-        """Optional: ``router`` (a ``RouterBase``) on ``hidden_states (T, H)`` in the backend's own fused form,
-        returning what ``router(hidden_states)`` returns -- ``(router_logits (T, E), expert_affinities (T, E),
-        expert_index (T, k))`` -- or None when the backend has none for this router (the caller runs it)."""
+    def fused_router(self, hidden_states: torch.Tensor, router: RouterParts | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Optional (backends with ``fuses_layers``): the router given as plain parts (None: it has none) on
+        ``hidden_states (T, H)`` in the backend's own fused form, returning what the router module returns --
+        ``(router_logits (T, E), expert_affinities (T, E), expert_index (T, k))`` -- or None (the caller runs the
+        router)."""
         return None
 
     @abc.abstractmethod
@@ -152,13 +167,10 @@ class TorchBackend(ExpertsBackend):
     def all_experts(self, hidden_states, routing, weights):
         return all_experts_forward(hidden_states, routing, weights)
 
-    def select_mode(self, num_tokens: int, seq_len: int | None, top_k: int, num_experts: int, block_size: int,
-                    capacity_factor: float | None, selective_loading_threshold: float) -> ExpertsMode:
+    @property
+    def mode_policy(self) -> ModePolicy:
         """NxD's rule; with ``pairs``, selective loading for every dropless forward."""
-        if self.pairs and capacity_factor is None:
-            return ExpertsMode.SELECTIVE_LOADING
-        return super().select_mode(num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
-                                   selective_loading_threshold)
+        return ModePolicy(pairs_always=True) if self.pairs else NXD_POLICY
 
     def pairs_cheapest(self, device: torch.device, dtype: torch.dtype, weight_dims: tuple[int, ...]) -> bool:
         """Whether the ``T*k`` (token, expert) pairs sorted by expert (selective loading) are this backend's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class ExpertsMode(str, enum.Enum):
@@ -10,6 +11,25 @@ class ExpertsMode(str, enum.Enum):
     CAPACITY_FACTOR = "capacity_factor"
     SELECTIVE_LOADING = "selective_loading"
     ALL_EXPERTS = "all_experts"
+
+
+@dataclass(frozen=True)
+class ModePolicy:
+    """What a backend changes in the one mode rule (:func:`select_mode`), the rest being NxD's.
+
+    - ``all_experts``: NxD's two all-experts cases -- a decode of ``T*k >= alpha*E`` pairs and a dropless prefill of
+      fewer than ``block_size`` pairs; right for Trainium's DMA, never a win for kernels that skip empty rows;
+    - ``pairs_up_to``: a dropless prefill of at most this many pairs runs selective loading (the decode of the
+      same size, where it is the same computation and one launch);
+    - ``pairs_always``: selective loading for every dropless forward (a backend whose sorted pairs are its
+      cheapest algorithm at every size)."""
+
+    all_experts: bool = True
+    pairs_up_to: int = 0
+    pairs_always: bool = False
+
+
+NXD_POLICY = ModePolicy()
 
 
 def select_mode(
@@ -20,8 +40,10 @@ def select_mode(
     block_size: int,
     capacity_factor: float | None,
     selective_loading_threshold: float = 1.0,
+    policy: ModePolicy = NXD_POLICY,
 ) -> ExpertsMode:
-    """NxD's inference dispatch, with the deep dive's alpha.
+    """NxD's inference dispatch, with the deep dive's alpha, under a backend's ``policy`` (:class:`ModePolicy`;
+    NxD's by default):
 
     - decode (``seq_len == 1``): all-experts once ``T*k >= alpha*E`` (the batch would load most experts
       anyway, and unindexed weight reads are cheaper), else selective loading;
@@ -30,13 +52,16 @@ def select_mode(
       ``T*k < block_size`` (not even one full block of work), else blockwise.
     """
     assignments = num_tokens * top_k
+    if policy.pairs_always and capacity_factor is None:
+        return ExpertsMode.SELECTIVE_LOADING
     few_assignments = assignments < selective_loading_threshold * num_experts
     if seq_len == 1:
-        return ExpertsMode.SELECTIVE_LOADING if few_assignments else ExpertsMode.ALL_EXPERTS
+        return ExpertsMode.ALL_EXPERTS if policy.all_experts and not few_assignments else \
+            ExpertsMode.SELECTIVE_LOADING
     if capacity_factor is not None:
         return ExpertsMode.CAPACITY_FACTOR
-    if few_assignments:
+    if few_assignments or assignments <= policy.pairs_up_to:
         return ExpertsMode.SELECTIVE_LOADING
-    if assignments < block_size:
+    if policy.all_experts and assignments < block_size:
         return ExpertsMode.ALL_EXPERTS
     return ExpertsMode.BLOCKWISE

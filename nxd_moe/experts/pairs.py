@@ -1,8 +1,8 @@
 """The routed experts on given (token, expert) pairs: the one entry point every caller of the algorithms shares.
 
 :func:`run_experts` runs one mode's backend call on a prepared :class:`~nxd_moe.experts.routing_inputs.Routing`;
-:func:`experts_forward_pairs` first turns ``(N, k)`` pairs into that routing. ``ExpertMLPsV2.forward`` (the router's
-``(T, E)`` affinities), ``ExpertMLPsV2.forward_pairs`` (an expert-parallel rank's received pairs) and the
+:func:`experts_forward_pairs` first turns ``(N, k)`` pairs into that routing. ``ExpertMLPsV2.compute`` (the router's
+``(T, E)`` routing on one device, or the pairs a dispatcher moved to this rank) and the
 transformers experts backend (:mod:`nxd_moe.models.experts_backend`, HF's ``(T, k)`` top-k) all end here.
 """
 

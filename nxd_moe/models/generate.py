@@ -151,6 +151,14 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, compiled: bool, re
         prefill.append(timed(1)[0])
         t, out = timed(new_tokens)
         whole.append(t)
+    return generate_timing(prefill, whole, ids, new_tokens, out)
+
+
+def generate_timing(prefill: list[float], whole: list[float], ids: torch.Tensor, new_tokens: int,
+                    out: torch.Tensor) -> dict:
+    """:func:`timed_generate`'s result from the seconds of one-token (``prefill``) and ``new_tokens`` generates
+    (``whole``) of the prompts ``ids`` and the last output ``out``: medians, and the decode step as their
+    difference over ``new_tokens - 1`` steps."""
     t1, tn = statistics.median(prefill), statistics.median(whole)
     step = max(tn - t1, 1e-9) / (new_tokens - 1)
     return {"prefill_ms": round(t1 * 1e3, 2), "decode_ms_per_step": round(step * 1e3, 3),

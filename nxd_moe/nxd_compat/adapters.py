@@ -19,10 +19,10 @@ import dataclasses
 
 import torch
 
+from nxd_moe import expert_mlps_v2 as expert_mlps_module
 from nxd_moe import moe as moe_module
+from nxd_moe import shared_experts as shared_module
 from nxd_moe.checks import check_bool, check_int, to_torch_dtype
-from nxd_moe.experts import expert_mlps as expert_mlps_module
-from nxd_moe.experts import shared as shared_module
 from nxd_moe.moe_configs import (
     DEFAULT_BLOCK_SIZE,
     BlockShardStrategy,

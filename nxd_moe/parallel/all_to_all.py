@@ -20,7 +20,8 @@ Steps, over the MoE model-parallel block (``M = TP * EP`` ranks):
      most once, so ``U`` rows always suffice: no token is ever dropped, whatever the routing.
    - ``exact``: the ranks first exchange how many rows they send each other (read on the host: one sync per
      forward), then send only those rows, in token order.
-4. The destination computes its pairs on the rows it received, and the **combine** sends each row's partial
+4. The destination computes its pairs on the rows it received (the caller, between ``dispatch`` and
+   ``combine``), and the **combine** sends each row's partial
    output back to where it came from; the owner sums a token's partials (in at least fp32, destinations in rank
    order: deterministic). Without sequence parallelism the token group then all-gathers its chunks.
 
@@ -32,14 +33,14 @@ from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nxd_moe.experts.routing_inputs import expert_mask
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all, all_to_all_v, exchange_counts
-from nxd_moe.parallel.dispatch import DispatchInputs, DispatchResult
+from nxd_moe.parallel.dispatch import Dispatched, DispatchInputs, DispatchResult
 from nxd_moe.parallel.layout import MoEGroups
 from nxd_moe.parallel.payload import FieldSpec, exchange_rows, pack, unpack
 from nxd_moe.parallel.placement import assign_pairs, needs_positions
@@ -93,9 +94,10 @@ def owned_pairs(inputs: DispatchInputs) -> OwnedPairs:
     """Steps 1 and 2 of the module docstring."""
     layout, shard = inputs.layout, inputs.shard
     owned = layout.owned_rows
+    pair_expert, pair_weight = inputs.pairs()
     rows = owned(inputs.hidden)
-    experts = owned(inputs.pair_expert.long(), -1)
-    weights = owned(inputs.pair_weight)
+    experts = owned(pair_expert.long(), -1)
+    weights = owned(pair_weight)
     token_ids = owned(layout.token_ids(device=rows.device), -1) if inputs.all_to_all_splits == "exact" else None
     position = pairs_per_expert = None
     if inputs.count_pairs or needs_positions(shard.placement, inputs.capacity):
@@ -199,9 +201,24 @@ def _kernels(rows: torch.Tensor, weights: torch.Tensor):
     return dispatch
 
 
-def _static_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
-    """Dispatch, compute and combine with ``U`` rows per destination (step 3, ``static``): ``(U, H)`` summed
-    partial outputs in the model dtype."""
+class _StaticHandle(NamedTuple):
+    owned: OwnedPairs
+    inputs: DispatchInputs
+    slot: torch.Tensor
+    kernels: Any
+
+
+class _ExactHandle(NamedTuple):
+    owned: OwnedPairs
+    inputs: DispatchInputs
+    order: torch.Tensor
+    send_index: list[torch.Tensor]
+    send_counts: list[int]
+    recv_counts: list[int]
+
+
+def _static_dispatch(owned: OwnedPairs, inputs: DispatchInputs) -> Dispatched:
+    """Step 3, ``static``: ``U`` rows to every destination, the rows it needs first."""
     groups, tp = inputs.groups, inputs.shard.tensor_parallel_size
     rows, experts, weights, owner = owned.rows, owned.experts, owned.weights, owned.owner
     kernels = _kernels(rows, weights)
@@ -218,13 +235,18 @@ def _static_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
         specs = (FieldSpec((rows.shape[1],), rows.dtype), FieldSpec((experts.shape[1],), torch.int32),
                  FieldSpec((weights.shape[1],), weights.dtype))
         recv_rows, recv_experts, recv_weights = unpack(exchange(payload), specs)
-    partial = inputs.compute(recv_rows, recv_experts.long(), recv_weights)
-    returned = all_to_all(partial, groups.block_group, inputs.ledger, "combine")
-    return kernels.combine_from_destinations(returned, slot, rows.dtype)
+    return Dispatched(recv_rows, recv_experts.long(), recv_weights, _StaticHandle(owned, inputs, slot, kernels))
 
 
-def _exact_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
-    """Dispatch, compute and combine with counts exchanged first (step 3, ``exact``; one host sync)."""
+def _static_combine(partial: torch.Tensor, handle: _StaticHandle) -> torch.Tensor:
+    """The partial outputs back to their rows, summed: ``(U, H)`` in the model dtype."""
+    returned = all_to_all(partial, handle.inputs.groups.block_group, handle.inputs.ledger, "combine")
+    return handle.kernels.combine_from_destinations(returned, handle.slot, handle.owned.rows.dtype)
+
+
+def _exact_dispatch(owned: OwnedPairs, inputs: DispatchInputs) -> Dispatched:
+    """Step 3, ``exact``: counts exchanged first (one host sync), then only the rows each destination needs, handed
+    to the experts in token order (block layouts then match one device's exactly)."""
     if owned.rows.is_cuda and torch.cuda.is_current_stream_capturing():
         # Refuse before the host read: a capture that CUDA invalidates leaves torch's CUDA generator in capture
         # state, and every later random op on the device then fails.
@@ -247,30 +269,42 @@ def _exact_exchange(owned: OwnedPairs, inputs: DispatchInputs) -> torch.Tensor:
     recv_counts = exchange_counts(torch.tensor(send_counts, device=rows.device), block, me, ledger, "send_counts")
     received = all_to_all_v(payload, send_counts, recv_counts, block, me, ledger, "dispatch")
     recv_rows, recv_experts, recv_weights, recv_ids = unpack(received, specs)
-    if recv_rows.shape[0]:
-        # Token order, as on one device: block layouts then match it exactly.
-        order = torch.argsort(recv_ids, stable=True)
-        computed = inputs.compute(recv_rows[order], recv_experts[order].long(), recv_weights[order])
-        partial = torch.empty_like(computed).index_copy_(0, order, computed)
-    else:
-        partial = recv_rows.new_zeros((0, rows.shape[-1]))
-    returned = all_to_all_v(partial, recv_counts, send_counts, block, me, ledger, "combine")
+    order = torch.argsort(recv_ids, stable=True)
+    return Dispatched(recv_rows[order], recv_experts[order].long(), recv_weights[order],
+                      _ExactHandle(owned, inputs, order, send_index, send_counts, recv_counts))
+
+
+def _exact_combine(partial: torch.Tensor, handle: _ExactHandle) -> torch.Tensor:
+    """Each received row's partial output back to its sender (in the order received), summed there in at least
+    fp32, one destination at a time."""
+    rows, inputs = handle.owned.rows, handle.inputs
+    groups = inputs.groups
+    partial = torch.empty_like(partial).index_copy_(0, handle.order, partial)
+    returned = all_to_all_v(partial, handle.recv_counts, handle.send_counts, groups.block_group, groups.block_rank,
+                            inputs.ledger, "combine")
     acc_dtype = torch.promote_types(rows.dtype, torch.float32)
     out = torch.zeros(rows.shape, dtype=acc_dtype, device=rows.device)
     offset = 0
-    for sent_rows, count in zip(send_index, send_counts):
+    for sent_rows, count in zip(handle.send_index, handle.send_counts):
         # One index_add per destination, each over distinct rows: deterministic on every device.
         out.index_add_(0, sent_rows, returned[offset:offset + count].to(acc_dtype))
         offset += count
     return out.to(rows.dtype)
 
 
-def all_to_all_dispatch(inputs: DispatchInputs) -> DispatchResult:
+class AllToAllDispatcher:
     """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
-    owned = owned_pairs(inputs)
-    exchange = _static_exchange if inputs.all_to_all_splits == "static" else _exact_exchange
-    out = exchange(owned, inputs)
-    if inputs.layout.sequence_parallel:
-        return DispatchResult(out, owned.pairs_per_expert)
-    chunks = all_gather(out, inputs.groups.token_group, inputs.ledger, "gather_outputs")
-    return DispatchResult(chunks.reshape(-1, out.shape[-1])[: inputs.layout.num_local_tokens], owned.pairs_per_expert)
+
+    def dispatch(self, inputs: DispatchInputs) -> Dispatched:
+        owned = owned_pairs(inputs)
+        exchange = _static_dispatch if inputs.all_to_all_splits == "static" else _exact_dispatch
+        return exchange(owned, inputs)
+
+    def combine(self, partial: torch.Tensor, handle: _StaticHandle | _ExactHandle) -> DispatchResult:
+        out = (_static_combine if isinstance(handle, _StaticHandle) else _exact_combine)(partial, handle)
+        inputs, owned = handle.inputs, handle.owned
+        if inputs.layout.sequence_parallel:
+            return DispatchResult(out, owned.pairs_per_expert)
+        chunks = all_gather(out, inputs.groups.token_group, inputs.ledger, "gather_outputs")
+        return DispatchResult(chunks.reshape(-1, out.shape[-1])[: inputs.layout.num_local_tokens],
+                              owned.pairs_per_expert)

@@ -1,10 +1,11 @@
 """Routed experts across the ranks of an MoE block: dispatch this rank's tokens, compute the local pairs, combine.
 
-:class:`ExpertParallel` drives a sharded :class:`~nxd_moe.experts.ExpertMLPsV2` -- which holds its rank's weights
-and computes the pairs it is handed (:meth:`~nxd_moe.experts.ExpertMLPsV2.forward_pairs`) -- over the MoE
-model-parallel block: the router's top-k travel with the tokens (never the ``(T, E)`` affinities), a dispatch
+:class:`ExpertParallel` runs a sharded :class:`~nxd_moe.expert_mlps_v2.ExpertMLPsV2` -- which holds its rank's
+weights -- over the MoE model-parallel block, through the same routed pipeline as one device
+(:meth:`~nxd_moe.expert_mlps_v2.ExpertMLPsV2.routed_forward`) with a :class:`~nxd_moe.parallel.dispatch.Route` of
+this rank: the router's top-k travel with the tokens (never the ``(T, E)`` affinities), a dispatcher
 (:mod:`~nxd_moe.parallel.all_gather` or :mod:`~nxd_moe.parallel.all_to_all`) brings each rank the pairs its
-experts compute, and the partial outputs are summed back onto the ranks that own the tokens.
+experts compute, and its combine sums the partial outputs back onto the ranks that own the tokens.
 
 Everything is static: sizes come from the token shape and the group sizes, never from the routing (unless an
 ``exact`` all-to-all is asked for), so a CUDA graph captures the whole step and replays it with new routings.
@@ -21,19 +22,17 @@ from __future__ import annotations
 import torch
 
 from nxd_moe import parallel_state
-from nxd_moe.experts.capacity import expert_capacity
-from nxd_moe.experts.expert_mlps import ExpertMLPsV2, ExpertsStats, PairsComputed
 from nxd_moe.experts.mode import ExpertsMode
 from nxd_moe.fingerprint import config_fingerprint
 from nxd_moe.parallel.collectives import CommLedger
-from nxd_moe.parallel.dispatch import DispatchInputs
-from nxd_moe.parallel.dispatches import get_dispatch
-from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups
+from nxd_moe.parallel.dispatch import Route
+from nxd_moe.parallel.dispatches import get_dispatcher
+from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups, held_weight_shard
 from nxd_moe.parallel.token_layout import TokenLayout
 
 
 class ExpertParallel:
-    """Runs ``experts`` (an :class:`~nxd_moe.experts.ExpertMLPsV2` built while :mod:`nxd_moe.parallel_state` was
+    """Runs ``experts`` (an :class:`~nxd_moe.expert_mlps_v2.ExpertMLPsV2` built while :mod:`nxd_moe.parallel_state` was
     initialised, so holding this rank's shard) over the MoE block.
 
     ``__call__(hidden_states (T_r, H), expert_affinities (T_r, E), expert_index (T_r, k), seq_len=None,
@@ -45,8 +44,8 @@ class ExpertParallel:
     like ``MoE``'s router).
     """
 
-    def __init__(self, experts: ExpertMLPsV2):
-        if not isinstance(experts, ExpertMLPsV2) or not experts.is_sharded:
+    def __init__(self, experts):
+        if not getattr(experts, "is_sharded", False) or not hasattr(experts, "routed_forward"):
             raise ValueError("ExpertParallel needs an ExpertMLPsV2 that holds a shard (built while "
                              "nxd_moe.parallel_state was initialised, model_parallel not False)")
         cfg = experts.routed_experts_mlp_config
@@ -60,17 +59,15 @@ class ExpertParallel:
                              "which an SPMD program cannot do; use all_to_all_splits='static'")
         shards = {}
         for prefill in (True, False):
-            distribution = parallel_state.expert_distribution_for(experts.expert_parallel_config, prefill)
-            shard = ExpertShard.from_parallel_state(prefill, cfg.num_experts, distribution)
+            expected = held_weight_shard(prefill, cfg.num_experts, experts.expert_parallel_config)
             held = experts.weight_shard(decode=not prefill)
-            # SPMD: the rank is a tensor, so compare what every rank shares (how many experts, which split).
-            expected = ((shard.placement.num_local_experts, shard.tensor_parallel_size) if spmd else
-                        (shard.local_experts, shard.tensor_parallel_size, shard.tensor_parallel_rank))
-            if expected != ((len(held.experts), held.intermediate_parts) if spmd else
-                            (held.experts, held.intermediate_parts, held.intermediate_part)):
+            # SPMD: the program serves every rank, so compare what every rank shares (how many experts, which split).
+            if ((len(expected.experts), expected.intermediate_parts) != (len(held.experts), held.intermediate_parts)
+                    if spmd else expected != held):
                 raise RuntimeError("ExpertParallel: the experts were built under another parallel layout than the "
                                    "one nxd_moe.parallel_state holds now; build them again")
-            shards[prefill] = shard
+            distribution = parallel_state.expert_distribution_for(experts.expert_parallel_config, prefill)
+            shards[prefill] = ExpertShard.from_parallel_state(prefill, cfg.num_experts, distribution)
         self.experts = experts
         self.parallelism = ExpertsParallelism(MoEGroups.from_parallel_state(), shards[True], shards[False])
         self._described_inputs: dict[tuple, tuple[dict[str, str], int]] = {}
@@ -111,10 +108,9 @@ class ExpertParallel:
         check_index: bool = True,
     ):
         experts = self.experts
-        cfg = experts.routed_experts_mlp_config
         experts.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, check_index)
         experts.check_addend(addend, hidden_states)
-        num_tokens, in_width = hidden_states.shape
+        num_tokens = hidden_states.shape[0]
         parallelism = self._parallelism()
         spmd = experts.spmd_rank is not None
         if spmd and return_stats:
@@ -127,65 +123,17 @@ class ExpertParallel:
                              f"{token_layout!r}")
         agreement = self._start_agreement(hidden_states, token_layout, seq_len, mode, padding_mask is not None,
                                           addend, return_stats)
-        x = experts.pad_hidden(hidden_states)
-        routing = experts.routing(expert_affinities, expert_index, padding_mask)
-        decode = seq_len == 1
-        shard = parallelism.shard(decode)
-        # SPMD: which global experts are held here, and the intermediate slice, come from the rank tensor.
-        held = dict(local_slot=shard.local_slot(x.device), intermediate_part=shard.tensor_parallel_rank) if spmd \
-            else {}
-        total = token_layout.num_tokens
-        mode = experts.resolve_mode(mode, total, seq_len)
-        capacity = (expert_capacity(total, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
-                    if mode is ExpertsMode.CAPACITY_FACTOR else None)
-        computed = {}
-
-        def compute(rows: torch.Tensor, pair_expert: torch.Tensor, pair_weight: torch.Tensor) -> torch.Tensor:
-            out, computed["pairs"] = experts.forward_pairs(rows, pair_expert, pair_weight, mode, capacity, decode,
-                                                           **held)
-            return out
-
-        pair_expert = routing.expert_index
-        if routing.has_padding:  # the pairs of padded tokens go nowhere
-            pair_expert = torch.where(routing.pair_valid(), pair_expert, -1)
-        pair_weight = routing.affinities.gather(1, routing.expert_index)
-        ledger = CommLedger()
+        shard = parallelism.shard(seq_len == 1)
         epc = experts.expert_parallel_config
-        if agreement is not None:
-            agreement.wait()
-        result = get_dispatch(epc.dispatch)(DispatchInputs(x, pair_expert, pair_weight, token_layout,
-                                                           parallelism.groups, shard, capacity, compute, ledger,
-                                                           epc.all_to_all_splits, count_pairs=return_stats))
-        out = result.output
-        if in_width != cfg.hidden_size:
-            out = out[:, :in_width]
-        if addend is not None:
-            out = out + addend
-        if not return_stats:
-            return out
-        counts = result.pairs_per_expert
-        # An exact all-to-all that brought this rank no row computed nothing.
-        pairs = computed.get("pairs") or PairsComputed(
-            torch.zeros(len(shard.local_experts), dtype=torch.int64, device=x.device), None, None, None)
-        dropped = (counts - counts.clamp(max=capacity)).sum() if capacity is not None else torch.zeros(
-            (), dtype=torch.int64, device=x.device)
-        stats = ExpertsStats(
-            mode=mode,
-            num_tokens=total,
-            top_k=cfg.top_k,
-            num_experts=cfg.num_experts,
-            tokens_per_expert=counts,
-            dropped_tokens=dropped,
-            block_size=pairs.block_size,
-            num_blocks=pairs.num_blocks,
-            capacity=capacity,
-            mapping=pairs.mapping,
-            dispatch=epc.dispatch,
-            local_experts=shard.local_experts,
-            local_tokens_per_expert=pairs.tokens_per_local_expert,
-            communication=dict(ledger.steps),
-        )
-        return out, stats
+        # SPMD: which global experts are held here, and the intermediate slice, come from the rank tensor.
+        held = dict(local_slot=shard.local_slot(hidden_states.device),
+                    intermediate_part=shard.tensor_parallel_rank) if spmd else {}
+        route = Route(get_dispatcher(epc.dispatch), token_layout, parallelism.groups, shard, CommLedger(),
+                      epc.all_to_all_splits, epc.dispatch, agreement=agreement, **held)
+        # Inputs checked above, before the agreement starts.
+        return experts.routed_forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, route,
+                                      mode=mode, return_stats=return_stats, addend=addend, check_index=check_index,
+                                      checked=True)
 
     def _start_agreement(self, hidden_states: torch.Tensor, token_layout: TokenLayout, seq_len: int | None, mode,
                          padded: bool, addend: torch.Tensor | None, return_stats: bool

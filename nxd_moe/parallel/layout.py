@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 
 from nxd_moe import parallel_state
+from nxd_moe.experts.shard import WeightShard
+from nxd_moe.moe_configs import ExpertParallelConfig
 from nxd_moe.parallel.placement import ExpertPlacement
 from nxd_moe.parallel.token_layout import TokenLayout
 
@@ -127,3 +129,15 @@ class ExpertsParallelism:
     def at(self, rank: parallel_state.SPMDRank) -> "ExpertsParallelism":
         """Ranks filled in from the rank tensor (see the module docstring)."""
         return ExpertsParallelism(self.groups.at(rank), self.prefill.at(rank, True), self.decode.at(rank, False))
+
+
+def held_weight_shard(prefill: bool, num_experts: int, expert_parallel_config: ExpertParallelConfig) -> WeightShard:
+    """The routed experts' weights this rank holds for a phase under the current layout (in an SPMD layout, the
+    rank whose shard is being built): its expert-parallel rank's experts, its MoE tensor-parallel slice. The one
+    place that decides it: ``ExpertMLPsV2`` builds its weights from it, ``ExpertParallel`` checks them against it."""
+    distribution = parallel_state.expert_distribution_for(expert_parallel_config, prefill)
+    experts = parallel_state.get_experts_for_expert_parallel_rank(
+        parallel_state.get_moe_expert_model_parallel_rank(prefill), num_experts,
+        parallel_state.get_moe_expert_model_parallel_size(prefill), distribution)
+    return WeightShard(experts, parallel_state.get_moe_tensor_model_parallel_size(prefill),
+                       parallel_state.get_moe_tensor_model_parallel_rank(prefill))

@@ -1,7 +1,7 @@
 """Shared experts over a tensor-parallel group: which slice each rank computes, and the reductions.
 
-:class:`~nxd_moe.experts.shared.SharedExperts` computes on the rows it is given -- the whole shared expert where
-it holds whole weights, or one slice's contribution (:meth:`~nxd_moe.experts.shared.SharedExperts.partial`). Here
+:class:`~nxd_moe.shared_experts.SharedExperts` computes on the rows it is given -- the whole shared expert where
+it holds whole weights, or one slice's contribution (:meth:`~nxd_moe.shared_experts.SharedExperts.partial`). Here
 the slices meet, over the TP group (whose ranks share tokens, or hold consecutive sequence shards under SP):
 
 - replicated weights (``sequence_parallel_enabled``) and a sequence-parallel input: local, no communication;
@@ -12,14 +12,18 @@ the slices meet, over the TP group (whose ranks share tokens, or hold consecutiv
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nxd_moe import parallel_state
-from nxd_moe.experts.shared import SharedExperts
 from nxd_moe.parallel.collectives import CommLedger, all_gather, all_reduce, reduce_scatter
 
+if TYPE_CHECKING:  # the module sits above this plumbing
+    from nxd_moe.shared_experts import SharedExperts
 
-def shared_experts_forward(shared: SharedExperts, hidden_states: torch.Tensor, sequence_parallel: bool,
+
+def shared_experts_forward(shared: "SharedExperts", hidden_states: torch.Tensor, sequence_parallel: bool,
                            ledger: CommLedger | None = None) -> torch.Tensor:
     """``(B, S_r, H)`` (``sequence_parallel``: this rank's sequence shard) or ``(..., H)`` shared by the TP group
     -> the shared experts' output for the same rows."""

@@ -6,8 +6,9 @@ import torch
 import torch.nn as nn
 
 from nxd_moe.checks import check_bool
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.experts.backends import check_backend_supports
-from nxd_moe.experts.expert_mlps import ExpertLinear, ExpertMLPsV2
+from nxd_moe.experts.expert_mlps import ExpertLinear
 from nxd_moe.experts.shared import DenseProjection
 from nxd_moe.quantization.formats import QuantizationFormat, get_format
 

@@ -12,9 +12,9 @@ from typing import Iterator, NamedTuple
 import torch
 import torch.nn as nn
 
+from nxd_moe.expert_mlps_v2 import ExpertMLPsV2
 from nxd_moe.experts.backends import TorchBackend
 from nxd_moe.experts.dynamic_while import blocks_per_iteration, dynamic_while_blockwise_forward, static_block_count
-from nxd_moe.experts.expert_mlps import ExpertMLPsV2
 
 
 @dataclass

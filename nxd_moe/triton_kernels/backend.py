@@ -27,7 +27,7 @@ from nxd_moe.cuda_kernels import ws_gemm
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.experts.capacity import admit
 from nxd_moe.experts.mlp import ExpertWeights
-from nxd_moe.experts.mode import ExpertsMode
+from nxd_moe.experts.mode import ModePolicy
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
 from nxd_moe.layer_parts import RouterParts, SharedParts
@@ -106,6 +106,7 @@ class TritonBackend(ExpertsBackend):
 
     name = "triton"
     fuses_addend = True
+    fuses_layers = True
     # Quantized weights are read as stored and dequantized in registers inside the GEMMs' weight-tile loads.
     supported_formats = frozenset(FORMAT_CODES)
     # W8A8 (FP8 activations with fp8 / fp8_block weights): FP8 x FP8 tensor-core GEMMs, w8a8.py.
@@ -180,25 +181,19 @@ class TritonBackend(ExpertsBackend):
             return False
         return self.one_launch or weights.format == "bf16"
 
-    def select_mode(self, num_tokens, seq_len, top_k, num_experts, block_size, capacity_factor,
-                    selective_loading_threshold):
+    @property
+    def mode_policy(self) -> ModePolicy:
         """On a GPU the tiled kernels never compute an empty row and read each used expert's weights once per
         tile, so all-experts (every expert's weights, ``E/k`` times the FLOPs) never wins and is only run when
-        forced; NxD's ``T*k >= alpha*E`` switch to it -- right for Trainium's DMA -- is not applied. Capacity
-        factor still applies to prefill. A dropless prefill of decode size (``T*k`` within one launch's pairs:
-        a short prompt at batch 1) runs as the decode of the same size does -- selective loading, the one-launch
-        decode where it applies -- since it is the same computation: the blockwise kernels' sort and separate
-        launches cost it more than they save (measured: a 128-token Qwen3-30B-A3B prefill in eager ``generate``).
-        Larger prefills are blockwise; tiny ones selective loading, as in NxD. The rule reads ``T`` only, so the
-        transformers experts seam (which cannot tell decode from prefill) gets the same answer."""
-        if seq_len == 1:
-            return ExpertsMode.SELECTIVE_LOADING
-        if capacity_factor is not None:
-            return ExpertsMode.CAPACITY_FACTOR
-        if (persistent_decode.applies(num_tokens, top_k)
-                or num_tokens * top_k < selective_loading_threshold * num_experts):
-            return ExpertsMode.SELECTIVE_LOADING
-        return ExpertsMode.BLOCKWISE
+        forced; NxD's ``T*k >= alpha*E`` switch to it -- right for Trainium's DMA -- is not applied, nor its
+        all-experts prefill below one block. Capacity factor still applies to prefill. A dropless prefill of
+        decode size (``T*k`` within one launch's pairs: a short prompt at batch 1) runs as the decode of the same
+        size does -- selective loading, the one-launch decode where it applies -- since it is the same computation:
+        the blockwise kernels' sort and separate launches cost it more than they save (measured: a 128-token
+        Qwen3-30B-A3B prefill in eager ``generate``). Larger prefills are blockwise; tiny ones selective loading,
+        as in NxD. The rule reads ``T`` only, so the transformers experts seam (which cannot tell decode from
+        prefill) gets the same answer."""
+        return ModePolicy(all_experts=False, pairs_up_to=persistent_decode.MAX_PAIRS)
 
     def build_routing(self, expert_affinities, expert_index, num_experts, normalize, prescale, padding_mask=None):
         """One fused kernel instead of the torch version's chain of small ones (decode latency)."""
@@ -316,11 +311,10 @@ class TritonBackend(ExpertsBackend):
         fp32 copy, SIMT fp32 GEMM, top-k, activation and scatter, where ``fuse_router`` asks for it; else None."""
         wanted = (hidden_states.shape[0] >= router_kernel.MIN_TOKENS if self.fuse_router is None
                   else self.fuse_router)
-        parts = router.fused_parts() if wanted else None
-        if parts is None or not router_kernel.applies(hidden_states, parts.weight, parts.top_k):
+        if not wanted or router is None or not router_kernel.applies(hidden_states, router.weight, router.top_k):
             return None
-        return self.router_top_k(hidden_states, parts.weight, parts.bias, parts.top_k, parts.sigmoid,
-                                 parts.act_over_topk)
+        return self.router_top_k(hidden_states, router.weight, router.bias, router.top_k, router.sigmoid,
+                                 router.act_over_topk)
 
     def router_top_k(self, hidden_states, weight, bias, top_k: int, sigmoid: bool, act_over_topk: bool):
         """The router kernel's launch (:func:`~nxd_moe.triton_kernels.router.router_top_k`)."""
@@ -329,26 +323,15 @@ class TritonBackend(ExpertsBackend):
         _check_device(hidden_states)
         return router_kernel.router_top_k(hidden_states, weight, bias, top_k, sigmoid, act_over_topk)
 
-    def fused_decode(self, hidden_states, router, experts, shared_experts, padding_mask):
-        """A single-device decode layer in one launch when everything in it has a fused form: the router's and the
-        shared experts' fused parts (:meth:`~nxd_moe.routing.topk.RouterTopK.fused_parts`,
-        :meth:`~nxd_moe.experts.shared.SharedExperts.fused_parts`, with an activation the kernels have), the
-        experts' own dtype and width, unsharded; else None."""
-        num_tokens = hidden_states.shape[0]
-        cfg = experts.routed_experts_mlp_config
-        weights = experts.expert_weights()
-        parts = router.fused_parts()
-        if not (parts is not None and self._one_launch(num_tokens, cfg.top_k, weights) and parts.top_k == cfg.top_k
-                and not experts.is_sharded and cfg.hidden_size_actual is None
-                and hidden_states.dtype == experts.dtype and hidden_states.shape[1] == cfg.hidden_size):
+    def fused_decode(self, hidden_states, router, weights, prescale, shared):
+        """A single-device decode layer in one launch when everything in it has a fused form (the router's and
+        the shared experts' parts, an activation the kernels have) and the decode runs in one launch; else
+        None."""
+        if router is None or not self._one_launch(hidden_states.shape[0], router.top_k, weights):
             return None
-        shared = None
-        if shared_experts is not None:
-            shared = shared_experts.fused_parts(hidden_states.dtype)
-            if shared is None or shared.hidden_act not in ACTIVATIONS:
-                return None
-        parts = parts._replace(normalize=cfg.normalize_top_k_affinities, padding=padding_mask)
-        return self.moe_decode(hidden_states, parts, weights, cfg.early_expert_affinity_modulation, shared)
+        if shared is not None and shared.hidden_act not in ACTIVATIONS:
+            return None
+        return self.moe_decode(hidden_states, router, weights, prescale, shared)
 
     def moe_decode(self, hidden_states, router: RouterParts, weights: ExpertWeights, prescale: bool,
                    shared: SharedParts | None):

@@ -200,7 +200,7 @@ def test_moe_decode_falls_back_where_it_has_no_fused_form():
     moe = _moe(GroupLimitedRouter(8, 2, 32, n_group=4, topk_group=2), normalize_top_k_affinities=True)
     backend = moe.expert_mlps.backend
     x = randn(5, 1, 32, seed=13).to(DEVICE)
-    assert backend.fused_decode(x.reshape(5, 32), moe.router, moe.expert_mlps, None, None) is None
+    assert backend.fused_decode(x.reshape(5, 32), *moe._decode_parts(x.reshape(5, 32), None)) is None
     with torch.no_grad():
         _check(moe(x)[0], reference_for_moe(moe, x), torch.float32, "group-limited")
         stats = moe(x, return_stats=True)[-1]

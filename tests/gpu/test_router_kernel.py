@@ -182,10 +182,11 @@ def test_by_default_the_fused_router_takes_prefills_of_min_tokens_and_more(monke
 def test_other_routers_and_training_jitter_run_the_torch_router():
     backend = TritonBackend(fuse_router=True)
     x = randn(8, 32, seed=1).to(DEVICE)
-    assert backend.fused_router(x, make_router("group_limited", 8, 2, 32).to(DEVICE)) is None
+    assert backend.fused_router(x, make_router("group_limited", 8, 2, 32).to(DEVICE).fused_parts()) is None
     jittery = RouterTopK(8, 2, 32, jitter_eps=0.1, device=DEVICE).train()
-    assert backend.fused_router(x, jittery) is None
-    assert TritonBackend(fuse_router=False).fused_router(x, make_router("topk_softmax", 8, 2, 32).to(DEVICE)) is None
+    assert backend.fused_router(x, jittery.fused_parts()) is None
+    assert TritonBackend(fuse_router=False).fused_router(
+        x, make_router("topk_softmax", 8, 2, 32).to(DEVICE).fused_parts()) is None
     with pytest.raises(TypeError, match="fuse_router"):
         TritonBackend(fuse_router=1)
 

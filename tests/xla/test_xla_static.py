@@ -164,8 +164,8 @@ def test_while_loop_body_must_keep_the_carried_shapes():
 def test_quantized_experts_are_one_static_graph(mode, quantization):
     """FP8 / MxFP4 expert weights (routed, and shared ones asked to be quantized) enter the graph as stored
     (8-bit / packed 4-bit) and are dequantized inside it."""
-    from nxd_moe.experts.shared import SharedExperts
     from nxd_moe.quantization.quantizer import quantize_experts
+    from nxd_moe.shared_experts import SharedExperts
 
     _, tokens, phase, capacity_factor, blockwise = MODES[mode]
     experts = make_experts(make_config(num_experts=NUM_EXPERTS, top_k=TOP_K, hidden_size=64, intermediate_size=64,
