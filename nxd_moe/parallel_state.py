@@ -232,6 +232,8 @@ def initialize_model_parallel(
     _STATE = state
 
 
+# The arguments of model_parallel_layout (NxD's initialize_model_parallel's sizes) and the rank being built: the
+# same layout as initialize_model_parallel, so the same parameter list.
 def initialize_spmd_model_parallel(
     world_size: int,
     tensor_model_parallel_size: int = 1,

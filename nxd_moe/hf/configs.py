@@ -65,6 +65,8 @@ def _hidden_act(name: Any, model_type: str, field_name: str = "hidden_act") -> s
     return act
 
 
+# One reader per family (a table, _CONFIG_READERS): the families name and derive their fields differently, so
+# each reader reads like its transformers config class; the common fields repeat by design.
 def _mixtral(cfg: Any) -> dict[str, Any]:
     t = "mixtral"
     return dict(

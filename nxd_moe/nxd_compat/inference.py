@@ -417,6 +417,7 @@ def _family(model_type: str, config_name: str, model_name: str, required: tuple[
     return config_cls, model_cls
 
 
+# One line per NxD Inference model family (a table: each family's config and model class names).
 _COMMON = ("hidden_size", "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "vocab_size")
 Qwen3MoeInferenceConfig, NeuronQwen3MoeForCausalLM = _family(
     "qwen3_moe", "Qwen3MoeInferenceConfig", "NeuronQwen3MoeForCausalLM",

@@ -93,6 +93,7 @@ class ExpertParallel:
             layout = self._token_layouts[key] = self.groups.token_layout(batch, local_seq_len, sequence_parallel)
         return layout
 
+    # ExpertMLPsV2.forward's parameters plus token_layout: the same call, over the block.
     def __call__(
         self,
         hidden_states: torch.Tensor,

@@ -263,6 +263,7 @@ def gate_up_epilogue(
     return out
 
 
+# gate_up_tile's parameters, passed through one by one (Triton jit functions take no **kwargs).
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,

@@ -163,6 +163,8 @@ def _gate_up_persistent_kernel(
                      out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+# Its item loop is the gate/up kernel's: a Triton jit loop cannot take its body as an argument, so each kernel
+# writes the loop around its own body.
 @triton.jit
 def _down_persistent_kernel(
     h_desc, w_desc, bias_ptr, out_ptr, out_desc, row_token_ptr, tile_expert_ptr, num_tiles_ptr,

@@ -293,6 +293,7 @@ def _w8a8_down_kernel(
     w_cols = w_ptr + expert * stride_we + cols * stride_wn
     ws_base = ws_ptr + expert * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The gate/up kernel's K loop over one split of K (a jit loop cannot take its body as an argument).
     for k in range(0, tl.cdiv(k_end - k_begin, BLOCK_K)):
         k0 = k_begin + k * BLOCK_K
         k_ok = ks < k_end - k0

@@ -41,6 +41,7 @@ from nxd_moe.nki_kernels.kernels.expert_mlp import (
     load_down_bias,
     load_gate_up_bias,
     load_weights,
+    quantized_inputs,
     transpose_tokens,
     weight_chunks,
 )
@@ -75,7 +76,14 @@ class BlockwiseInputs:
     def create(cls, hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias, down_proj_bias,
                activation, skip_dma, expert_affinities_scaling_mode,
-               is_tensor_update_accumulating) -> "BlockwiseInputs":
+               is_tensor_update_accumulating, gate_up_proj_scale=None, down_proj_scale=None,
+               weight_format: str = "bf16") -> "BlockwiseInputs":
+        """The blockwise kernels' shared prologue: quantized weights taken with their scales (``weight_format``,
+        :func:`~nxd_moe.nki_kernels.kernels.expert_mlp.quantized_inputs`), every input checked, the options
+        normalised."""
+        gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight,
+                                                                 gate_up_proj_scale, down_proj_scale, weight_format,
+                                                                 hidden_states.dtype, activation.glu_mlp)
         skip_dma = SkipMode(*skip_dma)
         mode = ExpertAffinityScaleMode(expert_affinities_scaling_mode)
         rows, hidden = array_shape(hidden_states, "hidden_states", 2)

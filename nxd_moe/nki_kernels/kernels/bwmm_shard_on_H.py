@@ -19,7 +19,7 @@ from nxd_moe.nki_kernels.kernels.block import (
     weight_load_experts,
     zero_output_rows,
 )
-from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
+from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
 from nxd_moe.nki_kernels.kernels.tiling import split
 
 
@@ -32,13 +32,10 @@ def bwmm_shard_on_H(hidden_states, expert_affinities_masked, gate_up_proj_weight
     """Every block in a static loop. Returns ``output (T_rows, H)``; with ``is_tensor_update_accumulating`` it is
     zero-initialised and each block adds its contribution (top-k > 1), otherwise each row is written once.
     Inputs: see :mod:`nxd_moe.nki_kernels.kernels.block`."""
-    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
-                                                             down_proj_scale, weight_format, hidden_states.dtype,
-                                                             activation.glu_mlp)
     io = BlockwiseInputs.create(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                                 token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias,
                                 down_proj_bias, activation, skip_dma, expert_affinities_scaling_mode,
-                                is_tensor_update_accumulating)
+                                is_tensor_update_accumulating, gate_up_proj_scale, down_proj_scale, weight_format)
     columns = split(io.hidden, nl.num_programs(0), nl.program_id(0))
     shard = io.shard(h_in=columns, h_out=columns, i_range=(0, io.intermediate_actual))
     output = nl.ndarray((io.rows, io.hidden), io.dtype, buffer=nl.shared_hbm, name="output")

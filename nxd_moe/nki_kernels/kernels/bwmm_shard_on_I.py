@@ -30,7 +30,7 @@ from nxd_moe.nki_kernels.kernels.block import (
     weight_load_experts,
     zero_output_rows,
 )
-from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
+from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
 from nxd_moe.nki_kernels.kernels.tiling import split
 
 
@@ -48,13 +48,10 @@ def bwmm_shard_on_I(hidden_states, expert_affinities_masked, gate_up_proj_weight
     ``N - E``, the NKI library's; NxD passes ``ceil(T * k / B)``). With two cores ``block_size`` must be a
     multiple of 256 (each core finishes whole 128-token tiles).
     """
-    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
-                                                             down_proj_scale, weight_format, hidden_states.dtype,
-                                                             activation.glu_mlp)
     io = BlockwiseInputs.create(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                                 token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias,
                                 down_proj_bias, activation, skip_dma, expert_affinities_scaling_mode,
-                                is_tensor_update_accumulating)
+                                is_tensor_update_accumulating, gate_up_proj_scale, down_proj_scale, weight_format)
     cores, core = nl.num_programs(0), nl.program_id(0)
     if cores == 2 and (io.block_size % 256 or len(token_tiles(io)) % 2):
         raise ValueError(f"bwmm_shard_on_I with two cores needs block_size % 256 == 0, got {io.block_size}")

@@ -29,7 +29,7 @@ from nxd_moe.nki_kernels.kernels.block import (
     weight_load_experts,
     zero_output_rows,
 )
-from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights, quantized_inputs
+from nxd_moe.nki_kernels.kernels.expert_mlp import ExpertAffinityScaleMode, allocate_weights
 from nxd_moe.nki_kernels.kernels.tiling import split, tiles
 
 
@@ -62,13 +62,10 @@ def bwmm_shard_on_block(hidden_states, expert_affinities_masked, gate_up_proj_we
     """Returns ``output (T_rows, cores, H)``; the result is ``output[:, 0]``. ``N`` must be a multiple of the
     number of cores. ``num_static_blocks``: blocks always computed (rounded up to whole iterations; default all
     of them without ``conditions``, none with). Every slot is zero-initialised: the final sum reads both."""
-    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
-                                                             down_proj_scale, weight_format, hidden_states.dtype,
-                                                             activation.glu_mlp)
     io = BlockwiseInputs.create(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
                                 token_position_to_id, block_to_expert, block_size, gate_and_up_proj_bias,
                                 down_proj_bias, activation, skip_dma, expert_affinities_scaling_mode,
-                                is_tensor_update_accumulating)
+                                is_tensor_update_accumulating, gate_up_proj_scale, down_proj_scale, weight_format)
     cores, core = nl.num_programs(0), nl.program_id(0)
     if io.num_blocks % cores:
         raise ValueError(f"bwmm_shard_on_block on {cores} cores needs a number of blocks divisible by {cores}, got "

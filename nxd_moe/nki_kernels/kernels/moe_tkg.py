@@ -45,8 +45,13 @@ from nxd_moe.nki_kernels.machine import counted_once_per_signature
 from nxd_moe.nki_kernels.tensor import NkiTensor
 
 
-def _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked, expert_mask,
-           activation: ExpertActivation, scaling_mode) -> tuple[MlpShard, ExpertAffinityScaleMode]:
+def _prologue(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked, expert_mask,
+              activation: ExpertActivation, scaling_mode, gate_up_proj_scale, down_proj_scale, weight_format):
+    """Both kernels' prologue: the weights taken with their scales (:func:`quantized_inputs`), the inputs checked;
+    returns ``(gate_up_proj_weight, down_proj_weight, shard, mode)``."""
+    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
+                                                             down_proj_scale, weight_format, hidden_states.dtype,
+                                                             activation.glu_mlp)
     tokens, hidden = hidden_states.shape
     experts, _, inter = check_expert_weights(gate_up_proj_weight, down_proj_weight, hidden, activation)
     if expert_affinities_masked.shape != (tokens * experts, 1):
@@ -57,7 +62,8 @@ def _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affiniti
     if pre and (expert_mask is None or expert_mask.shape != (tokens * experts, 1)):
         raise ValueError(f"PRE_SCALE needs expert_mask (T * E, 1) = {(tokens * experts, 1)}")
     i_range = (0, computed_intermediate(activation, inter))
-    return MlpShard(hidden, inter, (0, hidden), (0, hidden), i_range, activation.glu_mlp), mode
+    return (gate_up_proj_weight, down_proj_weight,
+            MlpShard(hidden, inter, (0, hidden), (0, hidden), i_range, activation.glu_mlp), mode)
 
 
 def moe_tkg_all_expert(hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
@@ -67,11 +73,9 @@ def moe_tkg_all_expert(hidden_states, expert_affinities_masked, gate_up_proj_wei
                        down_proj_scale=None, weight_format: str = "bf16"):
     """Returns ``output (T, H)``: ``sum_e weight[t, e] * MLP_e(x_t)`` over all experts (``weight`` the affinity,
     or the mask with PRE_SCALE)."""
-    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
-                                                             down_proj_scale, weight_format, hidden_states.dtype,
-                                                             activation.glu_mlp)
-    shard, mode = _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked,
-                         expert_mask, activation, expert_affinities_scaling_mode)
+    gate_up_proj_weight, down_proj_weight, shard, mode = _prologue(
+        hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked, expert_mask, activation,
+        expert_affinities_scaling_mode, gate_up_proj_scale, down_proj_scale, weight_format)
     tokens, hidden = hidden_states.shape
     experts = gate_up_proj_weight.shape[0]
     dtype = hidden_states.dtype
@@ -126,11 +130,9 @@ def moe_tkg_selective_expert(hidden_states, expert_affinities_masked, expert_ind
                              expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE, gate_up_proj_scale=None,
                        down_proj_scale=None, weight_format: str = "bf16"):
     """Returns ``output (T, H)``: ``sum_j weight[t, j] * MLP_{index[t, j]}(x_t)``, loading each pair's expert."""
-    gate_up_proj_weight, down_proj_weight = quantized_inputs(gate_up_proj_weight, down_proj_weight, gate_up_proj_scale,
-                                                             down_proj_scale, weight_format, hidden_states.dtype,
-                                                             activation.glu_mlp)
-    shard, mode = _check(hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked,
-                         expert_mask, activation, expert_affinities_scaling_mode)
+    gate_up_proj_weight, down_proj_weight, shard, mode = _prologue(
+        hidden_states, gate_up_proj_weight, down_proj_weight, expert_affinities_masked, expert_mask, activation,
+        expert_affinities_scaling_mode, gate_up_proj_scale, down_proj_scale, weight_format)
     tokens, hidden = hidden_states.shape
     if not isinstance(expert_index, NkiTensor) or len(expert_index.shape) != 2 or expert_index.shape[0] != tokens \
             or not is_integer(expert_index.dtype):
