@@ -22,7 +22,6 @@ from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.shard import ShardSpec, WeightShard
 from nxd_moe.fingerprint import config_fingerprint
 from nxd_moe.moe_configs import BlockwiseMatmulConfig, ExpertParallelConfig, RoutedExpertsMLPOpsConfig
-from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.dispatch import ONE_DEVICE, Dispatched, DispatchInputs, DispatchResult, Route
 from nxd_moe.parallel.layout import held_weight_shard
 from nxd_moe.quantization import Shape, get_format
@@ -329,11 +328,10 @@ class ExpertMLPsV2(nn.Module):
         mode = self.resolve_mode(mode, total, seq_len)
         capacity = (expert_capacity(total, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
                     if mode is ExpertsMode.CAPACITY_FACTOR else None)
-        ledger = CommLedger() if route.ledger is None else route.ledger
         if route.agreement is not None:
             route.agreement.wait()
         dispatched = route.dispatcher.dispatch(DispatchInputs(
-            x, routing, route.layout, route.groups, route.shard, capacity, ledger, route.all_to_all_splits,
+            x, routing, route.layout, route.groups, route.shard, capacity, route.ledger, route.all_to_all_splits,
             count_pairs=return_stats))
         # The experts may add the addend in their own last pass (fused) when the rows are the tokens.
         fused = addend if dispatched.routing is not None and in_width == cfg.hidden_size else None
@@ -346,7 +344,7 @@ class ExpertMLPsV2(nn.Module):
             out = out + addend
         if not return_stats:
             return out
-        return out, self._stats(mode, total, capacity, computed, result, route, ledger)
+        return out, self._stats(mode, total, capacity, computed, result, route)
 
     def compute(self, dispatched: Dispatched, mode: ExpertsMode, capacity: int | None, decode: bool,
                 route: Route = ONE_DEVICE, addend: torch.Tensor | None = None) -> tuple[torch.Tensor, ExpertsRun]:
@@ -373,7 +371,7 @@ class ExpertMLPsV2(nn.Module):
         return run.output, run
 
     def _stats(self, mode: ExpertsMode, total: int, capacity: int | None, run: ExpertsRun | None,
-               result: DispatchResult, route: Route, ledger: CommLedger) -> ExpertsStats:
+               result: DispatchResult, route: Route) -> ExpertsStats:
         """The pipeline's statistics: the block's pairs per expert and drops as the dispatcher counted them, or,
         where it did not (one device), as the experts did, who then saw every pair."""
         cfg = self.routed_experts_mlp_config
@@ -395,7 +393,7 @@ class ExpertMLPsV2(nn.Module):
             dropped = torch.zeros((), dtype=torch.int64, device=device)
         parallel = {} if route.name is None else dict(
             dispatch=route.name, local_experts=route.shard.local_experts, local_tokens_per_expert=local_counts,
-            communication=dict(ledger.steps))
+            communication=dict(route.ledger.steps))
         return ExpertsStats(mode=mode, num_tokens=total, top_k=cfg.top_k, num_experts=cfg.num_experts,
                             tokens_per_expert=counts, dropped_tokens=dropped, block_size=block_size,
                             num_blocks=n_blocks, capacity=capacity, mapping=mapping, **parallel)

@@ -180,22 +180,23 @@ class MoE(FiniteWeightsOnLoad, nn.Module):
         return tuple(result)
 
     def _decode_parts(self, flat: torch.Tensor, token_is_real: torch.Tensor | None
-                      ) -> tuple[RouterParts | None, ExpertWeights, bool, SharedParts | None]:
+                      ) -> tuple[RouterParts | None, ExpertWeights | None, bool, SharedParts | None]:
         """The layer as the plain parts of a backend's fused decode (``ExpertsBackend.fused_decode``): router parts
-        with the experts' normalisation and the padding (None where the router, the shared experts or the shapes
-        have no fused form), the routed experts' weights, whether the affinity scales the expert input, the shared
-        experts' parts (None: none)."""
+        with the experts' normalisation and the padding, the routed experts' weights, whether the affinity scales
+        the expert input, the shared experts' parts (None: none). Where the router, the shared experts or the shapes
+        have no fused form, the router parts are None and nothing else is gathered (a decode step's host time)."""
         experts = self.expert_mlps
         cfg = experts.routed_experts_mlp_config
-        weights, prescale = experts.expert_weights(), cfg.early_expert_affinity_modulation
+        prescale = cfg.early_expert_affinity_modulation
         router = self.router.fused_parts()
-        shared = None if self.shared_experts is None else self.shared_experts.fused_parts(flat.dtype)
         if (router is None or router.top_k != cfg.top_k or cfg.hidden_size_actual is not None
-                or flat.dtype != experts.dtype or flat.shape[1] != cfg.hidden_size
-                or (self.shared_experts is not None and shared is None)):
-            return None, weights, prescale, shared
-        return router._replace(normalize=cfg.normalize_top_k_affinities, padding=token_is_real), weights, prescale, \
-            shared
+                or flat.dtype != experts.dtype or flat.shape[1] != cfg.hidden_size):
+            return None, None, prescale, None
+        shared = None if self.shared_experts is None else self.shared_experts.fused_parts(flat.dtype)
+        if self.shared_experts is not None and shared is None:
+            return None, None, prescale, None
+        router = router._replace(normalize=cfg.normalize_top_k_affinities, padding=token_is_real)
+        return router, experts.expert_weights(), prescale, shared
 
     def _layer(self, x: torch.Tensor, flat: torch.Tensor, token_is_real: torch.Tensor | None, seq_len: int,
                batch: int, return_stats: bool):

@@ -138,3 +138,14 @@ def test_the_triton_policy_is_the_gpu_rule():
     assert backend.select_mode(limit // 8 + 1, None, 8, 64, 512, None, 1.0) is ExpertsMode.BLOCKWISE
     assert backend.select_mode(limit // 8 + 1, None, 8, 64, 4096, None, 1.0) is ExpertsMode.BLOCKWISE
     assert backend.select_mode(4, None, 8, 64, 512, 1.0, 1.0) is ExpertsMode.CAPACITY_FACTOR
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(all_experts=1), TypeError, "ModePolicy.all_experts"),
+    (dict(pairs_always="yes"), TypeError, "ModePolicy.pairs_always"),
+    (dict(pairs_up_to=-1), ValueError, "ModePolicy.pairs_up_to"),
+    (dict(pairs_up_to=1.5), TypeError, "ModePolicy.pairs_up_to"),
+])
+def test_a_mode_policy_with_a_bad_field_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ModePolicy(**kwargs)

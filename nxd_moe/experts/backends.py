@@ -90,14 +90,15 @@ class ExpertsBackend(abc.ABC):
         its own tiling as ``BlockMapping.tiles``; the mapping itself must be the shared one)."""
         return token_to_block_mapping(routing.expert_mask, routing.expert_index, block_size, num_blocks, optimized)
 
-    def fused_decode(self, hidden_states: torch.Tensor, router: RouterParts | None, weights: ExpertWeights,
-                     prescale: bool, shared: SharedParts | None
+    def fused_decode(self, hidden_states: torch.Tensor, router: RouterParts | None,
+                     weights: ExpertWeights | None, prescale: bool, shared: SharedParts | None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Optional (backends with ``fuses_layers``): a whole single-device decode layer -- router, routing, routed
         experts, shared experts and combine -- in the backend's own fused form, from plain parts
         (:mod:`nxd_moe.layer_parts`): ``router`` (the layer's normalisation and ``padding (T,)``, True = real
-        token, filled in; None where the layer's router, shared experts or shapes have no fused form), the routed
-        experts' ``weights``, ``prescale`` (the affinity scales the expert input) and ``shared`` (None: no shared
+        token, filled in; None where the layer's router, shared experts or shapes have no fused form, and then
+        the other parts are None too), the routed experts' ``weights``, ``prescale`` (the affinity scales the
+        expert input) and ``shared`` (None: no shared
         experts), on ``hidden_states (T, H)`` (after any norm; padded tokens' rows are zeroed by the caller).
         Returns ``(output (T, H), router_logits (T, E), expert_index (T, k))`` -- the same function as the unfused
         layer -- or None (the caller then runs the modules as usual). ``MoE`` calls it for decode (``S == 1``) on

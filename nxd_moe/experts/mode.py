@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from nxd_moe.checks import check_bool, check_int
+
 
 class ExpertsMode(str, enum.Enum):
     BLOCKWISE = "blockwise"
@@ -27,6 +29,11 @@ class ModePolicy:
     all_experts: bool = True
     pairs_up_to: int = 0
     pairs_always: bool = False
+
+    def __post_init__(self):
+        for name in ("all_experts", "pairs_always"):
+            check_bool(f"ModePolicy.{name}", getattr(self, name))
+        check_int("ModePolicy.pairs_up_to", self.pairs_up_to, minimum=0)
 
 
 NXD_POLICY = ModePolicy()
