@@ -14,7 +14,12 @@ One transformers model (random weights, bf16, built on the GPU from a shipped co
 - ``app``: ``nxd_moe.application.CausalLMApplication`` over the patched model: one context-encoding bucket (the
   prompt length) and one token-generation bucket (prompt + new tokens), each step a CUDA graph (token generation
   compiled by Inductor first), greedy sampling on the device, the host reading every ``--read-every`` steps;
-  ``app_no_inductor``: the same without Inductor; ``app_freezing``: with Inductor's freezing (weights as constants).
+  ``app_no_inductor``: the same without Inductor; ``app_freezing``: with Inductor's freezing (weights as constants);
+  ``app_autotune``: with Inductor's GEMM autotuning (``max_autotune_gemm``: Triton templates timed against cuBLAS for
+  the attention projections and the LM head); ``app_per_call_scratch``: ``app`` with the one-launch decode allocating
+  and zeroing its scratch per call inside the compiled step, as before the runner declared its graphs plain;
+  ``app_unfused_projections``: ``app`` with each projection its own GEMM, Inductor alone compiling the step (A/Bs of
+  those two changes, same run).
 
 Measured, per batch size (``--batches``): time to first token (``generate`` of one token for the compiled recipe; the
 application's own context-encoding time to the first token on the host), decode tokens/s (``B * (N - 1)`` over the
@@ -38,6 +43,7 @@ test, not a measurement.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -46,13 +52,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_generate import copy_bandwidth, decode_bytes_per_step, slowest  # noqa: E402
 
-VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor", "app_freezing")
+VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor", "app_freezing", "app_autotune",
+            "app_per_call_scratch", "app_unfused_projections")
 
 
 def _sync(device: torch.device) -> None:
@@ -168,6 +176,7 @@ def run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from nxd_moe.application import ApplicationConfig, CausalLMApplication
+    from nxd_moe.application import runner as runner_module
     from nxd_moe.hf import patch_model
     from nxd_moe.models.generate import timed_generate
     from nxd_moe.models.hf_models import build_hf_config
@@ -229,13 +238,21 @@ def run(args) -> dict:
                                                token_generation_buckets=[length], ctx_batch_size=args.ctx_batch or b,
                                                tp_degree=world, moe_ep_degree=world)
                     t0 = time.perf_counter()
-                    app = CausalLMApplication(model, config, compile_token_generation=variant != "app_no_inductor")
+                    unfused = mock.patch.object(runner_module, "compile_with_fused_projections", "inductor")
+                    with unfused if variant == "app_unfused_projections" else contextlib.nullcontext():
+                        app = CausalLMApplication(model, config,
+                                                  compile_token_generation=variant != "app_no_inductor")
                     # app_freezing: Inductor with its weights taken as constants (its freezing passes fuse the
-                    # projections of one input into one GEMM: q, k, v)
-                    with torch._inductor.config.patch(freezing=variant == "app_freezing"):
+                    # projections of one input into one GEMM: q, k, v); app_autotune: Inductor times its Triton GEMM
+                    # templates against cuBLAS; app_per_call_scratch: the runner's step without its declaration;
+                    # app_unfused_projections: the runner compiles with Inductor alone
+                    per_call = mock.patch.object(runner_module, "kept_kernel_memory", contextlib.nullcontext)
+                    with torch._inductor.config.patch(freezing=variant == "app_freezing",
+                                                      max_autotune_gemm=variant == "app_autotune"), \
+                            (per_call if variant == "app_per_call_scratch" else contextlib.nullcontext()):
                         app.load()
-                    load_s = time.perf_counter() - t0
-                    timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every, args.profile)
+                        load_s = time.perf_counter() - t0
+                        timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every, args.profile)
                     timing["load_s"] = round(load_s, 1)
                     if world > 1:  # the slowest rank's step; every rank's sequences count
                         timing["decode_ms_per_step"] = slowest(timing["decode_ms_per_step"])

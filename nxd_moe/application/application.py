@@ -23,8 +23,9 @@ import torch.nn as nn
 from nxd_moe import parallel_state
 from nxd_moe.application.artifacts import check_compiled, read_model, write_compiled
 from nxd_moe.application.config import ApplicationConfig
+from nxd_moe.application.fused_projections import share_projection_storage
 from nxd_moe.application.generation import GenerationOutput, generate_tokens, prompts_of
-from nxd_moe.application.programs import CausalLMPrograms
+from nxd_moe.application.programs import CausalLMPrograms, decoder_of
 from nxd_moe.application.runner import ProgramRunner
 from nxd_moe.application.sampling import prepare_sampling_params
 from nxd_moe.models.decoder_step import replace_polar_rotary_embeddings
@@ -95,6 +96,9 @@ class CausalLMApplication:
         device = self.programs.cache.keys_0.device
         cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         compile_token_generation = cuda_graphs if compile_token_generation is None else compile_token_generation
+        if compile_token_generation:  # the compiled token step runs the projections of one input as one GEMM
+            ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+            share_projection_storage(model, lambda: decoder_of(model)(input_ids=ids, use_cache=False))
         self.runner = ProgramRunner(self.programs, config, sampling=self.sampling, cuda_graphs=cuda_graphs,
                                     compile_token_generation=compile_token_generation)
         self.is_loaded = False

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from nxd_moe.application.config import ApplicationConfig
+from nxd_moe.application.fused_projections import compile_with_fused_projections
 from nxd_moe.application.programs import CausalLMPrograms, finish
 
 __all__ = ["MAX_EOS_TOKENS", "ProgramRunner"]
@@ -38,7 +39,8 @@ class ProgramRunner:
     """Executes ``programs`` under ``config``. ``sampling``: the programs draw tokens (top-k / top-p /
     temperature, one parameter row per sequence) instead of taking the argmax. ``cuda_graphs``: capture each
     step per bucket and replay it (CUDA only). ``compile_token_generation``: compile the token-generation step with
-    ``torch.compile`` (Inductor, no CUDA graphs of its own) before capturing it."""
+    ``torch.compile`` (Inductor, no CUDA graphs of its own; the projections of one input as one GEMM where their
+    weights are stacked, :mod:`~nxd_moe.application.fused_projections`) before capturing it."""
 
     def __init__(self, programs: CausalLMPrograms, config: ApplicationConfig, *, sampling: bool,
                  cuda_graphs: bool = False, compile_token_generation: bool = False, shared_pool: bool = True):
@@ -66,7 +68,16 @@ class ProgramRunner:
         if compile_token_generation:
             global _compiled_steps
             _compiled_steps += len(config.token_generation_buckets)
-            self._token_generation_fn = torch.compile(self._token_generation_eager, fullgraph=True, dynamic=False)
+            compiled = torch.compile(self._token_generation_eager, backend=compile_with_fused_projections,
+                                     fullgraph=True, dynamic=False)
+
+            def compiled_step(bucket: int) -> None:
+                # compiled without Inductor's CUDA-graph trees (this runner captures the step itself), so the
+                # layer's kernels may keep their scratch across calls as in an eager step
+                with kept_kernel_memory():
+                    compiled(bucket)
+
+            self._token_generation_fn = compiled_step
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.shared_pool = shared_pool
@@ -146,6 +157,15 @@ class ProgramRunner:
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.tokens, self.positions, self.done, self.out, self.step]
+
+
+def kept_kernel_memory() -> contextlib.AbstractContextManager:
+    """:func:`nxd_moe.triton_kernels.plain_compiled_graphs` where the Triton kernels import, else nothing to do."""
+    try:
+        from nxd_moe.triton_kernels import plain_compiled_graphs
+    except ImportError:  # no Triton: no kernel keeps memory
+        return contextlib.nullcontext()
+    return plain_compiled_graphs()
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import torch
 
 from nxd_moe.checks import check_bool, check_float, check_int
 
-__all__ = ["SamplingConfig", "prepare_sampling_params", "sample_tokens"]
+__all__ = ["SamplingConfig", "greedy_tokens", "prepare_sampling_params", "sample_tokens"]
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,31 @@ def prepare_sampling_params(batch_size: int, top_k=1, top_p=1.0, temperature=1.0
     return torch.tensor(list(zip(*columns)), dtype=torch.float32, device=device)
 
 
+# Logits per chunk of the greedy argmax's first stage.
+ARGMAX_CHUNK = 2048
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``logits (B, V)`` -> ``(B,)`` int64: ``logits.argmax(-1)`` (the first of equal maxima; a NaN counts as the
+    maximum), in two stages over chunks of ``ARGMAX_CHUNK`` logits. One reduction over a vocabulary of 150k logits
+    runs one program per row (33 us of an H200's decode step at batch 1); over chunks the first stage spreads a row
+    over many programs. Chunk maxima keep the first maximum: the first chunk holding the maximum, and in it the
+    first position."""
+    batch, vocab = logits.shape
+    if vocab <= ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    chunks = -(-vocab // ARGMAX_CHUNK)
+    padded = torch.nn.functional.pad(logits, (0, chunks * ARGMAX_CHUNK - vocab), value=float("-inf"))
+    values, positions = padded.view(batch, chunks, ARGMAX_CHUNK).max(dim=-1)
+    chunk = values.argmax(dim=-1, keepdim=True)
+    return (chunk * ARGMAX_CHUNK + positions.gather(1, chunk))[:, 0]
+
+
 def sample_tokens(logits: torch.Tensor, sampling_params: torch.Tensor | None, global_topk: int = 256) -> torch.Tensor:
     """Next tokens ``(B,)`` int64 from ``logits (B, V)``: argmax when ``sampling_params`` is None, else a draw as
     the module docstring says (``sampling_params (B, 3)``)."""
     if sampling_params is None:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     candidates = min(global_topk, logits.shape[-1])
     values, indices = logits.float().topk(candidates, dim=-1)  # sorted, largest first
     top_k, top_p, temperature = sampling_params.float().unbind(-1)

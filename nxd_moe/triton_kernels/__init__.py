@@ -21,6 +21,7 @@ def interpreting() -> bool:
 
 class _GraphCall(threading.local):
     active = False
+    memory_kept = False
 
 
 _graph_call = _GraphCall()
@@ -41,6 +42,22 @@ def compiled_graph_call():
         _graph_call.active = outer
 
 
+@contextlib.contextmanager
+def plain_compiled_graphs():
+    """Declares that the compiled graphs run inside are plain Inductor graphs -- no CUDA-graph trees of Inductor's
+    own, whose pool rolls back what an op keeps -- so their ops may keep memory as eager launches do: the one-launch
+    decode reuses its plan's scratch and counters instead of allocating and zeroing them per call (five small kernels
+    per layer in a captured step). For callers that compile without ``mode="reduce-overhead"`` and capture the
+    compiled step themselves (the application's token-generation step)."""
+    outer = _graph_call.memory_kept
+    _graph_call.memory_kept = True
+    try:
+        yield
+    finally:
+        _graph_call.memory_kept = outer
+
+
 def in_compiled_graph_call() -> bool:
-    """Whether the current launch runs inside :func:`compiled_graph_call`."""
-    return _graph_call.active
+    """Whether the current launch runs inside :func:`compiled_graph_call` where memory belongs to the graph (not
+    declared a :func:`plain_compiled_graphs` call)."""
+    return _graph_call.active and not _graph_call.memory_kept

@@ -10,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from nxd_moe.application import ApplicationConfig, CausalLMApplication, SamplingConfig, prepare_sampling_params
-from nxd_moe.application.sampling import sample_tokens
+from nxd_moe.application import (
+    ApplicationConfig,
+    CausalLMApplication,
+    SamplingConfig,
+    prepare_sampling_params,
+    sampling,
+)
+from nxd_moe.application.sampling import greedy_tokens, sample_tokens
 
 V = 64
 DRAWS = 40_000
@@ -76,6 +82,23 @@ def test_top_k_one_is_the_argmax_and_global_topk_caps_the_candidates(logits):
     torch.manual_seed(1)
     draws = sample_tokens(logits.expand(2000, V), prepare_sampling_params(2000, 0, 1.0, 50.0), global_topk=4)
     assert set(draws.tolist()) <= set(logits.topk(4).indices.tolist())
+
+
+@pytest.mark.parametrize("vocab", [7, sampling.ARGMAX_CHUNK, sampling.ARGMAX_CHUNK + 1, 3 * sampling.ARGMAX_CHUNK - 5])
+def test_greedy_tokens_are_torch_argmax(vocab):
+    """The two-stage argmax is ``torch.argmax``: the first of equal maxima (planted in two chunks, and twice in one
+    chunk), a NaN counted as the maximum, a row of -inf, a vocabulary that is not a multiple of the chunk and one
+    within a chunk; bf16 and float32."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    last = vocab - 1
+    logits[1, [last, vocab // 2]] = 50.0  # equal maxima, the later one in a later chunk when there are two
+    logits[2, [3, 5]] = 50.0  # equal maxima in one chunk
+    logits[3, [last, 1]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, last] = 50.0  # the maximum in the padded last chunk
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(greedy_tokens(logits.to(dtype)), logits.to(dtype).argmax(dim=-1))
 
 
 def test_sampling_params_are_checked():

@@ -4,6 +4,8 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -86,6 +88,32 @@ def test_no_synchronisation_inside_the_token_loop():
             runner.done.any().item()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_compiled_token_step_keeps_the_decode_kernels_scratch(monkeypatch):
+    """The token-generation step is compiled without Inductor's CUDA-graph trees and captured by the runner, so the
+    one-launch decode inside keeps its plan's scratch (made in the warm-up, outside any graph) instead of allocating
+    and zeroing it in every replay; negative control: without the runner's declaration the compiled step's plans
+    keep none. Both generate the same tokens."""
+    from nxd_moe.application import runner
+    from nxd_moe.triton_kernels import persistent_decode
+
+    def run(declared: bool):
+        monkeypatch.setattr(persistent_decode, "_PLANS", {})
+        if not declared:
+            monkeypatch.setattr(runner, "kept_kernel_memory", contextlib.nullcontext)
+        app = CausalLMApplication(build_hf_model("qwen3-30b-a3b", num_layers=2, scale=SCALE, device="cuda", seed=2),
+                                  _config(), compile_token_generation=True)
+        app.load()
+        plans = [p for p in persistent_decode._PLANS.values() if p.sizes[0] == 3]  # the token steps' (B=3)
+        ids, mask = _prompts(app.programs.text_config.vocab_size)
+        return plans, app.generate(ids, mask, max_new_tokens=30, eos_token_id=[], pad_token_id=0).sequences
+
+    kept, tokens = run(True)
+    assert kept and all(p.scratch is not None for p in kept)
+    fresh, expected = run(False)
+    assert fresh and all(p.scratch is None for p in fresh)
+    assert torch.equal(tokens, expected)
 
 
 def test_sampling_graph_is_reproducible_and_varies_with_the_seed():

@@ -23,7 +23,14 @@ from nxd_moe.quantization.quantizer import quantize_experts
 from nxd_moe.trace import static_backend
 
 triton = pytest.importorskip("triton")
-from nxd_moe.triton_kernels import compiled, compiled_graph_call, persistent_decode, repack  # noqa: E402
+from nxd_moe.triton_kernels import (  # noqa: E402
+    compiled,
+    compiled_graph_call,
+    in_compiled_graph_call,
+    persistent_decode,
+    plain_compiled_graphs,
+    repack,
+)
 from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -254,6 +261,29 @@ def test_inside_a_compiled_graph_no_buffer_outlives_the_call():
     # the stored layout (inside) and the repacked copy (outside) hold the same values, summed over K in tiles of
     # other depths: fp32 sums of O(1) terms, reordered (FP32_ATOL: outputs O(0.1-1), ~100 ulps of 2^-24)
     assert_close(inside, outside, FP32_ATOL)
+
+
+def test_ops_of_graphs_declared_plain_keep_their_memory():
+    """Under ``plain_compiled_graphs`` (a compiled graph with no CUDA-graph trees, captured by its caller: the
+    application's token step) an op keeps memory as an eager launch does -- the one-launch decode's plan keeps its
+    scratch, the repacked copy is cached -- and the outputs are the per-call ones'; the declaration nests and ends
+    with its block."""
+    moe = layer(quantization="mxfp4", one_launch=True, hidden=64, inter=32, seed=5)
+    x = randn(2, 1, 64, seed=11).to(DEVICE)
+    weight = moe.expert_mlps.expert_weights().gate_up_proj
+    before = dict(persistent_decode._PLANS)
+    with torch.no_grad(), compiled_graph_call():
+        per_call = moe(x)[0]
+        assert repack.repacked(weight) is None
+        with plain_compiled_graphs():
+            assert not in_compiled_graph_call()
+            kept = moe(x)[0]
+            assert repack.repacked(weight) is not None
+        assert in_compiled_graph_call()
+    assert not in_compiled_graph_call()
+    plans = set(persistent_decode._PLANS) - set(before)
+    assert any(persistent_decode._PLANS[key].scratch is not None for key in plans)
+    assert_close(kept, per_call, FP32_ATOL)  # stored vs repacked weights: fp32 sums reordered, as above
 
 
 # ----------------------------------------------------------------------------------------------------------------
