@@ -77,3 +77,11 @@ def test_fused_parts_are_given_only_where_a_kernel_computes_exactly_the_router()
     assert RouterTopK(8, 2, 16, dtype=torch.bfloat16).fused_parts() is None  # the kernels route in fp32
     jittery = RouterTopK(8, 2, 16, jitter_eps=0.1).train()
     assert jittery.fused_parts() is None and jittery.eval().fused_parts() is not None
+    softmax = RouterTopK(8, 3, 16).fused_parts()
+    assert (softmax.top_k, softmax.sigmoid, softmax.act_over_topk, softmax.bias) == (3, False, False, None)
+    # a subclass that overrides any of the three methods the kernels re-implement is run as it is
+    for method in ("forward", "get_router_logits", "apply_activation_fn"):
+        base = getattr(RouterTopK, method)
+        subclass = type("Overriding", (RouterTopK,), {method: lambda self, *args, base=base: base(self, *args)})
+        assert subclass(8, 2, 16).fused_parts() is None, method
+    assert type("Plain", (RouterTopK,), {})(8, 2, 16).fused_parts() is not None

@@ -113,6 +113,38 @@ def test_group_limited_router_never_picks_discarded_group_even_with_negative_bia
     assert bool((affinities[:, 4:] == 0).all())
 
 
+def test_group_limited_router_arguments_reach_their_places_and_bad_ones_are_named():
+    """Every argument, each away from its default, lands where RouterBase keeps it; each bound of n_group, topk_group
+    and top_k (the largest valid value passes, one past it fails) is refused with its name and range."""
+    group = object()
+    router = GroupLimitedRouter(16, 8, 8, n_group=4, topk_group=2, sequence_parallel_enabled=True,
+                                sequence_dimension=1, dtype=torch.float64, tensor_model_parallel_group=group,
+                                jitter_eps=0.25, normalize=True, routed_scaling_factor=2.5)
+    assert (router.num_experts, router.top_k, router.hidden_size, router.n_group, router.topk_group) == (16, 8, 8, 4, 2)
+    assert (router.normalize, router.routed_scaling_factor, router.act_fn, router.jitter_eps) == (True, 2.5, "sigmoid",
+                                                                                                  0.25)
+    assert router.sequence_parallel_enabled and router.sequence_dimension == 1
+    assert router.tensor_model_parallel_group is group and router.linear_router.weight.dtype == torch.float64
+    bias = router.state_dict()["e_score_correction_bias"]  # a buffer: checkpoints load it
+    assert bias.dtype == torch.float32 and bias.shape == (16,) and not bias.any()
+    GroupLimitedRouter(16, 2, 8, n_group=16, topk_group=16)  # the largest valid values
+    bad = [(dict(n_group=0, topk_group=1), ValueError, r"^GroupLimitedRouter\.n_group must be in \[1, 16\], got 0$"),
+           (dict(n_group=32, topk_group=1), ValueError, r"^GroupLimitedRouter\.n_group must be in \[1, 16\], got 32$"),
+           (dict(n_group=3, topk_group=1), ValueError,
+            r"^GroupLimitedRouter\.n_group \(3\) must divide num_experts \(16\)$"),
+           (dict(n_group=4, topk_group=0), ValueError, r"^GroupLimitedRouter\.topk_group must be in \[1, 4\], got 0$"),
+           (dict(n_group=4, topk_group=5), ValueError, r"^GroupLimitedRouter\.topk_group must be in \[1, 4\], got 5$"),
+           (dict(n_group=4, topk_group=2, normalize=1), TypeError, r"^GroupLimitedRouter\.normalize must be a bool"),
+           (dict(n_group=4, topk_group=2, routed_scaling_factor=0.0), ValueError,
+            r"^GroupLimitedRouter\.routed_scaling_factor must be > 0, got 0\.0$")]
+    for kwargs, error, message in bad:
+        with pytest.raises(error, match=message):
+            GroupLimitedRouter(16, 2, 8, **kwargs)
+    with pytest.raises(ValueError, match=r"^GroupLimitedRouter\.top_k \(9\) must be <= topk_group \* num_experts / "
+                                         r"n_group \(2 \* 4\), the number of experts in the kept groups$"):
+        GroupLimitedRouter(16, 9, 8, n_group=4, topk_group=2)
+
+
 def test_group_limited_router_single_expert_groups():
     router = GroupLimitedRouter(4, 2, 8, n_group=4, topk_group=2)
     randomize_(router, seed=8)

@@ -172,15 +172,29 @@ def test_num_static_blocks():
     assert num_static_blocks(1000, 2, 256) == 8
     assert num_static_blocks(1000, 2, 256, expert_parallel_size=4) == 2
     assert num_static_blocks(1, 1, 512) == 1
+    # a shape: an int, also where T*k does not divide among the ranks (ceil(9 / 2) = 5 per rank -> 1 block of 5)
+    assert type(num_static_blocks(9, 1, 5, expert_parallel_size=2)) is int
+    assert num_static_blocks(9, 1, 5, expert_parallel_size=2) == 1
 
 
-def test_num_blocks_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="block_size"):
-        num_blocks(4, 1, 2, 0)
-    with pytest.raises(ValueError, match="num_tokens"):
-        num_blocks(0, 1, 2, 4)
-    with pytest.raises(TypeError, match="top_k"):
-        num_blocks(4, 1.0, 2, 4)
+@pytest.mark.parametrize("arguments, name", [((0, 1, 2, 4), "num_tokens"), ((4, 0, 2, 4), "top_k"),
+                                             ((4, 1, 0, 4), "num_experts"), ((4, 1, 2, 0), "block_size")])
+def test_num_blocks_rejects_bad_arguments(arguments, name):
+    """Each size below 1 is refused with its own name first in the message (the other three are valid)."""
+    with pytest.raises(ValueError, match=rf"^{name} must be in \[1, inf\], got 0$"):
+        num_blocks(*arguments)
+    with pytest.raises(TypeError, match=rf"^{name}\b"):
+        num_blocks(*[1.0 if a == 0 else a for a in arguments])
+
+
+def test_mapping_tensors_live_on_the_mask_device():
+    """Every tensor of the mapping is made on the mask's device (the meta device here: a CPU tensor among them would
+    be an error, as it would on a GPU or under XLA), with the dtypes of the CPU mapping."""
+    expert_index = torch.tensor([[0], [1], [0], [2], [0], [1]])
+    mask = make_expert_mask(expert_index, 3)
+    meta = token_to_block_mapping(mask.to("meta"), expert_index.to("meta"), 2, 4)
+    cpu = token_to_block_mapping(mask, expert_index, 2, 4)
+    assert [(t.device.type, t.dtype, t.shape) for t in meta[:5]] == [("meta", t.dtype, t.shape) for t in cpu[:5]]
 
 
 # ----------------------------------------------------------------------------------------------------------

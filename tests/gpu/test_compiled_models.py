@@ -240,14 +240,19 @@ def test_each_backend_has_its_own_handle():
         compiled._backend(handle)
 
 
+def _mxfp4_decode(tokens: int, seed: int):
+    """An MxFP4 layer on the one-launch decode, an input of ``tokens`` tokens, its stored gate/up weight (whose
+    repacked copy the kernels may cache) and the decode plans made so far."""
+    moe = layer(quantization="mxfp4", one_launch=True, hidden=64, inter=32, seed=seed)
+    x = randn(tokens, 1, 64, seed=seed + 6).to(DEVICE)
+    return moe, x, moe.expert_mlps.expert_weights().gate_up_proj, dict(persistent_decode._PLANS)
+
+
 def test_inside_a_compiled_graph_no_buffer_outlives_the_call():
     """Inside an op (``compiled_graph_call``) the one-launch decode takes fresh counters and scratch per call and
     keeps none, and no repacked weight copy is built -- what CUDA-graph trees' memory pool requires; outside, the
     plan keeps its buffers and the copy is built and cached."""
-    moe = layer(quantization="mxfp4", one_launch=True, hidden=64, inter=32)
-    x = randn(3, 1, 64, seed=9).to(DEVICE)
-    weight = moe.expert_mlps.expert_weights().gate_up_proj
-    before = dict(persistent_decode._PLANS)
+    moe, x, weight, before = _mxfp4_decode(3, seed=3)
     with torch.no_grad(), compiled_graph_call():
         inside = moe(x)[0]
         assert repack.repacked(weight) is None
@@ -268,10 +273,7 @@ def test_ops_of_graphs_declared_plain_keep_their_memory():
     application's token step) an op keeps memory as an eager launch does -- the one-launch decode's plan keeps its
     scratch, the repacked copy is cached -- and the outputs are the per-call ones'; the declaration nests and ends
     with its block."""
-    moe = layer(quantization="mxfp4", one_launch=True, hidden=64, inter=32, seed=5)
-    x = randn(2, 1, 64, seed=11).to(DEVICE)
-    weight = moe.expert_mlps.expert_weights().gate_up_proj
-    before = dict(persistent_decode._PLANS)
+    moe, x, weight, before = _mxfp4_decode(2, seed=5)
     with torch.no_grad(), compiled_graph_call():
         per_call = moe(x)[0]
         assert repack.repacked(weight) is None
