@@ -43,9 +43,13 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/experts/token_mapping.py": ["tests/test_token_mapping.py"],
     "nxd_moe/application/sampling.py": ["tests/application/test_sampling.py"],
     "nxd_moe/application/config.py": ["tests/application/test_application_config.py"],
-    "nxd_moe/application/fused_projections.py": [
-        "tests/application/test_fused_projections.py::test_projections_of_one_input_become_one_gemm",
-        "tests/application/test_fused_projections.py::test_nothing_is_fused_where_weights_are_not_stacked_or_inputs_differ"],
+    "nxd_moe/application/fused_projections.py": [  # its fast tests (the file's last one compiles whole models)
+        f"tests/application/test_fused_projections.py::{name}" for name in (
+            "test_projections_of_one_input_become_one_gemm",
+            "test_calls_fuse_in_the_order_of_their_rows_not_of_the_graph",
+            "test_nothing_is_fused_where_weights_are_not_stacked_or_inputs_differ",
+            "test_stacked_rows_takes_only_consecutive_contiguous_rows_of_one_width_and_dtype",
+            "test_the_backend_gives_inductor_the_fused_graph")],
 }
 STATUS = re.compile(r"^\s*(\S+): (\w[\w ]*)$")
 

@@ -127,6 +127,16 @@ def test_group_limited_router_arguments_reach_their_places_and_bad_ones_are_name
     assert router.tensor_model_parallel_group is group and router.linear_router.weight.dtype == torch.float64
     bias = router.state_dict()["e_score_correction_bias"]  # a buffer: checkpoints load it
     assert bias.dtype == torch.float32 and bias.shape == (16,) and not bias.any()
+    default = GroupLimitedRouter(16, 2, 8, n_group=4, topk_group=2)
+    assert (default.sequence_parallel_enabled, default.normalize, default.routed_scaling_factor) == (False, False, 1.0)
+    meta = GroupLimitedRouter(16, 2, 8, n_group=4, topk_group=2, device="meta")  # every tensor on the device given
+    assert meta.linear_router.weight.device.type == meta.e_score_correction_bias.device.type == "meta"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:  # the correction bias is float32 whatever the default dtype (as DeepSeek-V3's checkpoints store it)
+        assert GroupLimitedRouter(16, 2, 8, n_group=4, topk_group=2).e_score_correction_bias.dtype == torch.float32
+    finally:
+        torch.set_default_dtype(previous)
     GroupLimitedRouter(16, 2, 8, n_group=16, topk_group=16)  # the largest valid values
     bad = [(dict(n_group=0, topk_group=1), ValueError, r"^GroupLimitedRouter\.n_group must be in \[1, 16\], got 0$"),
            (dict(n_group=32, topk_group=1), ValueError, r"^GroupLimitedRouter\.n_group must be in \[1, 16\], got 32$"),

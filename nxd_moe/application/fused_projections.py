@@ -79,13 +79,14 @@ def stacked_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
-        if (t.dim() != first.dim() or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype
-                or t.device != first.device or not t.is_contiguous() or t.storage_offset() != offset
-                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+        # one storage (so one device), in order, each contiguous, rows of one width and dtype
+        if (t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset
+                or not t.is_contiguous() or t.dim() != first.dim() or t.shape[1:] != first.shape[1:]
+                or t.dtype != first.dtype):
             return None
         offset += t.numel()
     rows = sum(t.shape[0] for t in tensors)
-    return torch.as_strided(first.detach(), (rows, *first.shape[1:]), first.stride(), first.storage_offset())
+    return torch.as_strided(first.detach(), (rows, *first.shape[1:]), first.stride())  # from first's offset
 
 
 def _linear_operands(node: torch.fx.Node):
@@ -132,9 +133,9 @@ def _fuse(gm: torch.fx.GraphModule, example_inputs: list) -> int:
         if weight is None or (operands[0][2] is not None and bias is None):
             continue
         name = f"nxd_moe_stacked_{fused}"
-        gm.register_buffer(f"{name}_weight", weight, persistent=False)
+        gm.register_buffer(f"{name}_weight", weight)
         if bias is not None:
-            gm.register_buffer(f"{name}_bias", bias, persistent=False)
+            gm.register_buffer(f"{name}_bias", bias)
         with gm.graph.inserting_before(first):
             stacked = (gm.graph.get_attr(f"{name}_weight"), None if bias is None else gm.graph.get_attr(f"{name}_bias"))
             whole = gm.graph.call_function(torch._C._nn.linear, (x, *stacked))
