@@ -19,7 +19,11 @@ One transformers model (random weights, bf16, built on the GPU from a shipped co
   the attention projections and the LM head); ``app_per_call_scratch``: ``app`` with the one-launch decode allocating
   and zeroing its scratch per call inside the compiled step, as before the runner declared its graphs plain;
   ``app_unfused_projections``: ``app`` with each projection its own GEMM, Inductor alone compiling the step (A/Bs of
-  those two changes, same run).
+  those two changes, same run); ``app_sdpa``: ``app`` with the one-token attention left to transformers' SDPA path
+  (which repeats the cache's key/value heads per query head under ``torch.compile``) instead of nxd_moe's split-key
+  decode kernel (``decode_attention=False``), SDPA's backend PyTorch's choice (cuDNN on Hopper);
+  ``app_sdpa_efficient`` / ``app_sdpa_math``: the same with the backend chosen (``torch.nn.attention.sdpa_kernel``:
+  memory-efficient, or the math form Inductor fuses).
 
 Measured, per batch size (``--batches``): time to first token (``generate`` of one token for the compiled recipe; the
 application's own context-encoding time to the first token on the host), decode tokens/s (``B * (N - 1)`` over the
@@ -60,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_generate import copy_bandwidth, decode_bytes_per_step, slowest  # noqa: E402
 
 VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor", "app_freezing", "app_autotune",
-            "app_per_call_scratch", "app_unfused_projections")
+            "app_per_call_scratch", "app_unfused_projections", "app_sdpa", "app_sdpa_efficient", "app_sdpa_math")
 
 
 def _sync(device: torch.device) -> None:
@@ -177,6 +181,7 @@ def run(args) -> dict:
 
     from nxd_moe.application import ApplicationConfig, CausalLMApplication
     from nxd_moe.application import runner as runner_module
+    from nxd_moe.application.attention import ATTENTION as DECODE_ATTENTION
     from nxd_moe.hf import patch_model
     from nxd_moe.models.generate import timed_generate
     from nxd_moe.models.hf_models import build_hf_config
@@ -239,8 +244,11 @@ def run(args) -> dict:
                                                tp_degree=world, moe_ep_degree=world)
                     t0 = time.perf_counter()
                     unfused = mock.patch.object(runner_module, "compile_with_fused_projections", "inductor")
+                    sdpa = variant.startswith("app_sdpa")
+                    if sdpa and model.config._attn_implementation == DECODE_ATTENTION:
+                        model.set_attn_implementation("sdpa")  # an earlier variant switched it to the decode kernel
                     with unfused if variant == "app_unfused_projections" else contextlib.nullcontext():
-                        app = CausalLMApplication(model, config,
+                        app = CausalLMApplication(model, config, decode_attention=not sdpa,
                                                   compile_token_generation=variant != "app_no_inductor")
                     # app_freezing: Inductor with its weights taken as constants (its freezing passes fuse the
                     # projections of one input into one GEMM: q, k, v); app_autotune: Inductor times its Triton GEMM
@@ -249,7 +257,8 @@ def run(args) -> dict:
                     per_call = mock.patch.object(runner_module, "kept_kernel_memory", contextlib.nullcontext)
                     with torch._inductor.config.patch(freezing=variant == "app_freezing",
                                                       max_autotune_gemm=variant == "app_autotune"), \
-                            (per_call if variant == "app_per_call_scratch" else contextlib.nullcontext()):
+                            (per_call if variant == "app_per_call_scratch" else contextlib.nullcontext()), \
+                            sdpa_backend(variant):
                         app.load()
                         load_s = time.perf_counter() - t0
                         timing = time_app(app, ids, args.new_tokens, args.repeats, args.read_every, args.profile)
@@ -305,6 +314,13 @@ def derive(result: dict, batches) -> None:
                 a, r = torch.tensor(app["tokens"]), torch.tensor(reference["tokens"])
                 n = min(a.shape[1], r.shape[1])
                 app["same_tokens"] = round((a[:, :n] == r[:, :n]).float().mean().item(), 3)
+
+
+def sdpa_backend(variant: str):
+    """The SDPA backend an ``app_sdpa_*`` variant picks (chosen when the step is traced), else no choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    chosen = {"app_sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION, "app_sdpa_math": SDPBackend.MATH}.get(variant)
+    return contextlib.nullcontext() if chosen is None else sdpa_kernel([chosen])
 
 
 def table(result: dict, batches) -> str:

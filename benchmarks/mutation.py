@@ -43,6 +43,7 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/experts/token_mapping.py": ["tests/test_token_mapping.py"],
     "nxd_moe/application/sampling.py": ["tests/application/test_sampling.py"],
     "nxd_moe/application/config.py": ["tests/application/test_application_config.py"],
+    "nxd_moe/application/attention.py": ["tests/application/test_decode_attention.py"],
     "nxd_moe/application/fused_projections.py": [  # its fast tests (the file's last one compiles whole models)
         f"tests/application/test_fused_projections.py::{name}" for name in (
             "test_projections_of_one_input_become_one_gemm",

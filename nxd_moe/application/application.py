@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from nxd_moe import parallel_state
 from nxd_moe.application.artifacts import check_compiled, read_model, write_compiled
+from nxd_moe.application.attention import use_decode_attention
 from nxd_moe.application.config import ApplicationConfig
 from nxd_moe.application.fused_projections import share_projection_storage
 from nxd_moe.application.generation import GenerationOutput, generate_tokens, prompts_of
@@ -64,6 +65,8 @@ class CausalLMApplication:
     ``compile_token_generation`` (default: with CUDA graphs) compiles the token-generation step with Inductor
     first. ``checkpoint``: the directory the weights came from (recorded by ``compile``, read back by ``load``).
     ``cache_shapes``: the KV cache's per-layer shapes, when they cannot be probed (an SPMD rank's build).
+    ``decode_attention`` (default: on a CUDA device) runs an SDPA model's one-token attention on nxd_moe's split-key
+    kernel (:mod:`nxd_moe.application.attention`; the model's attention implementation is switched in place).
     ``rebuild(**kwargs)``: builds this application again from its source (set by the ``from_...`` constructors);
     ``compile`` of an SPMD program (``tp_degree`` > 1) builds each rank's with it.
 
@@ -75,7 +78,7 @@ class CausalLMApplication:
     def __init__(self, model: nn.Module, config: ApplicationConfig, *, backend: str | None = None,
                  cuda_graphs: bool | None = None, compile_token_generation: bool | None = None,
                  checkpoint: str | os.PathLike | None = None, cache_shapes: list | None = None,
-                 rebuild: Callable[..., "CausalLMApplication"] | None = None):
+                 rebuild: Callable[..., "CausalLMApplication"] | None = None, decode_attention: bool | None = None):
         if not isinstance(config, ApplicationConfig):
             raise TypeError(f"config must be an ApplicationConfig, got {type(config).__name__}")
         self.model_type = _served_model_type(model)
@@ -96,6 +99,8 @@ class CausalLMApplication:
         device = self.programs.cache.keys_0.device
         cuda_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
         compile_token_generation = cuda_graphs if compile_token_generation is None else compile_token_generation
+        if device.type == "cuda" if decode_attention is None else decode_attention:
+            use_decode_attention(model)
         if compile_token_generation:  # the compiled token step runs the projections of one input as one GEMM
             ids = torch.zeros(1, 1, dtype=torch.long, device=device)
             share_projection_storage(model, lambda: decoder_of(model)(input_ids=ids, use_cache=False))
