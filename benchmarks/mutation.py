@@ -36,7 +36,7 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/nxd_compat/adapters.py": ["tests/nxd_compat/test_nxd_modules.py", "tests/nxd_compat/test_nxd_configs.py"],
     "nxd_moe/nxdi.py": ["tests/nxd_compat/test_nxdi_entry_point.py"],
     "nxd_moe/quantization/formats.py": ["tests/test_quantization.py"],
-    "nxd_moe/parallel/layout.py": ["tests/parallel/test_parallel_units.py"],
+    "nxd_moe/parallel/layout.py": ["tests/parallel/test_layout.py", "tests/parallel/test_parallel_units.py"],
     "nxd_moe/routing/topk.py": ["tests/test_routing.py", "tests/test_layer_parts.py::"
                                 "test_fused_parts_are_given_only_where_a_kernel_computes_exactly_the_router"],
     "nxd_moe/routing/group_limited.py": ["tests/test_routing.py"],

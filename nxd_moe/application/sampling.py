@@ -83,12 +83,18 @@ def prepare_sampling_params(batch_size: int, top_k=1, top_p=1.0, temperature=1.0
 ARGMAX_CHUNK = 2048
 
 
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be (B, V) with V >= 1, got shape {tuple(logits.shape)}")
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits (B, V)`` -> ``(B,)`` int64: ``logits.argmax(-1)`` (the first of equal maxima; a NaN counts as the
     maximum), in two stages over chunks of ``ARGMAX_CHUNK`` logits. One reduction over a vocabulary of 150k logits
     runs one program per row (33 us of an H200's decode step at batch 1); over chunks the first stage spreads a row
     over many programs. Chunk maxima keep the first maximum: the first chunk holding the maximum, and in it the
     first position."""
+    _check_logits(logits)
     batch, vocab = logits.shape
     if vocab <= ARGMAX_CHUNK:
         return logits.argmax(dim=-1)
@@ -104,6 +110,7 @@ def sample_tokens(logits: torch.Tensor, sampling_params: torch.Tensor | None, gl
     the module docstring says (``sampling_params (B, 3)``)."""
     if sampling_params is None:
         return greedy_tokens(logits)
+    _check_logits(logits)
     candidates = min(global_topk, logits.shape[-1])
     values, indices = logits.float().topk(candidates, dim=-1)  # sorted, largest first
     top_k, top_p, temperature = sampling_params.float().unbind(-1)

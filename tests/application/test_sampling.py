@@ -84,6 +84,13 @@ def test_top_k_one_is_the_argmax_and_global_topk_caps_the_candidates(logits):
     assert set(draws.tolist()) <= set(logits.topk(4).indices.tolist())
 
 
+@pytest.mark.parametrize("shape", [(5,), (2, 1, 9), (3, 0)])
+def test_logits_of_another_shape_are_named(shape):
+    for params in (None, torch.tensor([[2.0, 0.9, 0.7]] * (shape[0] if len(shape) > 1 else 1))):
+        with pytest.raises(ValueError, match=r"logits must be \(B, V\) with V >= 1, got shape"):
+            sampling.sample_tokens(torch.zeros(shape), params)
+
+
 @pytest.mark.parametrize("vocab", [7, sampling.ARGMAX_CHUNK, sampling.ARGMAX_CHUNK + 1, 3 * sampling.ARGMAX_CHUNK - 5])
 def test_greedy_tokens_are_torch_argmax(vocab):
     """The two-stage argmax is ``torch.argmax``: the first of equal maxima (planted in two chunks, and twice in one
