@@ -195,3 +195,77 @@ def test_models_on_another_attention_keep_it():
     assert model.config._attn_implementation == "eager"
     assert not use_decode_attention(model)
     assert model.config._attn_implementation == "eager"
+
+
+def test_which_path_each_call_takes(monkeypatch):
+    """The kernel where it computes SDPA's function, SDPA otherwise -- seen by which of the two is called."""
+    import nxd_moe.triton_kernels.decode_attention as kernel_module
+    calls = []
+    real = kernel_module.decode_attention_op
+    monkeypatch.setattr(kernel_module, "decode_attention_op", lambda *a: calls.append("kernel") or real(*a))
+    module = _Attention(4)
+    q, k, v = inputs(2, 8, 2, 40, 64, torch.float32)
+    mask = causal_mask(torch.tensor([10, 39], device=DEVICE), 40, torch.float32)
+
+    def path(*args, **kw):
+        calls.clear()
+        nxd_moe_sdpa_attention(*args, **kw)
+        return calls == ["kernel"]
+
+    assert path(module.train(), q, k, v, mask, dropout=0.0)  # training, but nothing dropped
+    assert path(module.eval(), q, k, v, mask, dropout=0.1)  # a dropout outside training drops nothing
+    assert not path(module.train(), q, k, v, mask, dropout=0.1)
+    assert not path(module.eval(), q, k, v, mask > -1)  # a boolean mask: SDPA's
+    assert path(module, q, k, v, mask[:1])  # one mask row for every sequence
+    q3, k3, v3 = inputs(3, 8, 2, 40, 64, torch.float32)
+    assert not decode_kernel_applies(module, q3, k3, v3, torch.zeros(2, 1, 1, 40, device=DEVICE), 0.0, {})
+    if DEVICE == "cpu":  # Triton runs CPU tensors only in its interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert not path(module, q, k, v, mask)
+
+
+def test_the_default_scale_and_inputs_of_any_strides():
+    """``scaling=None`` is 1/sqrt(D); a query whose head dimension is strided and a key stored transposed are
+    made contiguous first."""
+    module = _Attention(4).eval()
+    q, k, v = inputs(2, 8, 2, 40, 64, torch.float32)
+    out, _ = nxd_moe_sdpa_attention(module, q, k, v, None)
+    assert_rounding_close(out, reference(q, k, v, None, 64 ** -0.5), tolerance(q.dtype, 40))
+    q_strided = q[:, :, 0].transpose(1, 2).contiguous().transpose(1, 2)[:, :, None]  # head dim stride 8, heads 1
+    k_transposed = k.transpose(2, 3).contiguous().transpose(2, 3)
+    assert q_strided.stride(-1) != 1 and q_strided.stride(1) == 1 and k_transposed.stride(-2) == 1
+    out, _ = nxd_moe_sdpa_attention(module, q_strided, k_transposed, v, None, scaling=0.2)
+    assert_rounding_close(out, reference(q, k, v, None, 0.2), tolerance(q.dtype, 40))
+
+
+def test_sdpa_gets_every_argument_it_is_given():
+    module = _Attention(4).train()
+    q = torch.randn(2, 8, 3, 64, device=DEVICE)
+    _, k, v = inputs(2, 8, 2, 40, 64, torch.float32)
+    out, _ = nxd_moe_sdpa_attention(module, q, k, v, None, dropout=1.0)  # every weight dropped: zeros
+    assert out.abs().max() == 0
+    with pytest.raises(ValueError, match="softcap"):  # SDPA's own refusal: the keyword reached it
+        nxd_moe_sdpa_attention(module.eval(), q, k, v, None, softcap=30.0)
+
+
+def test_an_sdpa_model_switches_to_the_kernel_and_computes_the_same_step():
+    """``use_decode_attention`` registers the function and SDPA's masks under :data:`ATTENTION` and switches the
+    model; a decode step of the switched model equals the SDPA model's."""
+    from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+    from transformers.masking_utils import sdpa_mask
+
+    from nxd_moe.application.attention import use_decode_attention
+    model = build_hf_model("qwen3-30b-a3b", num_layers=1, scale=32, seed=5)
+    switched = copy.deepcopy(model)
+    assert use_decode_attention(switched)
+    assert AttentionInterface()[ATTENTION] is nxd_moe_sdpa_attention
+    assert AttentionMaskInterface()[ATTENTION] is sdpa_mask
+    assert switched.config._attn_implementation == ATTENTION
+    ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m in (model, switched):
+        with torch.no_grad():
+            cache = DynamicCache(config=m.config)
+            m(ids[:, :5], past_key_values=cache, use_cache=True)
+            logits.append(m(ids[:, 5:], past_key_values=cache, use_cache=True).logits)
+    assert_rounding_close(logits[1], logits[0], rounding_tolerance(torch.float32, 2048, triton_roundings=0))
