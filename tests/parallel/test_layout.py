@@ -49,6 +49,9 @@ def test_groups_built_for_one_program_have_sizes_and_no_rank(spmd):
     assert groups.block_group.kind == "moe_model_parallel_groups"
     assert groups.token_group.kind == "tensor_model_parallel_groups"
     assert groups.token_dp_group.kind == "expert_model_parallel_groups"
+    for prefill in (True, False):
+        shard = ExpertShard.from_parallel_state(prefill, E, None)
+        assert (shard.tensor_parallel_rank, shard.expert_parallel_rank) == (None, None)
 
 
 @pytest.mark.parametrize("r", [0, 3, 5, 6])
@@ -119,3 +122,15 @@ def test_the_held_weight_shard_of_each_phase(spmd):
                                                              BUILT % PREFILL[0])
     assert held_weight_shard(False, E, config) == WeightShard(experts_of(BUILT // DECODE[0], DECODE[1]), DECODE[0],
                                                               BUILT % DECODE[0])
+    # each phase's own distribution (the built rank is EP rank 1 at prefill, 5 at decode)
+    prefill = (tuple(range(15, 7, -1)), tuple(range(7, -1, -1)))
+    decode = tuple((2 * p + 1, 2 * p) for p in range(8))
+    config = ExpertParallelConfig(expert_distribution=prefill, decode_expert_distribution=decode)
+    assert held_weight_shard(True, E, config).experts == prefill[1]
+    assert held_weight_shard(False, E, config).experts == (11, 10)
+
+
+def test_the_slot_table_is_made_on_the_ranks_device(spmd):
+    rank = rank_tensor(3).to("meta")
+    shard = ExpertShard.from_parallel_state(False, E, None).at(rank, False)
+    assert shard.local_slot("meta").device.type == "meta"
