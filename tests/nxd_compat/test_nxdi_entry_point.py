@@ -12,6 +12,7 @@ few hundred ulps of 2^-24 at most. Negative controls drop one architecture field
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -204,3 +205,119 @@ def test_missing_model_fields_are_named():
         initialize_moe_module(dict(num_local_experts=E, hidden_size=HIDDEN, neuron_config={}))
     with pytest.raises(ValueError, match="config has no 'neuron_config'"):
         initialize_moe_module(SimpleNamespace(num_local_experts=E))
+
+
+def _layer_config(**neuron_fields):
+    return dict(num_local_experts=E, num_experts_per_tok=K, hidden_size=HIDDEN, intermediate_size=INTER,
+                hidden_act="silu", neuron_config=neuron_fields)
+
+
+def test_every_field_away_from_its_default_lands_where_it_should():
+    """Each field read, set to a value other than MoENeuronConfig's default (and each keyword argument other than
+    its default), seen on the module it configures -- a dropped or swapped field shows."""
+    config = dict(_layer_config(
+        torch_dtype="bfloat16", sequence_parallel_enabled=True, hidden_act_scaling_factor=1.5, hidden_act_bias=0.25,
+        gate_clamp_upper_limit=6.0, gate_clamp_lower_limit=-5.0, up_clamp_upper_limit=4.0, up_clamp_lower_limit=-3.0,
+        use_index_calc_kernel=True, normalize_top_k_affinities=False, fused_shared_experts=True,
+        shared_experts_sequence_parallel_enabled=True, transpose_shared_experts_weights=True,
+        return_expert_index=True, return_router_logits=True, is_prefill_stage=True),
+        original_hidden_size=HIDDEN - 2, n_shared_experts=1)
+    norm = rmsnorm(seed=3)
+    moe = initialize_moe_module(config, norm, False, True, True, True, backend="nki_sim")
+    router, experts, shared = moe.router, moe.expert_mlps, moe.shared_experts
+    assert (router.apply_act_fn_over_topk, router.linear_router.bias is not None) == (True, True)
+    assert (router.sequence_parallel_enabled, router.sequence_dimension) == (True, 1)
+    assert (moe.sequence_parallel_enabled, moe.sequence_dimension, moe.rmsnorm) == (True, 1, norm)
+    assert (moe.return_router_logits, moe.return_expert_index) == (True, True)
+    assert experts.sequence_parallel_enabled and type(experts.backend).__name__ == "NkiSimBackend"
+    assert {p.dtype for p in experts.parameters()} == {torch.bfloat16}
+    cfg = experts.routed_experts_mlp_config
+    assert (cfg.hidden_size_actual, cfg.intermediate_size_actual, cfg.bias, cfg.is_prefill) == (HIDDEN - 2, None,
+                                                                                                  True, True)
+    assert (cfg.gate_clamp_upper_limit, cfg.gate_clamp_lower_limit, cfg.up_clamp_upper_limit,
+            cfg.up_clamp_lower_limit) == (6.0, -5.0, 4.0, -3.0)
+    assert (cfg.hidden_act_scaling_factor, cfg.hidden_act_bias, cfg.use_index_calc_kernel,
+            cfg.normalize_top_k_affinities) == (1.5, 0.25, True, False)
+    assert (shared.fused_gate_up_projection, shared.sequence_parallel_enabled, shared.transpose_weights) == (
+        True, True, True)
+    assert {p.dtype for p in shared.parameters()} == {torch.bfloat16}
+
+
+def test_the_keyword_defaults_and_an_object_neuron_config_missing_every_field():
+    """NxDI's keyword defaults (no activation over the top-k, no biases) and MoENeuronConfig's defaults for every
+    field an object ``neuron_config`` lacks (bf16, GLU, normalised affinities)."""
+    moe = initialize_moe_module(SimpleNamespace(**dict(_layer_config(), neuron_config=SimpleNamespace())))
+    assert not moe.router.apply_act_fn_over_topk and moe.router.linear_router.bias is None
+    cfg = moe.expert_mlps.routed_experts_mlp_config
+    assert (cfg.bias, cfg.glu_mlp, cfg.normalize_top_k_affinities, cfg.is_prefill) == (False, True, True, None)
+    assert moe.expert_mlps.dtype == torch.bfloat16 and not moe.sequence_parallel_enabled
+
+
+@pytest.mark.parametrize("fields,error,message", [
+    (dict(capacity_factor=2.0), ValueError,
+     "neuron_config.capacity_factor=2.0: NxD Inference's initialize_moe_module (moe_v2) ignores it and runs the "
+     "experts dropless; set it to None (to drop tokens, build RoutedExpertsMLPOpsConfig(capacity_factor=...) "
+     "yourself)"),
+    (dict(torch_dtype="float33"), TypeError, "neuron_config.torch_dtype must be a floating torch.dtype"),
+    (dict(is_hidden_dim_shuffled=True), ValueError, "is_hidden_dim_shuffled must be None or False"),
+    (dict(is_intermediate_dim_shuffled=True), ValueError, "is_intermediate_dim_shuffled must be None or False"),
+])
+def test_named_errors_whole(fields, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        initialize_moe_module(_layer_config(**fields))
+
+
+def test_errors_of_the_arguments_and_the_missing_fields_say_exactly_what():
+    with pytest.raises(TypeError, match="^init_tkg_module must be a bool, got int$"):
+        initialize_moe_module(_layer_config(), None, 1)
+    with pytest.raises(ValueError, match="^initialize_moe_module: config has no 'neuron_config'$"):
+        initialize_moe_module(SimpleNamespace(num_local_experts=E))
+    with pytest.raises(ValueError, match="^initialize_moe_module: config has no 'hidden_size'$"):
+        initialize_moe_module(dict(num_local_experts=E, num_experts_per_tok=K, neuron_config={}))
+    with pytest.raises(AttributeError, match="^no_such_field$"):
+        assert nxd_moe.nxdi._NeuronConfig({}).no_such_field is None  # never reached: the read raises
+
+
+@pytest.fixture
+def spmd_layout():
+    from nxd_moe import parallel_state
+    parallel_state.initialize_spmd_model_parallel(
+        8, 2, 4, moe_prefill_tensor_model_parallel_size=4, moe_prefill_expert_model_parallel_size=2,
+        moe_decode_tensor_model_parallel_size=1, moe_decode_expert_model_parallel_size=8, num_experts=E)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def test_the_process_groups_of_each_phase(spmd_layout):
+    """``(tkg tensor, tkg expert, cte tensor, cte expert)``: decode's groups first (a layout whose phases differ;
+    the config asks for the sizes it already has, so nothing is re-created)."""
+    from nxd_moe.nxdi import initialize_moe_process_group
+    hybrid = dict(moe_cte_tp_degree=4, moe_cte_ep_degree=2, moe_tkg_tp_degree=1, moe_tkg_ep_degree=8)
+    groups = initialize_moe_process_group(_layer_config(hybrid_sharding_config=hybrid), True)
+    assert [g.kind for g in groups] == ["moe_decode_tensor_groups", "moe_decode_expert_groups",
+                                        "moe_prefill_tensor_groups", "moe_prefill_expert_groups"]
+
+
+def test_a_config_without_moe_degrees_keeps_the_layouts_groups():
+    """moe_ep_degree 1 (the default) asks for nothing: a layout whose MoE is split (TP 2) keeps its groups."""
+    from nxd_moe import parallel_state
+    from nxd_moe.nxdi import initialize_moe_process_group
+    parallel_state.initialize_spmd_model_parallel(2, 2, 1)
+    try:
+        groups = initialize_moe_process_group(_layer_config(), False)
+        assert groups[0].size == 2 and groups[1].size == 1
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_hybrid_sharding_flag_and_degrees_without_a_layout():
+    from nxd_moe.nxdi import initialize_moe_process_group
+    ones = dict(moe_cte_tp_degree=1, moe_cte_ep_degree=1, moe_tkg_tp_degree=1, moe_tkg_ep_degree=1)
+    assert initialize_moe_process_group(_layer_config(hybrid_sharding_config=ones), True) == (None,) * 4
+    with pytest.raises(ValueError, match=re.escape("initialize_moe_process_group: enabled_hybrid_sharding=True "
+                                                   "needs neuron_config.hybrid_sharding_config")):
+        initialize_moe_process_group(_layer_config(), True)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "initialize_moe_module: the config splits the MoE as (tp, ep) = ((1, 2), (1, 2)) for (prefill, decode); "
+            "call nxd_moe.parallel_state.initialize_model_parallel first (on every rank, as NxDI does)")):
+        initialize_moe_process_group(_layer_config(moe_ep_degree=2), False)
