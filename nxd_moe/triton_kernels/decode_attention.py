@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nxd_moe.gpu_info import multiprocessors
 from nxd_moe.triton_kernels import interpreting
 from nxd_moe.triton_kernels.tile_math import tile_dot
 
@@ -107,12 +108,6 @@ def _combine_kernel(acc_ptr, stats_ptr, out_ptr, heads, stride_ob, stride_oh, ro
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # Triton's interpreter: a few splits, so that tests see them merged
-
-
 def num_splits(batch: int, kv_heads: int, keys: int, multiprocessors: int) -> int:
     """Key slices per (sequence, key/value head): enough programs for ``PROGRAMS_PER_SM`` per multiprocessor, each
     slice at least one ``BLOCK_N`` key block."""
@@ -148,7 +143,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             raise ValueError(f"decode_attention: mask must broadcast as (B={batch}, 1, 1, L={keys}); got "
                              f"{tuple(mask.shape)}")
     if splits is None:
-        splits = num_splits(batch, kv_heads, keys, _multiprocessors(query.device))
+        # Triton's interpreter: as if 2 multiprocessors -- a few splits, so that tests see them merged
+        splits = num_splits(batch, kv_heads, keys, multiprocessors(query.device) if query.is_cuda else 2)
     elif not 1 <= splits <= keys:
         raise ValueError(f"decode_attention: splits must be in [1, {keys}], got {splits}")
     group = heads // kv_heads
