@@ -23,7 +23,8 @@ One transformers model (random weights, bf16, built on the GPU from a shipped co
   (which repeats the cache's key/value heads per query head under ``torch.compile``) instead of nxd_moe's split-key
   decode kernel (``decode_attention=False``), SDPA's backend PyTorch's choice (cuDNN on Hopper);
   ``app_sdpa_efficient`` / ``app_sdpa_math``: the same with the backend chosen (``torch.nn.attention.sdpa_kernel``:
-  memory-efficient, or the math form Inductor fuses).
+  memory-efficient, or the math form Inductor fuses); ``app_two_phase_moe``: ``app`` with the one-launch MoE decode's
+  gate/up and down in separate items (the launch rule without ``fused_mlp``, as before it was the rule's choice).
 
 Measured, per batch size (``--batches``): time to first token (``generate`` of one token for the compiled recipe; the
 application's own context-encoding time to the first token on the host), decode tokens/s (``B * (N - 1)`` over the
@@ -64,7 +65,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_generate import copy_bandwidth, decode_bytes_per_step, slowest  # noqa: E402
 
 VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor", "app_freezing", "app_autotune",
-            "app_per_call_scratch", "app_unfused_projections", "app_sdpa", "app_sdpa_efficient", "app_sdpa_math")
+            "app_per_call_scratch", "app_unfused_projections", "app_sdpa", "app_sdpa_efficient", "app_sdpa_math",
+            "app_two_phase_moe")
 
 
 def _sync(device: torch.device) -> None:
@@ -185,6 +187,7 @@ def run(args) -> dict:
     from nxd_moe.hf import patch_model
     from nxd_moe.models.generate import timed_generate
     from nxd_moe.models.hf_models import build_hf_config
+    from nxd_moe.triton_kernels import launch_configs
 
     device = torch.device(args.device)
     rank, world, device = distributed(device)
@@ -255,9 +258,11 @@ def run(args) -> dict:
                     # templates against cuBLAS; app_per_call_scratch: the runner's step without its declaration;
                     # app_unfused_projections: the runner compiles with Inductor alone
                     per_call = mock.patch.object(runner_module, "kept_kernel_memory", contextlib.nullcontext)
+                    two_phase = two_phase_moe(model, launch_configs)
                     with torch._inductor.config.patch(freezing=variant == "app_freezing",
                                                       max_autotune_gemm=variant == "app_autotune"), \
                             (per_call if variant == "app_per_call_scratch" else contextlib.nullcontext()), \
+                            (two_phase if variant == "app_two_phase_moe" else contextlib.nullcontext()), \
                             sdpa_backend(variant):
                         app.load()
                         load_s = time.perf_counter() - t0
@@ -287,6 +292,29 @@ def run(args) -> dict:
     derive(result, args.batches)
     save()
     return result
+
+
+@contextlib.contextmanager
+def two_phase_moe(model, launch_configs):
+    """``app_two_phase_moe``: the decode launch rule without ``fused_mlp``; the backends' per-shape config caches
+    (the shared instances ``patch_model``'s layers call, and any a module holds) emptied on the way in and out, so
+    that each variant looks its configs up under its own rule."""
+    from nxd_moe.models import experts_backend
+
+    rule = launch_configs.default_decode_config
+    held = [getattr(m, "backend", None) for m in model.modules()] + list(experts_backend._BACKENDS.values())
+    backends = {id(b): b for b in held if hasattr(b, "_configs")}
+    if not backends:
+        raise RuntimeError("app_two_phase_moe: no backend with a config cache found; the A/B would compare nothing")
+    for backend in backends.values():
+        backend._configs.clear()
+    try:
+        with mock.patch.object(launch_configs, "default_decode_config",
+                               lambda *a: {k: v for k, v in rule(*a).items() if k != "fused_mlp"}):
+            yield
+    finally:
+        for backend in backends.values():
+            backend._configs.clear()
 
 
 def derive(result: dict, batches) -> None:

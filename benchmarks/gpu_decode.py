@@ -59,8 +59,24 @@ VARIANTS = {
     # two programs per multiprocessor hold them all at once (gu32 alone: two waves)
     "gu32pps2": {"gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}, "programs_per_sm": 2},
     "dn64pps2": {"down": {"BLOCK_N": 64, "BLOCK_K": 128}, "programs_per_sm": 2},
+    # fused gate/up + down items (no phase boundary between them): T=1 Qwen3 has 8 x I/BLOCK_N items, one wave
+    # wherever programs_per_sm x SMs holds them all
+    "fused": {"fused_mlp": True},
+    "twophase": {"fused_mlp": False},  # gate/up and down in separate items (the rule before fused_mlp)
+    "fused32pps2": {"fused_mlp": True, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}, "programs_per_sm": 2},
+    "fused16pps3": {"fused_mlp": True, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 512}, "programs_per_sm": 3},
+    "fused32pps2dn256": {"fused_mlp": True, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}, "programs_per_sm": 2,
+                         "down": {"BLOCK_N": 256}},
+    "fused64dn256": {"fused_mlp": True, "down": {"BLOCK_N": 256}},
+    "fusedst6": {"fused_mlp": True, "num_stages": 6},
+    "fusedw8": {"fused_mlp": True, "num_warps": 8},
+    "fusedpps2": {"fused_mlp": True, "programs_per_sm": 2},
+    "fusedgk256st3": {"fused_mlp": True, "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256}, "num_stages": 3},
+    "fused32pps2st3": {"fused_mlp": True, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}, "programs_per_sm": 2,
+                       "num_stages": 3},
 }
-KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route", "down_prefetch")
+KINDS = ("router", "layout", "shared_gate_up", "gate_up", "shared_down", "down", "combine", "route", "down_prefetch",
+         "fused_mlp")
 
 
 def trace_summary(trace) -> dict:
@@ -136,13 +152,15 @@ def run(args) -> dict:
         experts = moe.expert_mlps
         num_experts, hidden, _ = experts.mlp_op.first_proj.weight.shape
         rule = decode_config(num_experts, hidden, experts.mlp_op.down_proj.weight.shape[1], case.top_k, case.tokens,
-                             device, dtype)
+                             device, dtype, shared_inter=case.shared_intermediate or 0)
         entry = {"case": name, "tokens": case.tokens, "roofline_us": floor_us, "rule": rule, "contenders": {},
                  **{k: v for k, v in sizes.items() if k != "experts_hit_per_input"}}
         result["cases"][name] = entry
         contenders = {"separate": TritonBackend(one_launch=False), "seam": SeamOnly(), "fused": TritonBackend()}
         for variant in [v for v in args.variants.split(",") if v and name in (args.variants_for or name)]:
             contenders[f"fused:{variant}"] = TritonBackend(decode_configs=_merged(rule, VARIANTS[variant]))
+            if args.trace:
+                contenders[f"fused:{variant}:trace"] = TritonBackend(decode_configs=_merged(rule, VARIANTS[variant]))
         if args.trace:
             contenders["fused:trace"] = TritonBackend()
         for label, backend in contenders.items():
@@ -243,7 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--target-s", type=float, default=0.1)
     p.add_argument("--budget-s", type=float, default=300)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--trace", action="store_true", help="add a fused contender that records per-item device times")
+    p.add_argument("--trace", action="store_true",
+                   help="add fused contenders (the rule's and each variant's) that record per-item device times")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     result = run(args)

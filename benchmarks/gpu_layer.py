@@ -115,6 +115,9 @@ CASES = [
                                        "expert, 64 tokens) on H100", "us": 197.456}, **SCOUT_TP8),
     Case("llama4-scout-shared-decode-m64", "llama4", 64, decode=True, function="llama4", shared_intermediate=8192,
          num_experts=16, top_k=1, hidden=5120, intermediate=8192),
+    # one token: the decode rule's one-wave fused items (launch_configs) at top-1 with a shared expert
+    Case("llama4-scout-shared-decode-m1", "llama4", 1, decode=True, function="llama4", shared_intermediate=8192,
+         num_experts=16, top_k=1, hidden=5120, intermediate=8192),
     # the MetaShuffling GroupedGEMM table as layers: balanced top-1 routing gives exactly its GEMM shapes
     Case("metashuffling-scout-tp8-prefill-g16m1024", "metashuffling", 16384, decode=False, routing="balanced",
          quoted={"source": METASHUFFLING, "us": 523.85 + 294.95}, **SCOUT_TP8),

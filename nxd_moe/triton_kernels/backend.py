@@ -144,7 +144,10 @@ class TritonBackend(ExpertsBackend):
         self.__dict__.update(state)
         self.handle = compiled.register(self)
 
-    def _config(self, hidden_states: torch.Tensor, weights: ExpertWeights, top_k: int, decode: bool = False) -> dict:
+    def _config(self, hidden_states: torch.Tensor, weights: ExpertWeights, top_k: int, decode: bool = False,
+                shared_inter: int = 0) -> dict:
+        """The launch configuration of this call's shapes (``shared_inter``: the width of a shared expert the decode
+        launch runs beside the routed experts, 0 for none)."""
         if decode and self.decode_configs is not None:
             return self.decode_configs
         if not decode and self.configs is not None:
@@ -153,11 +156,14 @@ class TritonBackend(ExpertsBackend):
         w8a8 = weights.activation_quantization is not None
         # int(): a compiled graph with a dynamic token count specializes on it here (tiles and launch follow T).
         key = (decode, w8a8, num_experts, hidden, weights.down_proj.shape[1], top_k, int(hidden_states.shape[0]),
-               hidden_states.device, hidden_states.dtype, weights.format)
+               hidden_states.device, hidden_states.dtype, weights.format, shared_inter)
         config = self._configs.get(key)
         if config is None:
-            lookup = decode_config if decode else (w8a8_launch_config if w8a8 else launch_config)
-            config = self._configs[key] = lookup(*key[2:])
+            if decode:
+                config = decode_config(*key[2:])
+            else:
+                config = (w8a8_launch_config if w8a8 else launch_config)(*key[2:-1])
+            self._configs[key] = config
         return config
 
     def _decode_weights(self, weights: ExpertWeights) -> ExpertWeights:
@@ -340,7 +346,8 @@ class TritonBackend(ExpertsBackend):
             return compiled.moe_decode(self, hidden_states, router, weights, prescale, shared)
         _check_device(hidden_states)
         return persistent_decode.moe_decode(hidden_states, router, self._decode_weights(weights),
-                                            self._config(hidden_states, weights, router.top_k, decode=True),
+                                            self._config(hidden_states, weights, router.top_k, decode=True,
+                                                         shared_inter=0 if shared is None else shared.gate.shape[1]),
                                             prescale, shared)
 
     def __repr__(self) -> str:

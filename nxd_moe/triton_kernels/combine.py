@@ -1,12 +1,12 @@
 """The top-k combine as a deterministic reverse gather: ``out[t] = sum_j w[t, j] * y[row[t, j]]``.
 
 Each program owns one token and a slice of ``H``, loads all of that token's expert rows at once (and the split-K
-partial sums of each row, added in a fixed order) and sums them in a fixed order, so the result is bitwise
-reproducible -- unlike a scatter-add. The weight of pair ``j`` is read straight from the routing's ``(T, E)``
-affinities at the pair's expert (or is 1 when the affinity already scaled the expert's input), so no per-pair
-weight tensor is materialised. An optional ``(T, H)`` addend (the shared experts' output) joins the same sum.
-Pairs without a row (padded tokens, dropped pairs) are excluded with a select,
-never multiplied by a zero weight, so a NaN row cannot leak into another token. Accumulates in fp32.
+partial sums of each row, all in flight together, added in a fixed order) and sums them in a fixed order, so the
+result is bitwise reproducible -- unlike a scatter-add. The weight of pair ``j`` is read straight from the
+routing's ``(T, E)`` affinities at the pair's expert (or is 1 when the affinity already scaled the expert's
+input), so no per-pair weight tensor is materialised. An optional ``(T, H)`` addend (the shared experts' output)
+joins the same sum. Pairs without a row (padded tokens, dropped pairs) are excluded with a select, never
+multiplied by a zero weight, so a NaN row cannot leak into another token. Accumulates in fp32.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ TILE_ELEMENTS = 8192
 
 @triton.jit
 def combine_token(token, column, y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
-                   num_rows, hidden, pairs_per_token, num_experts, num_splits,
+                   num_rows, hidden, pairs_per_token, num_experts,
                    stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
-                   PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr,
+                   BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
     """``out[token, column slice]``: the token's rows in a fixed order (see the module docstring)."""
     token = token.to(tl.int64)
     cols = column * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -40,7 +41,8 @@ def combine_token(token, column, y_ptr, pair_row_ptr, pair_expert_ptr, affinity_
     mask = has_row[:, None] & col_ok[None, :]
     offsets = tl.where(has_row, row, 0)[:, None] * stride_yr + cols[None, :]
     value = tl.zeros((BLOCK_P, BLOCK_H), dtype=tl.float32)
-    for s in range(0, num_splits):
+    # Unrolled: the partial sums' loads are issued together (a loop waited one L2 latency per split).
+    for s in tl.static_range(NUM_SPLITS):
         value += tl.load(y_ptr + s * stride_ys + offsets, mask=mask, other=0.0).to(tl.float32)
     # Rounded to the model dtype first, as an unsplit down projection would have stored it.
     value = value.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -53,14 +55,14 @@ def combine_token(token, column, y_ptr, pair_row_ptr, pair_expert_ptr, affinity_
 
 @triton.jit
 def _combine_kernel(y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr, addend_ptr, out_ptr,
-                    num_rows, hidden, pairs_per_token, num_experts, num_splits,
+                    num_rows, hidden, pairs_per_token, num_experts,
                     stride_ys, stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot,
-                    PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr, BLOCK_P: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, PRESCALED: tl.constexpr, HAS_ADDEND: tl.constexpr,
+                    BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
     combine_token(tl.program_id(0), tl.program_id(1), y_ptr, pair_row_ptr, pair_expert_ptr, affinity_ptr,
-                   addend_ptr, out_ptr, num_rows, hidden, pairs_per_token, num_experts, num_splits, stride_ys,
-                   stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot, PRESCALED, HAS_ADDEND, BLOCK_P,
-                   BLOCK_H)
+                   addend_ptr, out_ptr, num_rows, hidden, pairs_per_token, num_experts, stride_ys,
+                   stride_yr, stride_rt, stride_et, stride_ej, stride_at, stride_ot, NUM_SPLITS, PRESCALED,
+                   HAS_ADDEND, BLOCK_P, BLOCK_H)
 
 
 def combine_width(num_tokens: int, hidden: int, pairs_per_token: int) -> int:
@@ -93,7 +95,7 @@ def combine_rows(rows: torch.Tensor, pair_row: torch.Tensor, pair_expert: torch.
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         rows, pair_row, pair_expert, affinities, out if addend is None else addend, out, num_rows, hidden,
-        pairs_per_token, affinities.shape[1], num_splits, rows.stride(0), rows.stride(1), pair_row.stride(0),
+        pairs_per_token, affinities.shape[1], rows.stride(0), rows.stride(1), pair_row.stride(0),
         pair_expert.stride(0), pair_expert.stride(1), 0 if addend is None else addend.stride(0), out.stride(0),
-        PRESCALED=prescaled, HAS_ADDEND=addend is not None, BLOCK_P=block_p, BLOCK_H=block_h)
+        NUM_SPLITS=num_splits, PRESCALED=prescaled, HAS_ADDEND=addend is not None, BLOCK_P=block_p, BLOCK_H=block_h)
     return out

@@ -64,7 +64,7 @@ def _clamp(x, lower, upper, HAS_LOWER: tl.constexpr, HAS_UPPER: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M: tl.constexpr, DIRECT_ROWS: tl.constexpr):
+def tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M: tl.constexpr, DIRECT_ROWS: tl.constexpr):
     """``(rows, token, row_ok, expert)`` of one tile. ``DIRECT_ROWS``: row ``r`` is token ``r`` (``r < row_count``)
     of expert 0 -- a dense MLP every token goes through (the shared expert); else both come from the layout."""
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -213,7 +213,7 @@ def gate_up_tile(
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`; weight halves:
     :func:`_gate_up_sums`)."""
-    rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
+    rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
     acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0, hidden,
                                 inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
                                 GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -303,7 +303,7 @@ def _gate_up_partial_kernel(
     if tile < 0:
         return
     split = tl.program_id(1)
-    rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
     k_begin = split * k_per_split
     w_up_ptr = w_ptr + inter * stride_wn  # interleaved weights read both halves from w_ptr
     k_end = tl.minimum(k_begin + k_per_split, hidden)
@@ -334,7 +334,7 @@ def _gate_up_reduce_kernel(
     tile, column = tile_and_column(tl.program_id(0), num_tiles_ptr, tl.cdiv(inter, BLOCK_N), 1)
     if tile < 0:
         return
-    rows, token, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ok = row_ok[:, None] & col_ok[None, :]
@@ -361,7 +361,7 @@ def down_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT_ROWS: tl.constexpr,
 ):
     """One ``BLOCK_M x BLOCK_N`` tile of split ``split``'s partial sums (see :func:`down_projection`)."""
-    rows, _, row_ok, expert = _tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
+    rows, _, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
     cols = column * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     k_begin = split * k_per_split

@@ -20,8 +20,9 @@ The one-launch decode (:mod:`~nxd_moe.triton_kernels.persistent_decode`) has its
 ``decode:<shape key>``: ``block_m``, ``gate_up`` (``BLOCK_N``, ``BLOCK_K``), ``down`` (``BLOCK_N``, ``BLOCK_K``,
 ``SPLIT_K``), and for the whole launch ``num_warps``, ``num_stages`` and ``programs_per_sm``; optional
 ``pair_tiles`` (bool: one tile per (token, expert) pair, no sort, see ``persistent_decode``), ``down_prefetch``
-(bool: items that pull the chosen experts' down weights into L2 while gate/up runs) and ``router_chunk`` (the fused
-router's ``H`` per item, a power of two; default ``min(512, H)``).
+(bool: items that pull the chosen experts' down weights into L2 while gate/up runs), ``fused_mlp`` (bool: each
+gate/up item also runs its columns' share of the down projection, no down items; unquantized weights) and
+``router_chunk`` (the fused router's ``H`` per item, a power of two; default ``min(512, H)``).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def default_config(num_experts: int, hidden: int, inter: int, top_k: int, num_to
 
 
 def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int,
-                          multiprocessors: int = 132, quantization: str = "bf16") -> dict:
+                          multiprocessors: int = 132, quantization: str = "bf16", shared_inter: int = 0) -> dict:
     """The rule for the one-launch decode (one program per multiprocessor). Weight tiles are read in rows of 256
     bytes (128 columns of gate and of up; down 128 columns) when that still gives a gate/up item per program,
     else 128 bytes -- narrower rows cut HBM efficiency more than extra items help; deep ``K`` tiles keep ~100 KB
@@ -110,7 +111,8 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
     projection's ``K`` is split while its items would not cover the programs. Measured on an H100: see
     ``benchmarks/notes/issue19_gpu_kernels.md``. MxFP4 (a quarter of bf16's bytes per value, read from the
     repacked copy, ``repack.py``) takes gate/up K tiles twice as deep (a useful run of bytes per tile); its down
-    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure)."""
+    tile stays at 128 (256 measured 17 % slower on Mixtral-8x7B T=1, H100: register pressure). ``shared_inter``:
+    the width of a shared expert the launch also runs (its gate/up items take programs too), 0 for none."""
     pairs = num_tokens * top_k
     used = min(num_experts, pairs)
     block_m = max(16, min(64, triton.next_power_of_2(-(-pairs // used))))
@@ -123,6 +125,18 @@ def default_decode_config(num_experts: int, hidden: int, inter: int, top_k: int,
               "programs_per_sm": 1}
     if pairs <= SMALL_DECODE_PAIRS:
         config.update(_small_decode(num_experts, hidden, num_tokens, multiprocessors))
+    # Fused gate/up + down items (``fused_mlp``) where they are one wave: pair tiles, unquantized, every item -- the
+    # shared expert's gate/up items too -- on its own multiprocessor. Measured on an H200 (CUDA-graph replay of the
+    # layer, ``benchmarks/results/gpu_decode_fused_rule_h200.json``): Qwen3-30B-A3B T=1 (96 items) 40.2 us against
+    # 43.1 two-phase -- no phase boundary, each program streams its slice's gate/up and down weights back to back;
+    # Llama 4 Scout T=1 (128 fused items beside its shared expert's 128 gate/up items: two waves) 169.8 against
+    # 130.8. Narrower, more numerous items did not help Qwen3 (48 of 64 columns, 128 items: 42.1 us,
+    # ``gpu_decode_fused48_qwen3_t1_h200.json``), nor did deeper pipelines, 8 warps or two programs per
+    # multiprocessor (``gpu_decode_fused_qwen3_t1_h200.json``). In the whole model the gain is within noise
+    # (full-size Qwen3 B=1 260.2 against 259.4 tokens/s, ``app_fused_mlp_ab_qwen3_full_b1_h200.json``).
+    items = pairs * -(-inter // gu_n) + -(-num_tokens // block_m) * -(-shared_inter // gu_n)
+    if config.get("pair_tiles") and quantization == "bf16" and items <= multiprocessors:
+        config["fused_mlp"] = True
     return config
 
 
@@ -158,7 +172,7 @@ def for_dtype(config: dict, dtype: torch.dtype) -> dict:
 
 
 def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tokens: int, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16, quantization: str = "bf16") -> dict:
+                  dtype: torch.dtype = torch.bfloat16, quantization: str = "bf16", shared_inter: int = 0) -> dict:
     """The one-launch decode's entry for this GPU, shape and format (falling back as :func:`launch_config`),
     else :func:`default_decode_config`, adapted to ``dtype``."""
     table = tuned_table(device_name(device))
@@ -167,7 +181,7 @@ def decode_config(num_experts: int, hidden: int, inter: int, top_k: int, num_tok
         entry = table.get("decode:" + shape_key(num_experts, hidden, inter, top_k, num_tokens))
     if entry is None:
         entry = default_decode_config(num_experts, hidden, inter, top_k, num_tokens, rule_multiprocessors(device),
-                                      quantization)
+                                      quantization, shared_inter)
     return for_dtype(entry, dtype)
 
 

@@ -36,7 +36,10 @@ MAX_PAIRS = 1024
 # Elements of one routing chunk (tokens x experts: int64 sort keys, fp32 logits).
 ROUTE_ELEMENTS = 1024
 # Item types in a TRACE record (the `kind` values decode_kernel writes).
-ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE, ROUTE_ITEM, DOWN_PREFETCH = range(9)
+(ROUTER_ITEM, LAYOUT_ITEM, SHARED_GATE_UP, GATE_UP, SHARED_DOWN, DOWN, COMBINE, ROUTE_ITEM, DOWN_PREFETCH,
+ FUSED_MLP_ITEM) = range(10)
+# The most partial sums (pairs x K splits x columns) one combine item loads at once.
+COMBINE_ELEMENTS = 16384
 # An L2 line, the unit the down prefetch asks L2 for.
 L2_LINE_BYTES = 128
 
@@ -134,12 +137,21 @@ class _Plan:
         pair_tiles = bool(config.get("pair_tiles", False))
         tile_bound = num_tokens * top_k if pair_tiles else max_tiles(num_tokens * top_k, num_experts, block_m)
         num_rows = tile_bound * block_m
-        k_per_split = _cdiv(_cdiv(inter, down["SPLIT_K"]), dn_k) * dn_k
-        split = _cdiv(inter, k_per_split)
         gu_n, dn_n = gate_up["BLOCK_N"], down["BLOCK_N"]
+        fused_mlp = config.get("fused_mlp", False)
+        if not isinstance(fused_mlp, bool):
+            raise ValueError(f"decode config: fused_mlp must be a bool, got {fused_mlp!r}")
+        if fused_mlp and fmt != 0:
+            raise ValueError(f"decode config: fused_mlp runs unquantized weights only, got {weights.format}")
+        # A fused item's down partial sums span its gate/up columns: one K split per gate/up column slice.
+        k_per_split = gu_n if fused_mlp else _cdiv(_cdiv(inter, down["SPLIT_K"]), dn_k) * dn_k
+        split = _cdiv(inter, k_per_split)
         shared_inter = shared.gate.shape[1] if shared is not None else 0
         shared_tiles = _cdiv(num_tokens, block_m) if shared is not None else 0
-        combine_h = max(min(256, _pow2(hidden)), combine_width(num_tokens, hidden, top_k))
+        # At most COMBINE_ELEMENTS partial sums per combine item (they are loaded at once): narrower columns when
+        # there are many K splits, so the combine still spreads over the GPU.
+        combine_h = max(16, min(max(min(256, _pow2(hidden)), combine_width(num_tokens, hidden, top_k)),
+                                _pow2(COMBINE_ELEMENTS // (_pow2(top_k) * split) + 1) // 2))
         route_e, route_chunk = 16, config.get("router_chunk", min(512, _pow2(hidden)))
         if not (isinstance(route_chunk, int) and route_chunk >= 16 and route_chunk == _pow2(route_chunk)):
             raise ValueError(f"decode config: router_chunk must be a power of two >= 16, got {route_chunk!r}")
@@ -151,12 +163,16 @@ class _Plan:
         down_prefetch = config.get("down_prefetch", False)
         if not isinstance(down_prefetch, bool):
             raise ValueError(f"decode config: down_prefetch must be a bool, got {down_prefetch!r}")
+        if down_prefetch and fused_mlp:
+            raise ValueError("decode config: down_prefetch and fused_mlp exclude each other (a fused item reads its "
+                             "down weights itself, right after its gate/up weights)")
         capacity = launch_multiprocessors(device) * config["programs_per_sm"]
         gate_up_items = tile_bound * _cdiv(inter, gu_n) + shared_tiles * _cdiv(max(shared_inter, 1), gu_n)
         # As many prefetch items as programs the gate/up items leave idle: they run alongside the gate/up phase.
         prefetch_items = max(1, capacity - gate_up_items) if down_prefetch else 0
         max_items = (num_router_items + route_items + 1 + shared_tiles * (_cdiv(max(shared_inter, 1), gu_n) + dn_cols)
-                     + tile_bound * (_cdiv(inter, gu_n) + dn_cols * split) + num_tokens * _cdiv(hidden, combine_h)
+                     + tile_bound * (_cdiv(inter, gu_n) + (0 if fused_mlp else dn_cols * split))
+                     + num_tokens * _cdiv(hidden, combine_h)
                      + prefetch_items)
         self.programs = min(max_items, capacity)
         # One expert's down weight as addressed (its strides' span, in stored elements) in 128-byte lines; at most
@@ -207,7 +223,8 @@ class _Plan:
             NORMALIZE=router is not None and router.normalize,
             HAS_PADDING=router is not None and router.padding is not None, SHARED=shared is not None,
             SHARED_ACT=ACTIVATIONS[shared.hidden_act] if shared is not None else 0, HAS_ADDEND=has_addend,
-            TRACE=trace, PAIR_TILES=pair_tiles, DOWN_PREFETCH=down_prefetch, PREFETCH_ITEMS=prefetch_items,
+            TRACE=trace, PAIR_TILES=pair_tiles, FUSED_MLP=fused_mlp, DOWN_PREFETCH=down_prefetch,
+            PREFETCH_ITEMS=prefetch_items,
             SLAB_LINES=_cdiv(slab, line) if down_prefetch else 0, LINE=line if down_prefetch else 0,
             CAP_LINES=cap_lines if down_prefetch else 0, BLOCK_M=block_m, GU_N=gu_n, GU_K=gu_k, DN_N=dn_n, DN_K=dn_k,
             ROUTE_T=route_t,

@@ -32,6 +32,13 @@ items. ``down_prefetch`` adds items right after the routed gate/up items, as man
 leave idle, that ask L2 for equal slices of the tiles' experts' down weights (at most half the L2) without waiting
 for them, so the down items read L2 instead of HBM; nothing waits for them and they write nothing.
 
+``fused_mlp`` merges the routed gate/up and down items: item ``(tile, column slice j)`` computes its ``GU_COLUMNS``
+activated columns and then, at once, their share of the down projection for the whole of ``H`` -- the partial sums
+over intermediate slice ``j`` (K split ``j``, fp32), summed by the combine in order. No item waits between gate/up
+and down, every program streams gate/up and then down weights from its first microsecond, and at ``T = 1`` one
+wave of items reads the chosen experts once (issue 37's "split the active experts' rows and down K across every
+SM"). Unquantized weights only.
+
 Triton's interpreter runs programs one after another; the first takes every item in order, so the same kernel
 runs (and is tested) on a CPU.
 """
@@ -42,8 +49,9 @@ import triton
 import triton.language as tl
 
 from nxd_moe.triton_kernels.combine import combine_token
-from nxd_moe.triton_kernels.grouped_gemm import down_tile, gate_up_tile
+from nxd_moe.triton_kernels.grouped_gemm import down_tile, gate_up_tile, tile_rows
 from nxd_moe.triton_kernels.router import activation, top_k_rounds
+from nxd_moe.triton_kernels.tile_math import tile_dot
 
 # The synchronisation buffer (int32). Each global counter has its own 128-byte line, each tile counter its own
 # 32-byte sector: polled words never share a sector with the item queue's counter.
@@ -125,6 +133,33 @@ def _prefetch_down(piece, w_ptr, tile_expert_ptr, tiles, stride_e, PIECES: tl.co
         else:
             tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;", "=r,l", [at],
                                       dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _slice_down(tile, part, act_ptr, w_ptr, bias_ptr, y_ptr, row_token_ptr, tile_expert_ptr, num_rows, inter,
+                hidden, stride_we, stride_wk, stride_wn, stride_be, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``y[part, rows] = act[rows, part's BLOCK_K columns] @ W[expert, those rows, :]`` (+ the down bias in part 0)
+    for every column of ``H``: the down projection's partial sums over one slice of the intermediate dimension, the
+    second half of a ``FUSED_MLP`` item (which has just stored that slice of ``act (R, I)``). The slice is read
+    past L1 (``.cg``): a line of it may have been cached there by an earlier item of a neighbouring slice."""
+    rows, _, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    ks = part * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < inter
+    a = tl.load(act_ptr + rows[:, None] * inter + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                cache_modifier=".cg")
+    lanes = tl.arange(0, BLOCK_N)
+    w_ptrs = w_ptr + expert * stride_we + ks[:, None] * stride_wk + lanes[None, :] * stride_wn
+    y_ptrs = y_ptr + part * num_rows * hidden + rows[:, None] * hidden + lanes[None, :]
+    for column in range(0, tl.cdiv(hidden, BLOCK_N)):
+        col_ok = column * BLOCK_N + lanes < hidden
+        w = tl.load(w_ptrs + column * BLOCK_N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tile_dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION, INTERPRET)
+        if HAS_BIAS:
+            if part == 0:
+                acc += tl.load(bias_ptr + expert * stride_be + column * BLOCK_N + lanes, mask=col_ok,
+                               other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs + column * BLOCK_N, acc, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -276,7 +311,8 @@ def decode_kernel(
     ROUTER_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
     ACT_OVER_TOPK: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, SHARED: tl.constexpr, SHARED_ACT: tl.constexpr,
-    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PAIR_TILES: tl.constexpr, DOWN_PREFETCH: tl.constexpr,
+    HAS_ADDEND: tl.constexpr, TRACE: tl.constexpr, PAIR_TILES: tl.constexpr, FUSED_MLP: tl.constexpr,
+    DOWN_PREFETCH: tl.constexpr,
     PREFETCH_ITEMS: tl.constexpr, SLAB_LINES: tl.constexpr, LINE: tl.constexpr, CAP_LINES: tl.constexpr,
     BLOCK_M: tl.constexpr, GU_N: tl.constexpr, GU_K: tl.constexpr, DN_N: tl.constexpr, DN_K: tl.constexpr,
     ROUTE_T: tl.constexpr, ROUTE_E: tl.constexpr, ROUTE_H: tl.constexpr, ROUTE_CHUNK: tl.constexpr,
@@ -315,7 +351,12 @@ def decode_kernel(
                 _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
                 tiles = tl.load(sync_ptr + NUM_TILES, volatile=True)
         routed_gu = tiles * gu_cols
-        routed_dn = tiles * dn_cols * split
+        if FUSED_MLP:  # a routed item's down partial sums are its own: no down items, one signal per item
+            routed_dn = tiles * 0
+            down_signals = routed_gu + shared_dn
+        else:
+            routed_dn = tiles * dn_cols * split
+            down_signals = routed_dn + shared_dn
         first_down = routed_gu  # the down-prefetch items, if any, come between
         if DOWN_PREFETCH:
             first_down = routed_gu + PREFETCH_ITEMS
@@ -377,7 +418,15 @@ def decode_kernel(
                                   gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER,
                                   GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, False,
                                   FORMAT, BLOCK_M, GU_N, GU_K, False, GATE_UP_INTERLEAVED)
-                    _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)
+                    if FUSED_MLP:
+                        kind = 9
+                        tl.debug_barrier()  # the activated slice, stored by every thread, read back by all
+                        _slice_down(tile, j % gu_cols, act_ptr, dn_ptr, dn_bias_ptr, y_ptr, row_token_ptr,
+                                    tile_expert, num_rows, inter, hidden, s_dn_e, s_dn_k, s_dn_n, s_dnb_e,
+                                    DOWN_BIAS, PRECISION, INTERPRET, BLOCK_M, GU_N, DN_N)
+                        _signal(sync_ptr, DOWN_DONE)
+                    else:
+                        _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)
                 elif j < first_down:  # (only with DOWN_PREFETCH)
                     kind = 8
                     if DOWN_PREFETCH:
@@ -415,11 +464,11 @@ def decode_kernel(
                     j -= first_down + shared_dn + routed_dn
                     if PAIR_TILES:  # which pairs are real (pair_row)
                         _wait_at_least(sync_ptr, LAYOUT_READY, 1, INTERPRET)
-                    _wait_at_least(sync_ptr, DOWN_DONE, routed_dn + shared_dn, INTERPRET)
+                    _wait_at_least(sync_ptr, DOWN_DONE, down_signals, INTERPRET)
                     started = _now(item, INTERPRET)
                     combine_token(j // combine_cols, j % combine_cols, y_ptr, pair_row_ptr, index_ptr,
-                                   affinity_ptr, addend_ptr, out_ptr, num_rows, hidden, top_k, num_experts, split,
-                                   num_rows * hidden, hidden, top_k, top_k, 1, hidden, hidden, PRESCALE,
+                                   affinity_ptr, addend_ptr, out_ptr, num_rows, hidden, top_k, num_experts,
+                                   num_rows * hidden, hidden, top_k, top_k, 1, hidden, hidden, split, PRESCALE,
                                    HAS_ADDEND, COMBINE_P, COMBINE_H)
             if TRACE:
                 at = trace_ptr + item.to(tl.int64) * 4

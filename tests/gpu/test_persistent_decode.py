@@ -370,9 +370,9 @@ def _small_settings(num_tokens, **overrides):
     from nxd_moe.triton_kernels.launch_configs import default_decode_config
     config = default_decode_config(SMALL_E, SMALL_H, SMALL_I, SMALL_K, num_tokens)
     # router_chunk 16: 4 partial sums per expert block (32 router items), summed by the routing items in order; 2
-    # gate/up column slices, the down projection in 2 K splits of 16
+    # gate/up column slices, the down projection in 2 K splits of 16 -- in separate items unless a test fuses them
     return {**config, "pair_tiles": True, "router_chunk": 16, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32},
-            "down": {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, **overrides}
+            "down": {"BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 2}, "fused_mlp": False, **overrides}
 
 
 def _small_moe(num_tokens, dtype, **overrides):
@@ -406,7 +406,47 @@ def test_small_decode_rule():
     assert not any("down_prefetch" in default_decode_config(*shape, 132)
                    for shape in ((128, 2048, 768, 8, 1), (8, 4096, 14336, 2, 1)))
     for large in ((128, 2048, 768, 8, 32), (16, 5120, 1024, 1, 64), (256, 7168, 2048, 8, 16)):
-        assert not {"pair_tiles", "router_chunk", "down_prefetch"} & set(default_decode_config(*large, 132)), large
+        assert not {"pair_tiles", "router_chunk", "down_prefetch", "fused_mlp"} & set(
+            default_decode_config(*large, 132)), large
+
+
+def test_fused_mlp_rule():
+    """Fused items where they are one wave of unquantized pair tiles: Qwen3-30B-A3B T=1 (8 x 12 = 96 items); not
+    Mixtral T=1 (2 x 112), not Qwen3 at T=2 (no pair tiles), not quantized, not where the GPU is smaller."""
+    from nxd_moe.triton_kernels.launch_configs import default_decode_config
+    qwen3 = default_decode_config(128, 2048, 768, 8, 1, 132)
+    assert qwen3["fused_mlp"] and qwen3["gate_up"]["BLOCK_N"] == 64
+    assert "fused_mlp" in default_decode_config(128, 2048, 768, 8, 1, 96)  # exactly one wave
+    assert "fused_mlp" not in default_decode_config(128, 2048, 768, 8, 1, 95)
+    assert "fused_mlp" not in default_decode_config(8, 4096, 14336, 2, 1, 132)
+    assert "fused_mlp" not in default_decode_config(128, 2048, 768, 8, 2, 132)
+    for quantization in ("fp8", "fp8_block", "mxfp4"):
+        assert "fused_mlp" not in default_decode_config(128, 2048, 768, 8, 1, 132, quantization)
+    # Llama 4 Scout T=1: 128 fused items fit, but not beside its shared expert's 128 gate/up items
+    assert "fused_mlp" in default_decode_config(16, 5120, 8192, 1, 1, 132)
+    assert "fused_mlp" not in default_decode_config(16, 5120, 8192, 1, 1, 132, shared_inter=8192)
+    assert "fused_mlp" not in default_decode_config(128, 2048, 768, 8, 1, 132, shared_inter=4096)  # 96 + 64 > 132
+    assert "fused_mlp" in default_decode_config(128, 2048, 768, 8, 1, 132, shared_inter=2048)  # 96 + 32
+
+
+def test_the_backend_asks_the_rule_with_the_shared_experts_width():
+    """The fused layer's launch config is looked up with its shared expert's width (a layer without one, 0)."""
+    seen = []
+
+    class Recording(TritonBackend):
+        def _config(self, *args, **kwargs):
+            seen.append(kwargs.get("shared_inter"))
+            return super()._config(*args, **kwargs)
+
+    for width in (None, 16):
+        moe = _small_moe(1, torch.float32)
+        if width:
+            shared = randomize_(SharedExperts(SMALL_H, width, 1, "silu"), seed=88).to(DEVICE)
+            moe = MoE(moe.router, moe.expert_mlps, shared, return_router_logits=True, return_expert_index=True).eval()
+        moe.expert_mlps.backend = Recording()
+        with torch.no_grad():
+            moe(randn(1, 1, SMALL_H, seed=89).to(DEVICE))
+    assert seen == [0, 16]
 
 
 @pytest.mark.parametrize("num_tokens", [1, 2, 4])
@@ -568,3 +608,143 @@ def test_down_prefetch_check_rejects_items_that_displace_down_items(monkeypatch)
     monkeypatch.setattr(persistent_decode._Plan, "__init__", uncounted)
     on, _ = _prefetch_decode(moe, x, monkeypatch, True)
     assert not torch.equal(on, off)
+
+
+# Fused items (``fused_mlp``): each routed item runs its gate/up column slice and at once that slice's share of the
+# down projection over the whole of H (an fp32 partial sum per slice, summed by the combine in order) -- no down
+# items, nothing between gate/up and down to wait for. Here 2 slices of 16 per tile (SMALL_I = 32).
+def _fused_decode(moe, x, monkeypatch):
+    """The layer's fused decode, traced -> (out, the item kinds in trace order)."""
+    monkeypatch.setattr(persistent_decode, "TRACE_PLANS", True)
+    monkeypatch.setattr(persistent_decode, "_PLANS", {})
+    out = _small_decode(moe, x)[0]
+    assert not persistent_decode.timed_out(out.device)
+    assert int(persistent_decode.counters(out.device).abs().sum()) == 0
+    return out, persistent_decode.last_trace()[:, 3].cpu() % 16
+
+
+@pytest.mark.parametrize("case", ["pairs_T1_fp32", "pairs_T1_bf16", "pairs_T2_bf16", "sorted_T4_fp32",
+                                  "sorted_T3_shared_bf16"])
+def test_fused_mlp_items(case, monkeypatch):
+    """Pair tiles and sorted tiles, a shared expert beside them: against the float64 reference and the torch
+    backend (each with its own roundings), the expert choice against the router's; one fused item per (tile,
+    column slice) and no separate gate/up or down items."""
+    from conftest import assert_backends_close
+
+    from nxd_moe.experts.backends import TorchBackend
+
+    num_tokens = int(case.split("_T")[1][0])
+    dtype = torch.float32 if case.endswith("fp32") else torch.bfloat16
+    moe = _small_moe(num_tokens, dtype, pair_tiles=case.startswith("pairs"), fused_mlp=True)
+    if "shared" in case:
+        shared = randomize_(SharedExperts(SMALL_H, 16, 1, "silu", dtype=dtype), seed=79).to(DEVICE)
+        moe = MoE(moe.router, moe.expert_mlps, shared, return_router_logits=True, return_expert_index=True).eval()
+    x = randn(num_tokens, 1, SMALL_H, seed=80 + num_tokens).to(DEVICE, dtype)
+    out, kinds = _fused_decode(moe, x, monkeypatch)
+    with torch.no_grad():
+        _, _, theirs_index = moe.router(x.reshape(-1, SMALL_H))
+        index = moe(x)[2]
+        moe.expert_mlps.backend = TorchBackend()
+        torch_out = moe(x)[0]
+    assert torch.equal(index, theirs_index)
+    assert_backends_close(out, torch_out, reference_for_moe(moe, x), dtype, DEPTH, case)
+    if case.startswith("pairs"):
+        tiles = num_tokens * SMALL_K
+    else:  # the sorted layout's tiles: one per used expert (at most 16 rows each here)
+        tiles = int(torch.unique(index).numel())
+    assert int((kinds == persistent_decode.FUSED_MLP_ITEM).sum()) == tiles * 2
+    assert not ((kinds == persistent_decode.GATE_UP) | (kinds == persistent_decode.DOWN)).any()
+
+
+@pytest.mark.parametrize("inter, block_n", [(24, 16), (72, 32)])
+def test_fused_mlp_items_with_biases_through_the_seam(inter, block_n):
+    """GPT-OSS's clamped SwiGLU with gate/up and down biases (the down bias once, in slice 0's partial sums), odd
+    sizes (a last slice of 8 of 16 columns; H not a multiple of the down tile), through the backend seam: against
+    the float64 reference and the two-phase items."""
+    config = make_config(8, 40, inter, 2, "swiglu_gptoss", bias=True, normalize_top_k_affinities=True)
+    settings = {"block_m": 16, "gate_up": {"BLOCK_N": block_n, "BLOCK_K": 32}, "down": {"BLOCK_N": 32,
+                "BLOCK_K": 16, "SPLIT_K": 2}, "num_warps": 4, "num_stages": 2, "programs_per_sm": 1}
+    fused_settings = {**settings, "fused_mlp": True}
+    fused = randomize_(ExpertMLPsV2(config, backend=TritonBackend(decode_configs=fused_settings), device=DEVICE),
+                       seed=81)
+    two_phase = randomize_(ExpertMLPsV2(config, backend=TritonBackend(decode_configs=settings), device=DEVICE),
+                           seed=81)
+    x = randn(5, 40, seed=82).to(DEVICE)
+    affinities, index = (t.to(DEVICE) for t in random_routing(5, 8, 2, seed=83))
+    with torch.no_grad():
+        out = fused(x, affinities, index, seq_len=1)
+        _check(out, reference_for_experts(fused, x, affinities, index), torch.float32, "biases")
+        assert_rounding_close(out, two_phase(x, affinities, index, seq_len=1),
+                              _tolerance(torch.float32, 2 * TRITON_ROUNDINGS))
+
+
+def test_fused_mlp_nan_token_stays_isolated():
+    moe = _small_moe(4, torch.float32, fused_mlp=True)
+    x = randn(4, 1, SMALL_H, seed=84).to(DEVICE)
+    assert_nan_stays_in_its_row(lambda tokens: _small_decode(moe, tokens)[0], x, 2)
+
+
+@pytest.mark.parametrize("broken", ["dropped_slice", "slices_of_the_next_tile"])
+def test_bound_rejects_broken_fused_items(broken, monkeypatch):
+    """Negative controls: a combine that sums one slice's partial sums fewer, or fused items whose tile rows name
+    the next pair's token, must fail the bound the unbroken launch meets."""
+    moe = _small_moe(2, torch.bfloat16, fused_mlp=True)
+    x = randn(2, 1, SMALL_H, seed=85).to(DEVICE, torch.bfloat16)
+    reference = reference_for_moe(moe, x)
+    _check(_fused_decode(moe, x, monkeypatch)[0], reference, torch.bfloat16, "unbroken")
+    if broken == "dropped_slice":
+        init = persistent_decode._Plan.__init__
+
+        def dropped(self, *args):
+            init(self, *args)
+            self.constexprs["split"] -= 1
+        monkeypatch.setattr(persistent_decode._Plan, "__init__", dropped)
+    else:
+        rows = persistent_decode.pair_row_tokens
+        monkeypatch.setattr(persistent_decode, "pair_row_tokens",
+                            lambda *a: torch.where((r := rows(*a)) >= 0, (r + 1) % 2, r))
+    out = _fused_decode(_small_moe(2, torch.bfloat16, fused_mlp=True), x, monkeypatch)[0]
+    with pytest.raises(AssertionError):
+        _check(out, reference, torch.bfloat16, broken)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(fused_mlp=1), "fused_mlp must be a bool, got 1"),
+    (dict(fused_mlp=True, down_prefetch=True), "down_prefetch and fused_mlp exclude each other"),
+])
+def test_fused_mlp_config_is_checked(overrides, match):
+    moe = _small_moe(1, torch.float32, **overrides)
+    with pytest.raises(ValueError, match=match):
+        _small_decode(moe, randn(1, 1, SMALL_H, seed=86).to(DEVICE))
+
+
+def test_fused_mlp_refuses_quantized_weights():
+    from nxd_moe.quantization.quantizer import quantize_experts
+
+    moe = _small_moe(1, torch.bfloat16, fused_mlp=True)
+    quantize_experts(moe, "fp8")
+    moe.expert_mlps.backend.one_launch = True  # the rule runs quantized decodes in separate kernels
+    with pytest.raises(ValueError, match="fused_mlp runs unquantized weights only, got fp8"):
+        _small_decode(moe, randn(1, 1, SMALL_H, seed=87).to(DEVICE, torch.bfloat16))
+
+
+def test_combine_items_load_at_most_their_share_of_partial_sums(monkeypatch):
+    """The combine's columns narrow as K splits grow (its partial sums are loaded at once): Qwen3-30B-A3B's T=1 with
+    12 fused slices sums 128 columns per item (8 pairs x 12 x 128 = 12288 <= 16384 loads), with 24 slices 64, the
+    two-phase split of 2 keeps 256."""
+    from nxd_moe.experts.activation import ExpertActivation
+    from nxd_moe.experts.mlp import ExpertWeights
+    from nxd_moe.moe_configs import GLUType
+
+    def combine_h(config):  # a plan's sizes follow from shapes alone: weights on the meta device
+        meta = dict(device="meta", dtype=torch.bfloat16)
+        weights = ExpertWeights(torch.empty(128, 2048, 1536, **meta), torch.empty(128, 768, 2048, **meta), None,
+                                None, ExpertActivation("silu", True, GLUType.GLU, intermediate_size=768))
+        plan = persistent_decode._Plan(torch.empty(1, 2048, **meta), weights, config, 128, 8, False, None, None,
+                                       False, False)
+        return plan.constexprs["COMBINE_H"], plan.constexprs["split"]
+
+    rule = decode_config(128, 2048, 768, 8, 1, torch.device("cpu"))
+    assert combine_h(rule) == (128, 12)  # fused items of 64 columns
+    assert combine_h({**rule, "fused_mlp": False}) == (256, 2)
+    assert combine_h({**rule, "gate_up": {"BLOCK_N": 32, "BLOCK_K": 256}}) == (64, 24)
