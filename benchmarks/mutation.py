@@ -42,6 +42,10 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/routing/group_limited.py": ["tests/test_routing.py"],
     "nxd_moe/experts/token_mapping.py": ["tests/test_token_mapping.py"],
     "nxd_moe/application/sampling.py": ["tests/application/test_sampling.py"],
+    "nxd_moe/triton_kernels/launch_configs.py": ["tests/gpu/test_launch_configs.py"] + [  # the rules, no kernel run
+        f"tests/gpu/test_persistent_decode.py::{name}" for name in (
+            "test_small_decode_rule", "test_fused_mlp_rule",
+            "test_combine_items_load_at_most_their_share_of_partial_sums")],
     "nxd_moe/application/config.py": ["tests/application/test_application_config.py"],
     "nxd_moe/application/attention.py": ["tests/application/test_decode_attention.py"],
     "nxd_moe/application/fused_projections.py": [  # its fast tests (the file's last one compiles whole models)
@@ -94,7 +98,11 @@ def run_module(module: str, jobs_dir: Path, jobs: int) -> dict:
         raise SystemExit(f"{module}: no tests mapped in benchmarks/mutation.py's TESTS")
     root = scratch_copy(module, tests, jobs_dir)
     start = time.monotonic()
-    subprocess.run([*mutmut(), "run", "--max-children", str(jobs)], cwd=root, capture_output=True, text=True)
+    # One intra-op thread: mutmut forks its workers from a process that has already run torch, and a fork of a process
+    # whose OpenMP pool is up can hang in the child (most mutants of torch-heavy modules then ended as timeouts).
+    single = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    subprocess.run([*mutmut(), "run", "--max-children", str(jobs)], cwd=root, capture_output=True, text=True,
+                   env=single)
     listed = subprocess.run([*mutmut(), "results", "--all", "true"], cwd=root, capture_output=True,
                             text=True).stdout
     statuses = {m.group(1): m.group(2) for m in map(STATUS.match, listed.splitlines()) if m}

@@ -3,6 +3,7 @@ a test sets differs from its default, so a dropped or swapped field changes what
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -187,3 +188,172 @@ def test_a_bf16_application_keeps_float32_routers_whether_or_not_the_model_came_
     assert not torch.equal(expected, gate.to(torch.bfloat16).float()) or not patched_first
     assert torch.equal(layers[1].router.linear_router.weight, expected)
     assert app.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+# From the mutation run of config.py: every default stated, every served field read away from its default (the
+# "dict-form config" class of blind spot), every check's whole message at its boundary.
+def test_the_defaults_are_nxdis():
+    c = ApplicationConfig()
+    assert (c.batch_size, c.ctx_batch_size, c.tkg_batch_size, c.max_batch_size, c.kv_cache_batch_size) == (1,) * 5
+    assert (c.padding_side, c.seq_len, c.max_context_length, c.max_length) == ("right", 128, 128, 128)
+    assert c.max_new_tokens is None and c.torch_dtype == torch.bfloat16 and c.on_device_sampling_config is None
+    assert c.enable_bucketing is False and c.buckets == [128]
+    assert c.context_encoding_buckets == [128] and c.token_generation_buckets == [128]
+    assert (c.tp_degree, c.moe_tp_degree, c.moe_ep_degree, c.ep_degree, c.world_size) == (1,) * 5
+    assert c.hybrid_sharding_config is None and c.capacity_factor is None
+    assert c.blockwise_matmul_config == BlockwiseMatmulConfig() and c.router_config == RouterConfig()
+    assert (c.quantized, c.quantized_checkpoints_path, c.quantization_type, c.quantization_dtype,
+            c.quantization_block_size, c.quantization) == (False, None, "per_tensor_symmetric", "int8", None, None)
+    assert (c.save_sharded_checkpoint, c.skip_warmup, c.logical_nc_config, c.on_cpu) == (False, False, 1, False)
+    assert c.ignored_fields == {} and c.unknown_fields == {}
+
+
+def test_every_other_served_field_away_from_its_default():
+    from types import SimpleNamespace
+
+    hybrid = {"moe_cte_tp_degree": 2, "moe_cte_ep_degree": 2, "moe_tkg_tp_degree": 1, "moe_tkg_ep_degree": 4}
+    sampling = SimpleNamespace(do_sample=True, top_k=3, top_p=0.25, temperature=2.0, dynamic=False, global_topk=8,
+                               other="ignored")  # NxDI's OnDeviceSamplingConfig object: its fields are read
+    c = ApplicationConfig(batch_size=4, max_batch_size=8, seq_len=96, max_context_length=40, max_new_tokens=7,
+                          ep_degree=2, tp_degree=4, moe_tp_degree=2, moe_ep_degree=2, world_size=16,
+                          hybrid_sharding_config=hybrid, buckets=[48, 96], quantized_checkpoints_path="q/",
+                          save_sharded_checkpoint=True, on_cpu=True, router_act_fn="sigmoid", router_dtype="bfloat16",
+                          on_device_sampling_config=sampling)
+    assert (c.batch_size, c.ctx_batch_size, c.max_batch_size, c.max_length, c.max_new_tokens) == (4, 4, 8, 96, 7)
+    assert (c.ep_degree, c.world_size, c.hybrid_sharding_config) == (2, 16, hybrid)
+    assert c.buckets == [48, 96] and c.quantized_checkpoints_path == "q/"
+    assert c.save_sharded_checkpoint is True and c.on_cpu is True
+    assert c.router_config == RouterConfig("sigmoid", torch.bfloat16)
+    assert c.on_device_sampling_config == SamplingConfig(True, 3, 0.25, 2.0, False, 8)
+    assert ApplicationConfig(tp_degree=4, ep_degree=2).world_size == 8  # tp x ep by default
+    assert ApplicationConfig(router_act_fn="sigmoid").router_config == RouterConfig("sigmoid")
+    assert ApplicationConfig(router_dtype="bfloat16").router_config == RouterConfig("softmax", torch.bfloat16)
+    given = SamplingConfig(do_sample=True, top_k=5)
+    assert ApplicationConfig(on_device_sampling_config=given).on_device_sampling_config is given
+    # without bucketing: one bucket each, whatever the lengths; a generation bucket below max_length gets max_length
+    c = ApplicationConfig(seq_len=512, max_context_length=300, max_length=500)
+    assert c.context_encoding_buckets == [300] and c.token_generation_buckets == [500]
+    assert ApplicationConfig(seq_len=64, token_generation_buckets=[16, 32]).token_generation_buckets == [16, 32, 64]
+    # the smallest sizes each check admits
+    c = ApplicationConfig(seq_len=2, max_context_length=1, max_length=2, max_new_tokens=1, logical_nc_config=2)
+    assert (c.seq_len, c.max_context_length, c.max_length, c.max_new_tokens, c.logical_nc_config) == (2, 1, 2, 1, 2)
+    assert ApplicationConfig(moe_tp_degree=2, moe_ep_degree=1, tp_degree=2).moe_tp_degree == 2
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(batch_size=0), ValueError, "batch_size must be in [1, inf], got 0"),
+    (dict(ctx_batch_size=0), ValueError, "ctx_batch_size must be in [1, inf], got 0"),
+    (dict(max_batch_size=0), ValueError, "max_batch_size must be in [1, inf], got 0"),
+    (dict(tkg_batch_size=2), ValueError, "tkg_batch_size (2) must equal batch_size (1): every sequence of a batch "
+                                         "generates in one token-generation program"),
+    (dict(seq_len=1), ValueError, "seq_len must be in [2, inf], got 1"),
+    (dict(max_context_length=0), ValueError, "max_context_length must be in [1, 128], got 0"),
+    (dict(max_context_length=129), ValueError, "max_context_length must be in [1, 128], got 129"),
+    (dict(max_length=1), ValueError, "max_length must be in [2, 128], got 1"),
+    (dict(max_length=129), ValueError, "max_length must be in [2, 128], got 129"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens must be in [1, inf], got 0"),
+    (dict(enable_bucketing="yes"), TypeError, "enable_bucketing must be a bool"),
+    (dict(context_encoding_buckets=[0, 64]), ValueError, "context_encoding_buckets[0] must be in [1, inf], got 0"),
+    (dict(token_generation_buckets=[32, 64, 256]), ValueError,
+     "token_generation_buckets: bucket 256 exceeds max_length (128)"),
+    (dict(context_encoding_buckets=[256]), ValueError,
+     "context_encoding_buckets: bucket 256 exceeds max_context_length (128)"),
+    (dict(max_context_length=100, max_length=50), ValueError, "max_context_length (100) must be <= max_length (50)"),
+    (dict(tp_degree=0), ValueError, "tp_degree must be in [1, inf], got 0"),
+    (dict(moe_tp_degree=0), ValueError, "moe_tp_degree must be in [1, inf], got 0"),
+    (dict(moe_ep_degree=0), ValueError, "moe_ep_degree must be in [1, inf], got 0"),
+    (dict(ep_degree=0), ValueError, "ep_degree must be in [1, inf], got 0"),
+    (dict(world_size=0), ValueError, "world_size must be in [1, inf], got 0"),
+    (dict(moe_tp_degree=2, tp_degree=3), ValueError, "moe_tp_degree x moe_ep_degree (2 x 1) must divide tp_degree (3)"),
+    (dict(blockwise_matmul_config=5), TypeError,
+     "blockwise_matmul_config must be a BlockwiseMatmulConfig or a dict, got int"),
+    (dict(router_config=5), TypeError, "router_config must be a RouterConfig or a dict, got int"),
+    (dict(capacity_factor=1.0), ValueError, "capacity_factor=1.0: the application runs the experts dropless, as NxD "
+                                            "Inference's MoE models do; leave it None"),
+    (dict(quantized="no"), TypeError, "quantized must be a bool"),
+    (dict(save_sharded_checkpoint=1), TypeError, "save_sharded_checkpoint must be a bool"),
+    (dict(skip_warmup=1), TypeError, "skip_warmup must be a bool"),
+    (dict(on_cpu=1), TypeError, "on_cpu must be a bool"),
+    (dict(logical_nc_config=0), ValueError, "logical_nc_config must be in [1, 2], got 0"),
+    (dict(logical_nc_config=3), ValueError, "logical_nc_config must be in [1, 2], got 3"),
+    (dict(speculation_length=4), ValueError, "speculation_length=4: speculative decoding is not served by nxd_moe's "
+                                             "application (nxd_moe serves NxD Inference's MoE generation without it)"),
+    (dict(bogus_field=1), TypeError, "ApplicationConfig: unknown field(s) ['bogus_field'] (not NxD Inference "
+                                     "NeuronConfig / MoENeuronConfig fields known to nxd_moe)"),
+])
+def test_bad_values_are_named_whole(fields, error, message):
+    with pytest.raises(error) as caught:
+        ApplicationConfig(**fields)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_warnings_name_the_fields_and_point_at_the_script():
+    def front_door(**fields):  # NxDI's MoENeuronConfig: one frame between the script and ApplicationConfig
+        return ApplicationConfig(strict=False, **fields)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        c = front_door(fused_qkv=True, lm_head_pad=True, bogus_field=1)
+    texts = [str(w.message) for w in seen]
+    assert texts[0] == ("NeuronConfig: unexpected keyword arguments ['bogus_field'] are not NxD Inference fields "
+                        "known to nxd_moe; ignored")
+    assert texts[1] == ("NxD Inference fields that choose how a Neuron device runs the model are ignored (the "
+                        "function computed is the same): fused_qkv=True, lm_head_pad=True")
+    if "MUTANT_UNDER_TEST" not in os.environ:  # mutmut's trampolines add frames: the stacklevel is not seen there
+        assert all(w.filename == __file__ for w in seen)  # stacklevel: the script's line, not the front door's
+    assert c.ignored_fields == {"fused_qkv": True, "lm_head_pad": True} and c.unknown_fields == {"bogus_field": 1}
+    assert c.fused_qkv is True and c.lm_head_pad is True and c.flash_decoding_enabled is False
+
+
+def test_refused_fields_at_an_unset_value_pass_and_keep_it():
+    """A refused field whose default is None, given a falsy value (NxDI scripts pass 0 or {} for "off"), is not an
+    error, and the attribute keeps what was given."""
+    c = ApplicationConfig(spec_batch_size=0, lora_config={}, speculation_length=0)
+    assert (c.spec_batch_size, c.lora_config, c.speculation_length) == (0, {}, 0)
+    assert ApplicationConfig().spec_batch_size is None
+
+
+def test_a_value_without_a_truth_value_is_compared_by_identity():
+    bound = torch.tensor([1.0, 2.0])  # == gives a tensor, whose truth is ambiguous
+    with pytest.warns(NxDIFieldWarning, match="quantize_clamp_bound"):
+        c = ApplicationConfig(quantize_clamp_bound=bound)
+    assert c.ignored_fields["quantize_clamp_bound"] is bound
+
+
+def test_autobucket_stops_at_the_largest():
+    assert autobucket(128, 256) == [128, 256] and autobucket(128, 128) == [128]
+    assert autobucket(16, 100) == [16, 32, 64, 100]
+
+
+def test_bucket_errors_name_the_largest_bucket():
+    c = ApplicationConfig(seq_len=256, max_context_length=64, context_encoding_buckets=[16, 32, 64],
+                          token_generation_buckets=[96, 160, 256])
+    with pytest.raises(ValueError) as caught:
+        c.context_bucket(65)
+    assert str(caught.value) == ("prompt of 65 tokens is longer than the largest context-encoding bucket (64, "
+                                 "max_context_length 64)")
+    with pytest.raises(ValueError) as caught:
+        c.generation_bucket(257)
+    assert str(caught.value) == "257 positions exceed the largest token-generation bucket (256, max_length 256)"
+
+
+def test_to_dict_is_json_ready():
+    import json
+
+    c = ApplicationConfig(torch_dtype="float16", on_device_sampling_config={"do_sample": True, "top_k": 4})
+    out = c.to_dict()
+    json.dumps(out)
+    assert out["torch_dtype"] == "float16"
+    assert out["on_device_sampling_config"]["top_k"] == 4 and out["on_device_sampling_config"]["do_sample"] is True
+    assert out["blockwise_matmul_config"]["block_sharding_strategy"] == "HI_LO"
+    assert out["router_config"] == {"act_fn": "softmax", "dtype": "float32"}
+    assert not {"ignored_fields", "unknown_fields", "quantization"} & set(out)
+    from types import SimpleNamespace  # an NxDI config object: its public attributes, each made JSON-ready
+
+    hybrid = SimpleNamespace(moe_tkg_ep_degree=2, dtype=torch.bfloat16, _cache=object())
+    out = ApplicationConfig(hybrid_sharding_config=hybrid).to_dict()
+    assert out["hybrid_sharding_config"] == {"moe_tkg_ep_degree": 2, "dtype": "bfloat16"}
+    out = ApplicationConfig(hybrid_sharding_config={"dtype": torch.float16}).to_dict()
+    assert out["hybrid_sharding_config"] == {"dtype": "float16"}
+    assert ApplicationConfig(hybrid_sharding_config=SimpleNamespace).to_dict()["hybrid_sharding_config"] is \
+        SimpleNamespace  # a class is passed through, not taken apart

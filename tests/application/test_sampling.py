@@ -121,6 +121,80 @@ def test_sampling_params_are_checked():
         SamplingConfig(do_sample=True, top_p=0.0)
 
 
+def test_a_one_token_vocabulary_is_served_and_an_empty_one_named():
+    assert torch.equal(greedy_tokens(torch.zeros(3, 1)), torch.zeros(3, dtype=torch.long))
+    assert torch.equal(sample_tokens(torch.zeros(3, 1), prepare_sampling_params(3, 0, 0.5, 2.0)),
+                       torch.zeros(3, dtype=torch.long))
+
+
+def test_top_k_zero_and_top_k_of_every_candidate_keep_them_all():
+    """``top_k <= 0`` keeps every candidate (NxDI's convention), as does a ``top_k`` of all of them: three equal
+    logits, each drawn a third of the time -- the last candidate included."""
+    torch.manual_seed(2)
+    for top_k in (0, -3, 3):
+        draws = sample_tokens(torch.zeros(3000, 3), prepare_sampling_params(3000, top_k, 1.0, 1.0), global_topk=3)
+        counts = np.bincount(draws.numpy(), minlength=3).astype(np.float64)
+        stat, df = chi_square(counts, np.full(3, 1 / 3))
+        assert stat < chi_square_bound(max(df, 3)), (top_k, counts)
+
+
+def test_global_topk_caps_the_candidates_of_one_sequence():
+    """One sequence (B = 1, fewer rows than candidates): its draws still spread over all global_topk candidates."""
+    torch.manual_seed(3)
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5, -5.0, -6.0, -7.0, -8.0]])
+    draws = [int(sample_tokens(logits, prepare_sampling_params(1, 0, 1.0, 100.0), global_topk=4))
+             for _ in range(400)]
+    assert set(draws) == {0, 1, 2, 3}
+
+
+def test_the_default_global_topk_is_nxdis_256():
+    """300 equal logits: the draws cover exactly the 256 candidates the default ``global_topk`` keeps."""
+    torch.manual_seed(5)
+    draws = sample_tokens(torch.zeros(20000, 300), prepare_sampling_params(20000, 0, 1.0, 1.0))
+    assert len(set(draws.tolist())) == 256
+
+
+def test_top_p_reached_exactly_keeps_only_the_prefix_that_reaches_it():
+    """Two equal logits (probabilities exactly 1/2 each): ``top_p = 0.5`` is reached by the first candidate alone,
+    so only one token is ever drawn; just above 0.5 both are."""
+    torch.manual_seed(4)
+    logits = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")]]).expand(500, 4)
+    assert len(set(sample_tokens(logits, prepare_sampling_params(500, 0, 0.5, 1.0)).tolist())) == 1
+    assert set(sample_tokens(logits, prepare_sampling_params(500, 0, 0.51, 1.0)).tolist()) == {0, 1}
+
+
+def test_prepare_sampling_params_rows():
+    """Per-sequence values given as a list, a tuple or a 1-D tensor; an integral float ``top_k``; float32 rows."""
+    params = prepare_sampling_params(2, [2.0, 3], torch.tensor([0.5, 0.25]), (1.5, 0.75))
+    assert params.dtype == torch.float32
+    assert params.tolist() == [[2.0, 0.5, 1.5], [3.0, 0.25, 0.75]]
+    assert prepare_sampling_params(1).tolist() == [[1.0, 1.0, 1.0]]
+    assert prepare_sampling_params(3, 4, 0.5).tolist() == [[4.0, 0.5, 1.0]] * 3  # one number: every sequence
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: prepare_sampling_params(0), ValueError, "batch_size must be in [1, inf], got 0"),
+    (lambda: prepare_sampling_params(2, 1, 0.0), ValueError, "top_p must be in (0, 1], got 0.0"),
+    (lambda: SamplingConfig(do_sample=1), TypeError, "on_device_sampling_config.do_sample must be a bool"),
+    (lambda: SamplingConfig(dynamic="yes"), TypeError, "on_device_sampling_config.dynamic must be a bool"),
+    (lambda: SamplingConfig(top_k=2.5), TypeError, "on_device_sampling_config.top_k must be an int"),
+    (lambda: SamplingConfig(global_topk=0), ValueError,
+     "on_device_sampling_config.global_topk must be in [1, inf], got 0"),
+    (lambda: SamplingConfig(top_p=1.5), ValueError, "on_device_sampling_config.top_p must be in (0, 1], got 1.5"),
+    (lambda: SamplingConfig(top_p="all"), TypeError, "on_device_sampling_config.top_p must be"),
+    (lambda: SamplingConfig(temperature=0.0), ValueError, "on_device_sampling_config.temperature must be > 0"),
+])
+def test_bad_settings_are_named_whole(call, error, message):
+    with pytest.raises(error) as caught:
+        call()
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_the_smallest_settings_are_accepted():
+    assert SamplingConfig(global_topk=1, top_p=1.0, temperature=1e-3).global_topk == 1
+    assert prepare_sampling_params(1, 0, 1.0, 1e-3).shape == (1, 3)
+
+
 @pytest.fixture(scope="module")
 def model():
     from nxd_moe.models.hf_models import build_hf_model
