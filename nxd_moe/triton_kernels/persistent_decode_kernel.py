@@ -32,7 +32,7 @@ items. ``down_prefetch`` adds items right after the routed gate/up items, as man
 leave idle, that ask L2 for equal slices of the tiles' experts' down weights (at most half the L2) without waiting
 for them, so the down items read L2 instead of HBM; nothing waits for them and they write nothing.
 
-``fused_mlp`` merges the routed gate/up and down items: item ``(tile, column slice j)`` computes its ``GU_COLUMNS``
+``fused_mlp`` merges the routed gate/up and down items: item ``(tile, column slice j)`` computes its ``GU_N``
 activated columns and then, at once, their share of the down projection for the whole of ``H`` -- the partial sums
 over intermediate slice ``j`` (K split ``j``, fp32), summed by the combine in order. No item waits between gate/up
 and down, every program streams gate/up and then down weights from its first microsecond, and at ``T = 1`` one
