@@ -136,7 +136,8 @@ def run(args) -> dict:
         roof_args = argparse.Namespace(device="cuda", child_out=f.name)
         gpu_layer.measure_roofline(roof_args)
         result = json.loads(Path(f.name).read_text())
-    result.update(benchmark="gpu_decode", date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cases={})
+    result.update(benchmark="gpu_decode", k_major_gate_up=args.k_major_gate_up,
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), cases={})
     copy, mm = result["roofline"]["copy_TBps"], result["roofline"]["bf16_matmul_TFLOPs"]
     timer = gpu_layer.Timer(device, args.target_s, 5, 200, 3)
     for name in args.cases.split(","):
@@ -150,6 +151,9 @@ def run(args) -> dict:
         ref = reference(problem, inputs[0])
         moe = build_ours(problem, "triton", None, dtype, device)
         experts = moe.expert_mlps
+        if args.k_major_gate_up:  # same values, each gate/up column's H weights contiguous (strides (2I*H, 1, H))
+            weight = experts.mlp_op.first_proj.weight
+            weight.data = weight.data.transpose(1, 2).contiguous().transpose(1, 2)
         num_experts, hidden, _ = experts.mlp_op.first_proj.weight.shape
         rule = decode_config(num_experts, hidden, experts.mlp_op.down_proj.weight.shape[1], case.top_k, case.tokens,
                              device, dtype, shared_inter=case.shared_intermediate or 0)
@@ -263,6 +267,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--trace", action="store_true",
                    help="add fused contenders (the rule's and each variant's) that record per-item device times")
+    p.add_argument("--k-major-gate-up", action="store_true",
+                   help="store the experts' gate/up weight K-major (a column's H values contiguous) for every "
+                        "contender: does the weight's layout limit the decode's streaming rate?")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     result = run(args)

@@ -37,7 +37,10 @@ activated columns and then, at once, their share of the down projection for the 
 over intermediate slice ``j`` (K split ``j``, fp32), summed by the combine in order. No item waits between gate/up
 and down, every program streams gate/up and then down weights from its first microsecond, and at ``T = 1`` one
 wave of items reads the chosen experts once (issue 37's "split the active experts' rows and down K across every
-SM"). Unquantized weights only.
+SM"). Unquantized weights only. Fused items of pair tiles with the router fused in do not wait for the routing item
+either: each finds its pair's expert from the router items' partial logits itself (:func:`_pair_expert`, the routing
+item's sums and order, so the same expert) and starts streaming as soon as the router items are done; the routing
+item still writes the layer's routing outputs, which only the combine reads.
 
 Triton's interpreter runs programs one after another; the first takes every item in order, so the same kernel
 runs (and is tested) on a CPU.
@@ -49,8 +52,8 @@ import triton
 import triton.language as tl
 
 from nxd_moe.triton_kernels.combine import combine_token
-from nxd_moe.triton_kernels.grouped_gemm import down_tile, gate_up_tile, tile_rows
-from nxd_moe.triton_kernels.router import activation, top_k_rounds
+from nxd_moe.triton_kernels.grouped_gemm import down_tile, gate_up_rows, gate_up_tile, tile_rows
+from nxd_moe.triton_kernels.router import activation, order_bits, top_k_rounds
 from nxd_moe.triton_kernels.tile_math import tile_dot
 
 # The synchronisation buffer (int32). Each global counter has its own 128-byte line, each tile counter its own
@@ -136,14 +139,13 @@ def _prefetch_down(piece, w_ptr, tile_expert_ptr, tiles, stride_e, PIECES: tl.co
 
 
 @triton.jit
-def _slice_down(tile, part, act_ptr, w_ptr, bias_ptr, y_ptr, row_token_ptr, tile_expert_ptr, num_rows, inter,
-                hidden, stride_we, stride_wk, stride_wn, stride_be, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+def _slice_down(rows, row_ok, expert, part, act_ptr, w_ptr, bias_ptr, y_ptr, num_rows, inter, hidden, stride_we,
+                stride_wk, stride_wn, stride_be, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                 INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """``y[part, rows] = act[rows, part's BLOCK_K columns] @ W[expert, those rows, :]`` (+ the down bias in part 0)
     for every column of ``H``: the down projection's partial sums over one slice of the intermediate dimension, the
-    second half of a ``FUSED_MLP`` item (which has just stored that slice of ``act (R, I)``). The slice is read
-    past L1 (``.cg``): a line of it may have been cached there by an earlier item of a neighbouring slice."""
-    rows, _, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    second half of a ``FUSED_MLP`` item (which has just stored that slice of ``act (R, I)`` for ``rows``). The slice
+    is read past L1 (``.cg``): a line of it may have been cached there by an earlier item of a neighbouring slice."""
     ks = part * BLOCK_K + tl.arange(0, BLOCK_K)
     k_ok = ks < inter
     a = tl.load(act_ptr + rows[:, None] * inter + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
@@ -190,6 +192,31 @@ def _router_part(item, x_ptr, w_ptr, part_ptr, num_tokens, stride_xt, hidden: tl
             acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
     tl.store(part_ptr + (chunk * num_tokens + tokens[:, None]) * num_experts + experts[None, :], acc,
              mask=token_ok[:, None] & expert_ok[None, :])
+
+
+@triton.jit
+def _pair_expert(pair, part_ptr, bias_ptr, num_tokens, num_experts: tl.constexpr, top_k: tl.constexpr,
+                 NUM_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The expert of ``pair`` (token ``pair // k``, its ``pair % k``-th choice) from the router items' partial
+    logits, without waiting for the routing item: the logits summed as :func:`_route` sums them (the same terms in
+    the same order, so the same fp32 values) and ranked by :func:`top_k_rounds`' order (larger logit first, ties to
+    the lower expert), so it is the ``expert_index[pair]`` that item writes. The rank of each expert is the count of
+    experts ahead of it: one ``(E, E)`` comparison instead of k dependent rounds."""
+    token = pair // top_k
+    experts = tl.arange(0, BLOCK_E)
+    expert_ok = experts < num_experts
+    at = token * num_experts + experts
+    logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for part in tl.static_range(NUM_PARTS):
+        logits += tl.load(part_ptr + part * num_tokens * num_experts + at, mask=expert_ok, other=0.0,
+                          cache_modifier=".cg")
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + experts, mask=expert_ok, other=0.0)
+    bits = order_bits(logits)
+    mine, theirs = bits[:, None], bits[None, :]
+    ahead = ((theirs > mine) | ((theirs == mine) & (experts[None, :] < experts[:, None]))) & expert_ok[None, :]
+    rank = tl.sum(ahead.to(tl.int32), axis=1)
+    return tl.sum(tl.where(expert_ok & (rank == pair % top_k), experts, 0), axis=0)
 
 
 @triton.jit
@@ -339,6 +366,9 @@ def decode_kernel(
         tile_expert = index_ptr
     else:
         tile_expert = tile_expert_ptr
+    # Fused items of pair tiles find their expert themselves (nothing else of theirs reads the routing's outputs:
+    # the down half is in the same item; pre-scaling would need the affinity; E > 128 would need a larger rank).
+    SELF_ROUTED: tl.constexpr = FUSED_MLP and PAIR_TILES and ROUTER and not PRESCALE and BLOCK_E <= 128
     item = tl.atomic_add(sync_ptr + NEXT_ITEM, 1)
     running = item < max_items
     while running:
@@ -407,23 +437,33 @@ def decode_kernel(
                 if j < routed_gu:
                     kind = 3
                     tile = j // gu_cols
-                    if PAIR_TILES and ROUTER:  # the pair's expert (and affinity) from the routing items
-                        _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
+                    if SELF_ROUTED:  # the pair's expert from the router items' logits, as the routing item finds it
+                        _wait_at_least(sync_ptr, ROUTER_DONE, num_router_items, INTERPRET)
                         started = _now(item, INTERPRET)
+                        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+                        token = tl.load(row_token_ptr + rows)  # static: pair tiles' one row, written with the scratch
+                        row_ok = token >= 0
+                        token = tl.where(row_ok, token, 0)
+                        expert = _pair_expert(tile, part_ptr, router_b_ptr, num_tokens, num_experts, top_k,
+                                              ROUTE_PARTS, ROUTER_BIAS, BLOCK_E).to(tl.int64)
+                    else:
+                        if PAIR_TILES and ROUTER:  # the pair's expert (and affinity) from the routing items
+                            _wait_at_least(sync_ptr, ROUTE_DONE, route_items, INTERPRET)
+                            started = _now(item, INTERPRET)
+                        rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert, 0, BLOCK_M, False)
                     gu_up_ptr = gu_ptr + inter * s_gu_n  # interleaved weights read both halves from gu_ptr
-                    gate_up_tile(tile, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr, gu_scale_ptr,
-                                  gu_bias_ptr, affinity_ptr, act_ptr, row_token_ptr, tile_expert, 0,
-                                  hidden, inter, inter_actual, num_experts, hidden, s_gu_e, s_gu_k, s_gu_n,
-                                  s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter, scaling, act_bias, gate_lower,
-                                  gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER,
-                                  GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, False,
-                                  FORMAT, BLOCK_M, GU_N, GU_K, False, GATE_UP_INTERLEAVED)
+                    gate_up_rows(rows, token, row_ok, expert, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr,
+                                 gu_scale_ptr, gu_bias_ptr, affinity_ptr, act_ptr, hidden, inter, inter_actual,
+                                 num_experts, hidden, s_gu_e, s_gu_k, s_gu_n, s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter,
+                                 scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU,
+                                 HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS,
+                                 PRECISION, INTERPRET, False, FORMAT, BLOCK_M, GU_N, GU_K, GATE_UP_INTERLEAVED)
                     if FUSED_MLP:
                         kind = 9
                         tl.debug_barrier()  # the activated slice, stored by every thread, read back by all
-                        _slice_down(tile, j % gu_cols, act_ptr, dn_ptr, dn_bias_ptr, y_ptr, row_token_ptr,
-                                    tile_expert, num_rows, inter, hidden, s_dn_e, s_dn_k, s_dn_n, s_dnb_e,
-                                    DOWN_BIAS, PRECISION, INTERPRET, BLOCK_M, GU_N, DN_N)
+                        _slice_down(rows, row_ok, expert, j % gu_cols, act_ptr, dn_ptr, dn_bias_ptr, y_ptr, num_rows,
+                                    inter, hidden, s_dn_e, s_dn_k, s_dn_n, s_dnb_e, DOWN_BIAS, PRECISION, INTERPRET,
+                                    BLOCK_M, GU_N, DN_N)
                         _signal(sync_ptr, DOWN_DONE)
                     else:
                         _signal(sync_ptr, TILE_COUNTERS + tile * TILE_STRIDE)

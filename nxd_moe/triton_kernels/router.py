@@ -26,14 +26,20 @@ MIN_TOKENS = 1024
 
 
 @triton.jit
+def order_bits(logits):
+    """fp32 ``logits``' bits as int32s that compare as the floats do (-0 just below +0; NaNs at the ends)."""
+    bits = logits.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
 def top_k_rounds(logits, experts, expert_ok, index_ptr, tokens, token_ok, num_experts: tl.constexpr,
                  top_k: tl.constexpr):
     """Store each row's top ``top_k`` expert ids of ``logits (BLOCK_T, BLOCK_E)`` at ``index_ptr + token * top_k``
     (largest first, ties to the lower id) and return the k-hot ``(BLOCK_T, BLOCK_E)`` mask. Keys: the logit's bits
     made order-preserving as a signed integer, above the inverted expert id; k rounds of a row maximum (lighter on
     registers than a sorting network)."""
-    bits = logits.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) << 32
+    key = order_bits(logits).to(tl.int64) << 32
     key = key | (num_experts - 1 - experts).to(tl.int64)[None, :]
     key = tl.where(expert_ok[None, :], key, -9223372036854775807 - 1)
     chosen = tl.zeros_like(key) != 0

@@ -333,6 +333,40 @@ def test_cuda_graph_replays_new_routings(shared):
             moe.router.linear_router.weight.data.copy_(weight)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_self_routed_items_break_ties_as_the_routing_does(bias, monkeypatch):
+    """Fused items of pair tiles find their expert from the router items' logits themselves, without waiting for the
+    routing item. Two experts tied exactly across the k-th place (integer-valued inputs and router weights: every
+    sum is exact, whatever its order) must go to the lower expert, as the routing item's top-k (which the layer
+    returns) has it: the output against the float64 reference of the returned routing. A router bias breaks no tie
+    here but must be in the sums (it reorders the experts)."""
+    moe = _small_moe(1, torch.float32, fused_mlp=True)
+    generator = torch.Generator().manual_seed(91)
+    x = torch.randint(-3, 4, (1, 1, SMALL_H), generator=generator).float()
+    x[0, 0, 0] += 1 - x.sum()  # sum(x) = 1: logit e = c[e] (+ b[e]), multiples of 1/8 near each other
+    c = (torch.randperm(SMALL_E, generator=generator) - SMALL_E // 2).float() / 8
+    # a bias in 64ths below 1/8: every c + b stays distinct (and exact)
+    b = (torch.randperm(SMALL_E, generator=generator) % 8).float() / 64 if bias else torch.zeros(SMALL_E)
+    with torch.no_grad():
+        if bias:
+            moe.router.linear_router = torch.nn.Linear(SMALL_H, SMALL_E, bias=True).to(DEVICE)
+            moe.router.linear_router.bias.copy_(b)
+    order = torch.argsort(c + b, descending=True)
+    kth, next_one = order[SMALL_K - 1], order[SMALL_K]
+    low, high = min(kth, next_one), max(kth, next_one)
+    c[high] = c[low] + b[low] - b[high]  # logits of `low` and `high` equal, still k-th and (k+1)-th
+    with torch.no_grad():
+        moe.router.linear_router.weight.copy_((c[:, None] * torch.ones(SMALL_E, SMALL_H)).to(DEVICE))
+    x = x.to(DEVICE)
+    logits = (c + b).tolist()
+    assert sorted(logits, reverse=True)[SMALL_K - 2:SMALL_K + 2].count(logits[low]) == 2 == logits.count(logits[high])
+    out, kinds = _fused_decode(moe, x, monkeypatch)
+    index = _small_decode(moe, x)[2].view(-1).cpu()
+    assert int(low) in index.tolist() and int(high) not in index.tolist()
+    assert int((kinds == persistent_decode.FUSED_MLP_ITEM).sum()) == SMALL_K * 2
+    _check(out, reference_for_moe(moe, x), torch.float32, "ties")
+
+
 @pytest.mark.parametrize("broken", ["affinities_4_percent", "dropped_token"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bound_rejects_a_broken_one_launch_decode(broken, dtype, monkeypatch):
