@@ -200,30 +200,6 @@ def _interleaved_gate_up_sums(
 
 @triton.jit
 def gate_up_tile(
-    tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
-    row_token_ptr, tile_expert_ptr, row_count,
-    hidden, inter, inter_actual, num_experts,
-    stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
-    scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper,
-    ACT: tl.constexpr, GLU: tl.constexpr, SWIGLU: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALE: tl.constexpr,
-    GATE_LOWER: tl.constexpr, GATE_UPPER: tl.constexpr, UP_LOWER: tl.constexpr, UP_UPPER: tl.constexpr,
-    MASK_PADDED_COLUMNS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, TMA: tl.constexpr,
-    FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DIRECT_ROWS: tl.constexpr, GATE_UP_INTERLEAVED: tl.constexpr = False,
-):
-    """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`; weight halves:
-    :func:`_gate_up_sums`)."""
-    rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, row_count, BLOCK_M, DIRECT_ROWS)
-    gate_up_rows(rows, token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr,
-                 affinity_ptr, out_ptr, hidden, inter, inter_actual, num_experts, stride_xt, stride_we, stride_wk,
-                 stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or, scaling, act_bias, gate_lower,
-                 gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
-                 UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N,
-                 BLOCK_K, GATE_UP_INTERLEAVED)
-
-
-@triton.jit
-def gate_up_rows(
     rows, token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr, out_ptr,
     hidden, inter, inter_actual, num_experts,
     stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
@@ -234,8 +210,9 @@ def gate_up_rows(
     FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATE_UP_INTERLEAVED: tl.constexpr,
 ):
-    """:func:`gate_up_tile` for rows already known: ``rows (M,)`` of the output, their ``token (M,)`` (0 where not
-    ``row_ok``) and their ``expert`` (a scalar)."""
+    """One ``BLOCK_M x BLOCK_N`` tile of the activated rows (see :func:`gate_up_projection`; weight halves:
+    :func:`_gate_up_sums`): output rows ``rows (M,)``, their ``token (M,)`` (0 where not ``row_ok``) and ``expert``
+    (a scalar) -- from :func:`tile_rows`, or found by the caller."""
     acc, acc_up = _gate_up_sums(token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, 0, hidden,
                                 inter, stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn,
                                 GLU, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -303,12 +280,13 @@ def _gate_up_kernel(
     if tile < 0:
         return
     w_up_ptr = w_ptr + inter * stride_wn  # interleaved weights read both halves from w_ptr
-    gate_up_tile(tile, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr, affinity_ptr,
-                  out_ptr, row_token_ptr, tile_expert_ptr, 0, hidden, inter, inter_actual, num_experts,
-                  stride_xt, stride_we, stride_wk, stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or,
-                  scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS,
-                  PRESCALE, GATE_LOWER, GATE_UPPER, UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET,
-                  TMA, FORMAT, BLOCK_M, BLOCK_N, BLOCK_K, False, GATE_UP_INTERLEAVED)
+    rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, 0, BLOCK_M, False)
+    gate_up_tile(rows, token, row_ok, expert, column, x_ptr, w_ptr, w_up_ptr, w_desc, scale_ptr, bias_ptr,
+                 affinity_ptr, out_ptr, hidden, inter, inter_actual, num_experts, stride_xt, stride_we, stride_wk,
+                 stride_wn, stride_se, stride_sk, stride_sn, stride_be, stride_or, scaling, act_bias, gate_lower,
+                 gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU, HAS_BIAS, PRESCALE, GATE_LOWER, GATE_UPPER,
+                 UP_LOWER, UP_UPPER, MASK_PADDED_COLUMNS, PRECISION, INTERPRET, TMA, FORMAT, BLOCK_M, BLOCK_N,
+                 BLOCK_K, GATE_UP_INTERLEAVED)
 
 
 @triton.jit

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from nxd_moe.triton_kernels.combine import combine_token
-from nxd_moe.triton_kernels.grouped_gemm import down_tile, gate_up_rows, gate_up_tile, tile_rows
+from nxd_moe.triton_kernels.grouped_gemm import down_tile, gate_up_tile, tile_rows
 from nxd_moe.triton_kernels.router import activation, order_bits, top_k_rounds
 from nxd_moe.triton_kernels.tile_math import tile_dot
 
@@ -425,12 +425,13 @@ def decode_kernel(
                 kind = 2
                 j = item - layout_item - 1
                 tile = j // shared_gu_cols
-                gate_up_tile(tile, j % shared_gu_cols, x_ptr, sh_gate_ptr, sh_up_ptr, sh_gate_ptr, sh_gate_ptr,
-                              sh_gate_ptr, affinity_ptr, sh_act_ptr, row_token_ptr, tile_expert_ptr, num_tokens,
-                              hidden, shared_inter, shared_inter, num_experts, hidden, 0, s_shg_k, s_shg_n,
-                              0, 0, 0, 0, shared_inter, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, SHARED_ACT, True, False,
-                              False, False, False, False, False, False, False, PRECISION, INTERPRET, False, 0,
-                              BLOCK_M, GU_N, GU_K, True)
+                rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert_ptr, num_tokens, BLOCK_M,
+                                                        True)
+                gate_up_tile(rows, token, row_ok, expert, j % shared_gu_cols, x_ptr, sh_gate_ptr, sh_up_ptr,
+                             sh_gate_ptr, sh_gate_ptr, sh_gate_ptr, affinity_ptr, sh_act_ptr, hidden, shared_inter,
+                             shared_inter, num_experts, hidden, 0, s_shg_k, s_shg_n, 0, 0, 0, 0, shared_inter, 1.0,
+                             0.0, 0.0, 0.0, 0.0, 0.0, SHARED_ACT, True, False, False, False, False, False, False,
+                             False, False, PRECISION, INTERPRET, False, 0, BLOCK_M, GU_N, GU_K, False)
                 _signal(sync_ptr, TILE_COUNTERS + (max_tile_count + tile) * TILE_STRIDE)
             else:
                 j = item - first_routed
@@ -452,7 +453,7 @@ def decode_kernel(
                             started = _now(item, INTERPRET)
                         rows, token, row_ok, expert = tile_rows(tile, row_token_ptr, tile_expert, 0, BLOCK_M, False)
                     gu_up_ptr = gu_ptr + inter * s_gu_n  # interleaved weights read both halves from gu_ptr
-                    gate_up_rows(rows, token, row_ok, expert, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr,
+                    gate_up_tile(rows, token, row_ok, expert, j % gu_cols, x_ptr, gu_ptr, gu_up_ptr, gu_ptr,
                                  gu_scale_ptr, gu_bias_ptr, affinity_ptr, act_ptr, hidden, inter, inter_actual,
                                  num_experts, hidden, s_gu_e, s_gu_k, s_gu_n, s_gus_e, s_gus_k, s_gus_n, s_gub_e, inter,
                                  scaling, act_bias, gate_lower, gate_upper, up_lower, up_upper, ACT, GLU, SWIGLU,
