@@ -24,7 +24,8 @@ One transformers model (random weights, bf16, built on the GPU from a shipped co
   decode kernel (``decode_attention=False``), SDPA's backend PyTorch's choice (cuDNN on Hopper);
   ``app_sdpa_efficient`` / ``app_sdpa_math``: the same with the backend chosen (``torch.nn.attention.sdpa_kernel``:
   memory-efficient, or the math form Inductor fuses); ``app_two_phase_moe``: ``app`` with the one-launch MoE decode's
-  gate/up and down in separate items (the launch rule without ``fused_mlp``, as before it was the rule's choice).
+  gate/up and down in separate items (the launch rule without ``fused_mlp``, as before it was the rule's choice);
+  ``app_separate_moe``: ``app`` with the MoE decode in separate kernels (the triton backends' ``one_launch=False``).
 
 Measured, per batch size (``--batches``): time to first token (``generate`` of one token for the compiled recipe; the
 application's own context-encoding time to the first token on the host), decode tokens/s (``B * (N - 1)`` over the
@@ -66,7 +67,7 @@ from hf_generate import copy_bandwidth, decode_bytes_per_step, slowest  # noqa: 
 
 VARIANTS = ("grouped_mm", "patch_model", "app", "app_no_inductor", "app_freezing", "app_autotune",
             "app_per_call_scratch", "app_unfused_projections", "app_sdpa", "app_sdpa_efficient", "app_sdpa_math",
-            "app_two_phase_moe")
+            "app_two_phase_moe", "app_separate_moe")
 
 
 def _sync(device: torch.device) -> None:
@@ -259,10 +260,12 @@ def run(args) -> dict:
                     # app_unfused_projections: the runner compiles with Inductor alone
                     per_call = mock.patch.object(runner_module, "kept_kernel_memory", contextlib.nullcontext)
                     two_phase = two_phase_moe(model, launch_configs)
+                    separate = separate_moe(model)
                     with torch._inductor.config.patch(freezing=variant == "app_freezing",
                                                       max_autotune_gemm=variant == "app_autotune"), \
                             (per_call if variant == "app_per_call_scratch" else contextlib.nullcontext()), \
                             (two_phase if variant == "app_two_phase_moe" else contextlib.nullcontext()), \
+                            (separate if variant == "app_separate_moe" else contextlib.nullcontext()), \
                             sdpa_backend(variant):
                         app.load()
                         load_s = time.perf_counter() - t0
@@ -294,26 +297,47 @@ def run(args) -> dict:
     return result
 
 
+def _config_caching_backends(model, variant: str) -> list:
+    """The triton backends a model's layers call: the shared instances ``patch_model``'s layers use, and any a module
+    holds."""
+    from nxd_moe.models import experts_backend
+
+    held = [getattr(m, "backend", None) for m in model.modules()] + list(experts_backend._BACKENDS.values())
+    backends = list({id(b): b for b in held if hasattr(b, "_configs")}.values())
+    if not backends:
+        raise RuntimeError(f"{variant}: no backend with a config cache found; the A/B would compare nothing")
+    return backends
+
+
+@contextlib.contextmanager
+def separate_moe(model):
+    """``app_separate_moe``: every triton backend of the model with ``one_launch=False`` inside, restored after."""
+    backends = _config_caching_backends(model, "app_separate_moe")
+    before = [b.one_launch for b in backends]
+    for backend in backends:
+        backend.one_launch = False
+    try:
+        yield
+    finally:
+        for backend, value in zip(backends, before):
+            backend.one_launch = value
+
+
 @contextlib.contextmanager
 def two_phase_moe(model, launch_configs):
     """``app_two_phase_moe``: the decode launch rule without ``fused_mlp``; the backends' per-shape config caches
     (the shared instances ``patch_model``'s layers call, and any a module holds) emptied on the way in and out, so
     that each variant looks its configs up under its own rule."""
-    from nxd_moe.models import experts_backend
-
     rule = launch_configs.default_decode_config
-    held = [getattr(m, "backend", None) for m in model.modules()] + list(experts_backend._BACKENDS.values())
-    backends = {id(b): b for b in held if hasattr(b, "_configs")}
-    if not backends:
-        raise RuntimeError("app_two_phase_moe: no backend with a config cache found; the A/B would compare nothing")
-    for backend in backends.values():
+    backends = _config_caching_backends(model, "app_two_phase_moe")
+    for backend in backends:
         backend._configs.clear()
     try:
         with mock.patch.object(launch_configs, "default_decode_config",
                                lambda *a: {k: v for k, v in rule(*a).items() if k != "fused_mlp"}):
             yield
     finally:
-        for backend in backends.values():
+        for backend in backends:
             backend._configs.clear()
 
 

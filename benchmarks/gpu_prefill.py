@@ -11,11 +11,8 @@ router), on one routing of ``T`` tokens:
   against the old path's;
 - the roofline of each GEMM in the same run: a dense ``torch.mm`` with the same FLOPs (``T*k`` rows), and the
   dense bf16 matmul rate (8192^3, as ``gpu_layer.py``);
-- ``cuda_ws``: the warp-specialised CUDA C++ GEMMs (``nxd_moe/cuda_kernels``, built with nvcc on first use),
-  timed and checked the same way;
 - ``--layer``: the whole ``MoE`` layer (router, routing, metadata, GEMMs, combine) on the triton backend with and
-  without the persistent path, and with ``prefill_kernel="cuda_ws"`` where both its GEMMs gave the right rows
-  above, CUDA-graph replay, plus a torch-profiler breakdown of device time per kernel.
+  without the persistent path, CUDA-graph replay, plus a torch-profiler breakdown of device time per kernel.
 
 Output: JSON (``--out``) and a table on stdout, printed last.
 
@@ -38,9 +35,8 @@ sys.path.insert(0, str(HERE.parent))
 CASES = ("qwen3-30b-a3b-prefill-m4096", "gpt-oss-20b-prefill-m4096", "mixtral-8x7b-prefill-m4096")
 
 # Per GEMM: None = the tile-per-program kernel with the shipped launch config ("old"), else overrides of
-# default_prefill_config's entry, or {"kernel": "cuda_ws"}: the warp-specialised CUDA C++ GEMM
-# (nxd_moe/cuda_kernels, built with nvcc on first use). "isolate": run in a child process with a timeout (warp
-# specialisation: a hang must not take the run with it).
+# default_prefill_config's entry. "isolate": run in a child process with a timeout (warp specialisation: a hang
+# must not take the run with it).
 GATE_UP_VARIANTS = {
     "old": None,
     "persistent": {},
@@ -50,7 +46,6 @@ GATE_UP_VARIANTS = {
     "out_st3": {"OUT_TMA": True, "num_stages": 3},
     "atma_out": {"A_TMA": True, "OUT_TMA": True, "num_stages": 3},
     "ws": {"A_TMA": True, "WARP_SPECIALIZE": True, "num_warps": 4, "isolate": True},
-    "cuda_ws": {"kernel": "cuda_ws", "isolate": True},
 }
 DOWN_VARIANTS = {
     "old": None,
@@ -60,7 +55,6 @@ DOWN_VARIANTS = {
     "out_st3": {"OUT_TMA": True, "num_stages": 3},
     "n128": {"BLOCK_N": 128},
     "ws": {"WARP_SPECIALIZE": True, "num_warps": 4, "isolate": True},
-    "cuda_ws": {"kernel": "cuda_ws", "isolate": True},
 }
 VARIANTS = {"gate_up": GATE_UP_VARIANTS, "down": DOWN_VARIANTS}
 
@@ -149,20 +143,7 @@ def measure(p, part: str, vname: str) -> dict:
 
     spec = VARIANTS[part][vname]
     entry = {}
-    if spec is not None and spec.get("kernel") == "cuda_ws":
-        from nxd_moe.cuda_kernels import build, ws_gemm
-
-        if p.layout.block_m != ws_gemm.BLOCK_M or build.load() is None:
-            raise RuntimeError(f"cuda_ws needs 128-row tiles (got {p.layout.block_m}) and a built library")
-        if part == "gate_up":
-            def fn():
-                return ws_gemm.gate_up_rows(p.x, p.layout, p.gate_up)
-        else:
-            def fn():
-                return ws_gemm.down_rows(p.ref_act, p.layout, p.down)
-        flop = 2 * p.t * p.k * p.i * (2 * p.h if part == "gate_up" else p.h)
-        ref = p.ref_act if part == "gate_up" else p.ref_out[0]
-    elif part == "gate_up":
+    if part == "gate_up":
         flop = 2 * p.t * p.k * p.h * 2 * p.i
         if spec is None:
             def fn():
@@ -281,7 +262,7 @@ def run_layer(name: str, args, result: dict) -> None:
         chosen = {}
         for part in ("gate_up", "down"):
             timed = {v: e["us"] + e.get("permute_us", 0.0) for v, e in row["variants"][part].items()
-                     if "us" in e and e["rel_err"] < 1e-2 and "kernel" not in (VARIANTS[part][v] or {})}
+                     if "us" in e and e["rel_err"] < 1e-2}
             best = min(timed, key=timed.get)
             spec = VARIANTS[part][best]
             chosen[part] = ({"persistent": False} if spec is None else
@@ -289,13 +270,8 @@ def run_layer(name: str, args, result: dict) -> None:
                              **{k: v for k, v in spec.items() if k != "isolate"}, "persistent": True})
         backend.configs = {**row["old_config"], "prefill": chosen}
     out = {"prefill_config": (backend.configs or {}).get("prefill")}
-    # cuda_ws only where both its GEMMs finished with the right rows (an unisolated hang would end the run).
-    ws_ok = all(row.get("variants", {}).get(part, {}).get("cuda_ws", {}).get("rel_err", 1.0) < 1e-2
-                for part in ("gate_up", "down"))
-    setups = [("old", False, "triton"), ("persistent", True, "triton")] + ([("cuda_ws", True, "cuda_ws")]
-                                                                           if ws_ok else [])
-    for label, persistent, kernel in setups:
-        backend.persistent_prefill, backend.prefill_kernel = persistent, kernel
+    for label, persistent in (("old", False), ("persistent", True)):
+        backend.persistent_prefill = persistent
         x = inputs[0].view(1, case.tokens, -1)
         with torch.no_grad():
             us = graph_time_us(lambda x=x: moe(x), repeats=5, samples=5)
@@ -334,7 +310,7 @@ def table(result: dict) -> str:
         if "old" not in layer:
             lines.append(f"layer {name}: {layer}")
             continue
-        shown = [w for w in ("old", "persistent", "cuda_ws") if w in layer]
+        shown = [w for w in ("old", "persistent") if w in layer]
         lines.append(f"layer {name}: " + ", ".join(f"{w} {layer[w]['graph_us']:.0f} us" for w in shown))
         for which in shown:
             lines.append(f"  {which}: " + "; ".join(f"{n[:40]} {us}" for n, us in layer[which]["kernels"][:8]))

@@ -12,9 +12,33 @@ collective.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
+
+# True while steps run that a caller will replay as CUDA graphs (see :func:`replayed_steps`).
+_replayed_steps = False
+
+
+@contextlib.contextmanager
+def replayed_steps() -> Iterator[None]:
+    """Inside: the steps run are the warm-ups and the capture of CUDA graphs that will be replayed (what the
+    application's runner does with every step), so launching a kernel costs nothing at replay and a rule that trades
+    launches for work can choose by replay time -- the triton backend then decodes larger batches in separate
+    kernels (:meth:`~nxd_moe.triton_kernels.backend.TritonBackend`'s ``one_launch``). Warm-ups and capture must run
+    inside alike: the capture must launch the kernels the warm-ups compiled."""
+    global _replayed_steps
+    before, _replayed_steps = _replayed_steps, True
+    try:
+        yield
+    finally:
+        _replayed_steps = before
+
+
+def in_replayed_steps() -> bool:
+    """Whether the current step is run inside :func:`replayed_steps`."""
+    return _replayed_steps
 
 
 class GraphedStep:

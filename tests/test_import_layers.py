@@ -28,13 +28,12 @@ ROOT = Path(__file__).resolve().parents[1] / "nxd_moe"
 LAYERS: list[tuple[str, list[str]]] = [
     ("vocabulary: leaf modules that import nothing of nxd_moe",
      ["quantization.formats", "quantization.nxd_fields", "activations", "aliasing", "extras", "graphs", "validation",
-      "cuda_kernels.build", "gpu_info", "layer_parts", "checks", "fingerprint"]),
+      "gpu_info", "layer_parts", "checks", "fingerprint"]),
     ("quantized weights", ["quantization.activations", "quantization.weight", "quantization.checkpoint",
                            "quantization"]),
     ("NxD's configs", ["moe_configs"]),
     ("model configurations (configs/*.yaml)", ["model_config"]),
     ("rank-free math: routers, expert algorithms, the float64 reference", ["routing", "experts", "reference"]),
-    ("hand-built CUDA kernels", ["cuda_kernels"]),
     ("backends", ["triton_kernels", "nki_kernels"]),
     ("rank layouts: which ranks form which groups", ["rank_layout"]),
     ("ranks", ["parallel_state"]),
@@ -55,10 +54,10 @@ LAYERS: list[tuple[str, list[str]]] = [
 # paths of tracing, nxd_moe.config -- the public path of checks, fingerprint, moe_configs and model_config): above
 # every layer, so nothing inside the package imports them; they may import any layer.
 FACADES = {"nxd_moe", "nxd_moe.hf", "nxd_moe.trace", "nxd_moe.trace_spmd", "nxd_moe.config"}
-# Modules that need an optional third-party package (the gpu extra's triton, nvcc at build time; the hf extra's
+# Modules that need an optional third-party package (the gpu extra's triton; the hf extra's
 # transformers, which nxd_moe.hf imports when it is imported): imported inside the function that uses them, so that
 # the rest works without them (and does not pay for importing them).
-OPTIONAL = ("triton_kernels", "cuda_kernels", "hf", "models")
+OPTIONAL = ("triton_kernels", "hf", "models")
 
 
 class Edge(NamedTuple):

@@ -24,6 +24,7 @@ import torch
 from nxd_moe.application.config import ApplicationConfig
 from nxd_moe.application.fused_projections import compile_with_fused_projections
 from nxd_moe.application.programs import CausalLMPrograms, finish
+from nxd_moe.graphs import replayed_steps
 
 __all__ = ["MAX_EOS_TOKENS", "ProgramRunner"]
 
@@ -134,7 +135,7 @@ class ProgramRunner:
         saved = [t.clone() for t in self.state_tensors()]
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), _recompile_limit(_compiled_steps + 8):
+        with torch.cuda.stream(side), _recompile_limit(_compiled_steps + 8), replayed_steps():
             for _ in range(2):
                 step(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
@@ -142,7 +143,8 @@ class ProgramRunner:
         if self._pool is None or not self.shared_pool:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side), _recompile_limit(_compiled_steps + 8):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side), _recompile_limit(_compiled_steps + 8), \
+                replayed_steps():
             step(bucket)
         for t, s in zip(self.state_tensors(), saved):  # the warm-up and capture ran the step: undo it
             t.copy_(s)

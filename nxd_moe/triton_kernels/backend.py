@@ -22,14 +22,13 @@ import os
 
 import torch
 
-from nxd_moe import cuda_kernels
-from nxd_moe.cuda_kernels import ws_gemm
 from nxd_moe.experts.backends import ExpertsBackend
 from nxd_moe.experts.capacity import admit
 from nxd_moe.experts.mlp import ExpertWeights
 from nxd_moe.experts.mode import ModePolicy
 from nxd_moe.experts.routing_inputs import Routing
 from nxd_moe.experts.token_mapping import BlockMapping, num_blocks
+from nxd_moe.graphs import in_replayed_steps
 from nxd_moe.layer_parts import RouterParts, SharedParts
 from nxd_moe.quantization.weight import QuantizedWeight
 from nxd_moe.triton_kernels import compiled, persistent_decode, prefill_gemm
@@ -44,8 +43,13 @@ from nxd_moe.triton_kernels.routing_metadata import TileLayout, routing_layout
 from nxd_moe.triton_kernels.w8a8 import w8a8_expert_rows, w8a8_launch_config
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# TritonBackend(prefill_kernel=...): the Triton prefill GEMMs, or the warp-specialised CUDA C++ ones (opt-in).
-PREFILL_KERNELS = ("triton", "cuda_ws")
+# Decodes of steps replayed as CUDA graphs (nxd_moe.graphs.replayed_steps) with at least this many (token, expert)
+# pairs, of layers of at most this many experts, run in separate kernels (H200, replays: Qwen3-30B-A3B T=16 221 vs
+# 234 us one launch, T=32 299 vs 314, T=128 331 vs 419; the application's full-size Qwen3 at batch 16 1,267 vs 1,159
+# tokens/s; Mixtral T=16 (32 pairs) 641 vs 665 and T=1 stay in one launch; DeepSeek-V3 T=16 (E = 256) measured 4 %
+# faster in one launch on an H100). Outside replays launches cost what they cost and one launch wins every shape.
+REPLAYED_SEPARATE_PAIRS = 128
+REPLAYED_SEPARATE_EXPERTS = 128
 
 
 def _check_device(hidden_states: torch.Tensor) -> None:
@@ -92,16 +96,12 @@ class TritonBackend(ExpertsBackend):
     (default): where it was measured faster, i.e. 16-bit weights; quantized weights decode through the separate
     kernels, which read the repacked copy 10-45 % faster than the persistent kernel on every measured shape (H100,
     ``benchmarks/results/gpu_quantized_decode_h100.json``: its one program per multiprocessor leaves the
-    dequantization's latency exposed). True: wherever it applies; False: never.
+    dequantization's latency exposed); and inside :func:`nxd_moe.graphs.replayed_steps` (the application's CUDA-graph
+    steps), where launches cost nothing, not from :data:`REPLAYED_SEPARATE_PAIRS` pairs on in layers of at most
+    :data:`REPLAYED_SEPARATE_EXPERTS` experts. True: wherever it applies; False: never.
     ``fuse_router``: a top-k router with an fp32 weight as one kernel (:meth:`fused_router`) where the layer is not
     decoded in one launch. None (default): from :data:`~nxd_moe.triton_kernels.router.MIN_TOKENS` tokens on, where
     it was measured faster than torch's router; True: wherever it applies; False: never.
-    ``prefill_kernel``: which kernels run the prefill GEMMs (128-row tiles of 16-bit weights on Hopper).
-    ``"triton"`` (default): :mod:`~nxd_moe.triton_kernels.prefill_gemm`. ``"cuda_ws"``: the warp-specialised
-    CUDA C++ GEMMs of :mod:`~nxd_moe.cuda_kernels.ws_gemm` (built with the machine's ``nvcc`` on first use) where
-    :func:`~nxd_moe.cuda_kernels.ws_gemm.applies` (sm_90, bf16, plain SiLU-GLU, no biases, ``H``/``I`` multiples
-    of 64); elsewhere, and after a one-line notice where ``nvcc`` is missing or the build fails, the Triton ones.
-    Opt-in until measured on an H100 (``benchmarks/gpu_prefill.py``).
     """
 
     name = "triton"
@@ -114,16 +114,13 @@ class TritonBackend(ExpertsBackend):
 
     def __init__(self, configs: dict | None = None, decode_configs: dict | None = None, one_launch: bool | None = None,
                  persistent_prefill: bool = True, repack: bool = True,
-                 fuse_router: bool | None = None, prefill_kernel: str = "triton"):
+                 fuse_router: bool | None = None):
         if not (one_launch is None or type(one_launch) is bool):
             raise TypeError(f"TritonBackend: one_launch must be None (the measured rule), True or False, got "
                             f"{one_launch!r}")
         if not (fuse_router is None or type(fuse_router) is bool):
             raise TypeError(f"TritonBackend: fuse_router must be None (the measured rule), True or False, got "
                             f"{fuse_router!r}")
-        if prefill_kernel not in PREFILL_KERNELS:
-            raise ValueError(f"TritonBackend: prefill_kernel must be one of {PREFILL_KERNELS}, got "
-                             f"{prefill_kernel!r}")
         for name, value in (("persistent_prefill", persistent_prefill), ("repack", repack)):
             if type(value) is not bool:
                 raise TypeError(f"TritonBackend: {name} must be True or False, got {value!r}")
@@ -133,7 +130,6 @@ class TritonBackend(ExpertsBackend):
         self.persistent_prefill = persistent_prefill
         self.repack = repack
         self.fuse_router = fuse_router
-        self.prefill_kernel = prefill_kernel
         # Launch configurations by static shape: looked up once, not on every forward.
         self._configs: dict[tuple, dict] = {}
         # How the ops of a torch.compile'd graph find this backend (see compiled.py).
@@ -185,7 +181,12 @@ class TritonBackend(ExpertsBackend):
         if (self.one_launch is False or not persistent_decode.applies(num_tokens, top_k)
                 or weights.activation_quantization is not None):
             return False
-        return self.one_launch or weights.format == "bf16"
+        if self.one_launch:
+            return True
+        if (in_replayed_steps() and num_tokens * top_k >= REPLAYED_SEPARATE_PAIRS
+                and weights.num_experts <= REPLAYED_SEPARATE_EXPERTS):
+            return False
+        return weights.format == "bf16"
 
     @property
     def mode_policy(self) -> ModePolicy:
@@ -236,9 +237,6 @@ class TritonBackend(ExpertsBackend):
         affinities = routing.affinities.contiguous()
         if weights.activation_quantization is not None:  # W8A8: FP8 x FP8 GEMMs (w8a8.py)
             rows = w8a8_expert_rows(x, layout, weights, affinities if routing.prescale else None, config)
-        elif (self.prefill_kernel == "cuda_ws" and ws_gemm.applies(x, weights, layout.block_m, routing.prescale)
-              and cuda_kernels.available()):
-            rows = ws_gemm.expert_rows(x, layout, weights)
         elif self.persistent_prefill and prefill_gemm.applies(x, weights, layout.block_m):
             # Prefill tiles of 16-bit weights on Hopper+: persistent TMA GEMMs (prefill_gemm.py).
             prefill = config.get("prefill") or prefill_gemm.default_prefill_config(layout.block_m,
@@ -357,5 +355,4 @@ class TritonBackend(ExpertsBackend):
         shown += [] if self.persistent_prefill else ["persistent_prefill=False"]
         shown += [] if self.repack else ["repack=False"]
         shown += [] if self.fuse_router is None else [f"fuse_router={self.fuse_router}"]
-        shown += [] if self.prefill_kernel == "triton" else [f"prefill_kernel={self.prefill_kernel!r}"]
         return f"TritonBackend({', '.join(shown)})"

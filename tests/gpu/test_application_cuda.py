@@ -67,6 +67,39 @@ def test_graph_replay_equals_eager_and_transformers(name, compiled):
     assert graphed.runner.graphs == graphs
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graphed_batch_of_16_decodes_in_separate_kernels_and_equals_eager(compiled, monkeypatch):
+    """Qwen3-style layers (128 experts, top-8) at batch 16: 128 (token, expert) pairs per token step, which the
+    triton backend decodes in separate kernels inside the application's replayed steps (and in one launch when run
+    eagerly); the graphed application's tokens equal the eager one's."""
+    from nxd_moe.graphs import in_replayed_steps
+    from nxd_moe.triton_kernels import persistent_decode
+
+    seen = []  # (inside replayed steps, tokens) of each one-launch decode; run by the layer, or by its op at run time
+    one_launch = persistent_decode.moe_decode
+
+    def recorded(hidden_states, *args):
+        seen.append((in_replayed_steps(), hidden_states.shape[0]))
+        return one_launch(hidden_states, *args)
+
+    monkeypatch.setattr(persistent_decode, "moe_decode", recorded)
+    config = _config(batch_size=16, context_encoding_buckets=[16],
+                     token_generation_buckets=[32])
+    ids = torch.randint(1, 100, (16, 9), generator=torch.Generator().manual_seed(5))
+
+    def app(**kw):
+        return CausalLMApplication(build_hf_model("qwen3-30b-a3b", num_layers=2, scale=SCALE, device="cuda",
+                                                  seed=2), config, **kw)
+
+    eager = app(cuda_graphs=False).generate(ids, max_new_tokens=12, eos_token_id=[]).sequences
+    assert (False, 16) in seen
+    seen.clear()
+    graphed = app(compile_token_generation=compiled)
+    graphed.load()
+    assert all(tokens != 16 for _, tokens in seen)  # (the one-token decodes the load runs stay one launch)
+    assert torch.equal(graphed.generate(ids, max_new_tokens=12, eos_token_id=[]).sequences, eager)
+
+
 def test_no_synchronisation_inside_the_token_loop():
     """The token-generation replays and the asynchronous reads of the loop make no synchronising CUDA call
     (torch's sync debug mode turns one into an error); a read of a device value would (the negative control)."""

@@ -293,6 +293,37 @@ def test_one_launch_rule_follows_the_weight_format(fmt):
         assert TritonBackend(one_launch=True)._one_launch(1, 2, w8a8.expert_weights()) is False
 
 
+@pytest.mark.parametrize("num_experts", [128, 129])
+def test_replayed_steps_decode_larger_batches_in_separate_kernels(num_experts):
+    """Inside ``graphs.replayed_steps`` (the application's CUDA-graph steps) the rule decodes from 128 pairs on in
+    separate kernels, in layers of at most 128 experts; below that, beyond it, outside it, or with ``one_launch``
+    given, as before -- and the flag is restored on the way out, also after an error."""
+    from nxd_moe import graphs
+    from nxd_moe.triton_kernels.backend import REPLAYED_SEPARATE_EXPERTS, REPLAYED_SEPARATE_PAIRS, TritonBackend
+
+    assert (REPLAYED_SEPARATE_PAIRS, REPLAYED_SEPARATE_EXPERTS) == (128, 128)
+    weights = ExpertMLPsV2(make_config(num_experts, 16, 16, 8, "glu_silu"), backend="torch",
+                           dtype=torch.bfloat16).expert_weights()
+    rule, forced = TritonBackend(), TritonBackend(one_launch=True)
+    assert not graphs.in_replayed_steps()
+    assert rule._one_launch(16, 8, weights) and rule._one_launch(32, 8, weights)
+    with graphs.replayed_steps():
+        assert graphs.in_replayed_steps()
+        with graphs.replayed_steps():
+            pass
+        assert graphs.in_replayed_steps()  # a nested exit keeps the outer one
+        small = num_experts > 128
+        assert rule._one_launch(16, 8, weights) is small  # 128 pairs
+        assert rule._one_launch(64, 2, weights) is small  # 128 pairs, another k
+        assert rule._one_launch(15, 8, weights) is True  # 120 pairs
+        assert rule._one_launch(1, 8, weights) is True
+        assert forced._one_launch(16, 8, weights) is True
+    assert not graphs.in_replayed_steps() and rule._one_launch(16, 8, weights)
+    with pytest.raises(RuntimeError, match="inside"), graphs.replayed_steps():
+        raise RuntimeError("inside")
+    assert not graphs.in_replayed_steps()
+
+
 @pytest.mark.parametrize("option, value", [("one_launch", "yes"), ("one_launch", 1), ("repack", None),
                                            ("persistent_prefill", "no")])
 def test_backend_options_reject_non_booleans(option, value):
