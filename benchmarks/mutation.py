@@ -28,14 +28,63 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 COPIED = ("nxd_moe", "tests", "configs", "pyproject.toml")
 
+# nxd_moe/hf/*: the conversions' own tests and the quantized checkpoints' (MXFP4, FP8 blocks, unsaved formats)
+HF_TESTS = ["tests/test_hf_parity.py", "tests/test_hf_state_dict.py", "tests/test_hf_formats.py"] + [
+    f"tests/test_quantization.py::{name}" for name in (
+        "test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_exports_back",
+        "test_deepseek_v3_fp8_block_checkpoint_key_by_key")] + [
+    f"tests/models/test_patch_model.py::{name}" for name in (
+        "test_a_format_without_a_checkpoint_form_refuses_to_save", "test_gpt_oss_mxfp4_checkpoint_loads_as_stored")]
+
 # module -> the tests that cover it (a run over one module stays within minutes)
 TESTS: dict[str, list[str]] = {
     "nxd_moe/nxd_compat/block_mapping.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
-    "nxd_moe/nxd_compat/testing.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
-    "nxd_moe/nxd_compat/utils.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
-    "nxd_moe/nxd_compat/adapters.py": ["tests/nxd_compat/test_nxd_modules.py", "tests/nxd_compat/test_nxd_configs.py"],
+    "nxd_moe/nxd_compat/testing.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py",
+                                      "tests/nxd_compat/test_nxd_utils_and_assert_close.py"],
+    "nxd_moe/nxd_compat/utils.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py",
+                                    "tests/nxd_compat/test_nxd_utils_and_assert_close.py"],
+    "nxd_moe/nxd_compat/adapters.py": ["tests/nxd_compat/test_nxd_modules.py", "tests/nxd_compat/test_nxd_configs.py",
+                                       "tests/nxd_compat/test_nxd_adapters_details.py"],
+    "nxd_moe/nxd_compat/parallel_state.py": [  # (test_nxd_worlds.py runs it on gloo worlds: seconds per run)
+        "tests/nxd_compat/test_nxd_parallel_state_and_mappings.py",
+        "tests/nxd_compat/test_nxd_modules.py::test_parallel_state_without_a_world",
+        "tests/nxd_compat/test_nxd_unit_test_equivalents.py::test_parallel_state_token_shuffle_and_nxds_private_names"],
+    "nxd_moe/nxd_compat/inference.py": [  # its unit tests, and the front door end to end on one family
+        "tests/nxd_compat/test_nxdi_inference_api.py"] + [
+        f"tests/application/test_nxdi_front_door.py::{name}" for name in (
+            "test_nxdi_script_generates_transformers_tokens[mixtral-8x7b]",
+            "test_adapter_streams_the_prompt_then_every_token_and_refuses_what_it_does_not_apply")],
+    "nxd_moe/nxd_compat/mappings.py": ["tests/nxd_compat/test_nxd_parallel_state_and_mappings.py",
+                                       "tests/nxd_compat/test_nxd_modules.py::test_parallel_state_without_a_world"],
+    "nxd_moe/nxd_compat/not_served.py": [
+        "tests/nxd_compat/test_nxd_parallel_state_and_mappings.py",
+        "tests/nxd_compat/test_nxd_unit_test_equivalents.py::test_not_served_names_import_and_say_why_when_used",
+        "tests/nxd_compat/test_nxd_unit_test_equivalents.py::test_served_blockwise_enums_and_expert_mlps_helpers"],
     "nxd_moe/nxdi.py": ["tests/nxd_compat/test_nxdi_entry_point.py"],
-    "nxd_moe/quantization/formats.py": ["tests/test_quantization.py"],
+    "nxd_moe/quantization/formats.py": ["tests/test_quantization_formats.py"] + [  # not the compile/export tests:
+        f"tests/test_quantization.py::{name}" for name in (  # dynamo cannot trace mutmut's trampolines
+            "test_round_trip_within_the_format_bound", "test_quantizing_one_expert_at_a_time_stores_the_same_bytes",
+            "test_mxfp4_rounds_to_nearest_even_and_packs_low_nibble_first",
+            "test_fp8_scales_are_per_channel_and_per_tile",
+            "test_quantized_weight_selects_and_dequantizes_only_the_chosen_experts",
+            "test_quantized_layer_equals_layer_holding_dequantized_weights_in_every_mode",
+            "test_quantized_dynamic_while",
+            "test_quantized_layer_in_bfloat16", "test_state_dict_names_dtypes_and_reload",
+            "test_build_moe_quantizes_only_the_routed_experts",
+            "test_quantized_shared_experts_store_the_format_and_compute_its_values",
+            "test_quantized_shared_experts_in_the_moe_every_backend", "test_quantize_shared_experts_alone",
+            "test_shared_quantization_bad_input_is_named", "test_cli_run_reports_the_quantization_error",
+            "test_bad_stored_tensors_are_named", "test_block_size_must_divide_and_format_names_are_checked",
+            "test_backend_without_the_format_is_refused", "test_nki_sim_computes_with_every_format",
+            "test_nki_sim_reads_exactly_the_packed_bytes", "test_plan_reports_quantized_decode",
+            "test_gpt_oss_mxfp4_checkpoint_matches_transformers_dequantization_and_exports_back",
+            "test_deepseek_v3_fp8_block_checkpoint_key_by_key", "test_nki_sim_blockwise_kernels_with_mxfp4",
+            "test_nki_sim_refuses_tiles_that_split_a_scale_block")],
+    "nxd_moe/hf/configs.py": HF_TESTS,
+    "nxd_moe/hf/checkpoints.py": HF_TESTS,
+    "nxd_moe/hf/families.py": HF_TESTS,
+    "nxd_moe/hf/stored_formats.py": HF_TESTS,
+    "nxd_moe/hf/blocks.py": HF_TESTS,
     "nxd_moe/parallel/layout.py": ["tests/parallel/test_layout.py", "tests/parallel/test_parallel_units.py"],
     "nxd_moe/routing/topk.py": ["tests/test_routing.py", "tests/test_layer_parts.py::"
                                 "test_fused_parts_are_given_only_where_a_kernel_computes_exactly_the_router"],

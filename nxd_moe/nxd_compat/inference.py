@@ -161,7 +161,6 @@ class InferenceConfig:
 
         fields = {k: v for k, v in self.to_json_dict().items()
                   if k not in ("neuron_config", "metadata", "num_cores_per_group", "model_type", "attribute_map")}
-        fields = {k: vars(v) if isinstance(v, SimpleNamespace) else v for k, v in fields.items()}
         return AutoConfig.for_model(model_type, **fields)
 
 
