@@ -36,6 +36,10 @@ HF_TESTS = ["tests/test_hf_parity.py", "tests/test_hf_state_dict.py", "tests/tes
     f"tests/models/test_patch_model.py::{name}" for name in (
         "test_a_format_without_a_checkpoint_form_refuses_to_save", "test_gpt_oss_mxfp4_checkpoint_loads_as_stored")]
 
+# nxd_moe/parallel/{sharding,eplb,placement,payload}.py
+PARALLEL_UNIT_TESTS = ["tests/parallel/test_parallel_units.py", "tests/parallel/test_layout.py",
+                       "tests/parallel/test_parallel_settings.py"]
+
 # module -> the tests that cover it (a run over one module stays within minutes)
 TESTS: dict[str, list[str]] = {
     "nxd_moe/nxd_compat/block_mapping.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
@@ -86,10 +90,23 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/hf/stored_formats.py": HF_TESTS,
     "nxd_moe/hf/blocks.py": HF_TESTS,
     "nxd_moe/parallel/layout.py": ["tests/parallel/test_layout.py", "tests/parallel/test_parallel_units.py"],
+    # the parallel MoE's pure parts: their unit tests (no multi-process world, nothing compiled)
+    "nxd_moe/parallel/sharding.py": PARALLEL_UNIT_TESTS,
+    "nxd_moe/parallel/eplb.py": PARALLEL_UNIT_TESTS,
+    "nxd_moe/parallel/placement.py": PARALLEL_UNIT_TESTS,
+    "nxd_moe/parallel/payload.py": PARALLEL_UNIT_TESTS,
     "nxd_moe/routing/topk.py": ["tests/test_routing.py", "tests/test_layer_parts.py::"
                                 "test_fused_parts_are_given_only_where_a_kernel_computes_exactly_the_router"],
     "nxd_moe/routing/group_limited.py": ["tests/test_routing.py"],
     "nxd_moe/experts/token_mapping.py": ["tests/test_token_mapping.py"],
+    "nxd_moe/experts/capacity.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py"],
+    "nxd_moe/experts/mode.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py",
+                                "tests/test_routed_pipeline.py"],
+    "nxd_moe/experts/pairs.py": ["tests/test_experts_settings.py", "tests/test_routed_pipeline.py",
+                                 "tests/test_experts_modes.py"],
+    "nxd_moe/experts/activation.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py"],
+    "nxd_moe/experts/routing_inputs.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py",
+                                          "tests/test_token_mapping.py"],
     "nxd_moe/application/sampling.py": ["tests/application/test_sampling.py"],
     "nxd_moe/triton_kernels/launch_configs.py": ["tests/gpu/test_launch_configs.py"] + [  # the rules, no kernel run
         f"tests/gpu/test_persistent_decode.py::{name}" for name in (
