@@ -98,6 +98,8 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/routing/topk.py": ["tests/test_routing.py", "tests/test_layer_parts.py::"
                                 "test_fused_parts_are_given_only_where_a_kernel_computes_exactly_the_router"],
     "nxd_moe/routing/group_limited.py": ["tests/test_routing.py"],
+    "nxd_moe/routing/base.py": ["tests/test_routing.py", "tests/test_routing_settings.py"],
+    "nxd_moe/routing/sinkhorn.py": ["tests/test_routing.py", "tests/test_routing_settings.py"],
     "nxd_moe/experts/token_mapping.py": ["tests/test_token_mapping.py"],
     "nxd_moe/experts/capacity.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py"],
     "nxd_moe/experts/mode.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py",
@@ -107,6 +109,12 @@ TESTS: dict[str, list[str]] = {
     "nxd_moe/experts/activation.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py"],
     "nxd_moe/experts/routing_inputs.py": ["tests/test_experts_settings.py", "tests/test_experts_modes.py",
                                           "tests/test_token_mapping.py"],
+    # the experts' small parts: their settings tests (float64 references, nothing compiled, no world)
+    "nxd_moe/experts/shared.py": ["tests/test_experts_parts_settings.py"],
+    "nxd_moe/experts/shard.py": ["tests/test_experts_parts_settings.py"],
+    "nxd_moe/experts/decode.py": ["tests/test_experts_parts_settings.py"],
+    "nxd_moe/experts/local_routing.py": ["tests/test_experts_parts_settings.py"],
+    "nxd_moe/experts/blockwise.py": ["tests/test_experts_parts_settings.py"],
     "nxd_moe/application/sampling.py": ["tests/application/test_sampling.py"],
     "nxd_moe/triton_kernels/launch_configs.py": ["tests/gpu/test_launch_configs.py"] + [  # the rules, no kernel run
         f"tests/gpu/test_persistent_decode.py::{name}" for name in (
