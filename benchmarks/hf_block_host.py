@@ -4,9 +4,10 @@
 
 An eager decode step of a small model is bound by the host: what the GPU idles for is the Python and launch work
 of each op. This measures that work for the MoE block alone (router + experts + combine, transformers' block
-class), one layer at full widths with random bf16 weights, for transformers' ``grouped_mm`` experts, nxd_moe's
-experts backend (``set_experts_implementation("nxd_moe")``: transformers' router, our experts) and ``patch_model``
-(the whole block ours): ``host_us`` (200 back-to-back calls, no synchronize, divided), ``wall_us`` (the same
+class), one layer at full widths with random bf16 weights, for transformers' ``grouped_mm`` and ``batched_mm``
+experts (transformers' ``generate`` swaps the second in for every decode step on a GPU), nxd_moe's experts
+backend (``set_experts_implementation("nxd_moe")``: transformers' router, our experts) and ``patch_model`` (the
+whole block ours): ``host_us`` (200 back-to-back calls, no synchronize, divided), ``wall_us`` (the same
 including the final synchronize), ``stream_us`` (CUDA events around 200 calls: the device's pace, which a
 host-bound call sets to the host's), ratios to ``grouped_mm`` in the same run, and each path's top Python functions
 by own time (cProfile over 100 calls). Writes JSON.
@@ -24,7 +25,7 @@ import time
 
 import torch
 
-PATHS = ("grouped_mm", "nxd_moe", "patch_model")
+PATHS = ("grouped_mm", "batched_mm", "nxd_moe", "patch_model")
 
 
 def block_of(model_name: str, path: str):
