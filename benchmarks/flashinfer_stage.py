@@ -24,7 +24,9 @@ def kept(name: str) -> bool:
     if not name.startswith("flashinfer/"):
         return False
     data = name.removeprefix("flashinfer/data/")
-    return data == name or data.startswith(KEEP_DATA)
+    # csrc's own headers (tvm_ffi_utils.h ...), which the binding includes by relative path ("../../tvm_ffi_utils.h")
+    top_header = data.startswith("csrc/") and data.count("/") == 1 and data.endswith((".h", ".cuh"))
+    return data == name or data.startswith(KEEP_DATA) or top_header
 
 
 def stage(wheels: Path, out: Path) -> None:
