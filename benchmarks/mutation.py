@@ -40,6 +40,16 @@ HF_TESTS = ["tests/test_hf_parity.py", "tests/test_hf_state_dict.py", "tests/tes
 PARALLEL_UNIT_TESTS = ["tests/parallel/test_parallel_units.py", "tests/parallel/test_layout.py",
                        "tests/parallel/test_parallel_settings.py"]
 
+# nxd_moe/experts/{while_loop,dynamic_while}.py: test_dynamic_while.py's eager tests (not the compile test)
+WHILE_LOOP_TESTS = ["tests/test_experts_algorithms_settings.py"] + [
+    "tests/test_dynamic_while.py::" + name for name in (
+        "test_matches_reference_and_counts_its_blocks", "test_counter_is_measured_not_assumed",
+        "test_padding_mask_and_prescale", "test_every_activation_equals_plain_blockwise",
+        "test_bf16_and_both_static_prefix_matmuls", "test_odd_block_count_with_two_blocks_per_iteration",
+        "test_works_with_autograd_enabled", "test_moe_with_shared_experts_and_padding",
+        "test_property_reference_and_schedule", "test_while_loop_eager_semantics",
+        "test_while_loop_into_writes_rows_without_touching_the_buffer")]
+
 # module -> the tests that cover it (a run over one module stays within minutes)
 TESTS: dict[str, list[str]] = {
     "nxd_moe/nxd_compat/block_mapping.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
@@ -129,6 +139,88 @@ TESTS: dict[str, list[str]] = {
             "test_nothing_is_fused_where_weights_are_not_stacked_or_inputs_differ",
             "test_stacked_rows_takes_only_consecutive_contiguous_rows_of_one_width_and_dtype",
             "test_the_backend_gives_inductor_the_fused_graph")],
+    # (not test_commands.py: its fixture writes checkpoints where a changed main writes one into the working directory,
+    # which then fails every later test that names that config: false kills)
+    "nxd_moe/models/checkpoint.py": ["tests/models/test_models_settings.py"],
+    "nxd_moe/models/decoder_step.py": ["tests/models/test_decoder_step.py", "tests/models/test_models_settings.py"],
+    "nxd_moe/models/generate.py": [
+        "tests/models/test_generate_cli.py", "tests/models/test_models_settings.py",
+        "tests/models/test_patch_model.py::test_shared_static_cache_is_for_compiled_generate_only"],
+    "nxd_moe/models/patch.py": [  # test_patch_model.py's tests that compile nothing (and its settings tests)
+        f"tests/models/test_patch_model.py::{name}" for name in (
+            "test_logits_and_greedy_tokens_match_the_unpatched_model", "test_a_broken_layer_fails_the_bound",
+            "test_each_block_returns_what_the_transformers_block_returned", "test_decode_makes_no_host_sync",
+            "test_llama4_multimodal_model", "test_state_dict_is_unchanged",
+            "test_state_dict_keeps_the_dtypes_of_a_bf16_model", "test_load_state_dict_of_the_transformers_checkpoint",
+            "test_save_pretrained_round_trip", "test_the_transformers_blocks_are_released_and_no_bytes_added",
+            "test_each_block_is_released_before_the_next_is_converted", "test_a_kept_block_is_detected",
+            "test_bf16_model_grows_by_the_float32_router_only",
+            "test_quantized_patch_matches_its_dequantized_reference",
+            "test_quantized_state_dict_in_the_checkpoint_naming",
+            "test_a_quantized_checkpoint_reloads_through_transformers",
+            "test_the_saved_quantization_config_converts_exactly_the_quantized_modules",
+            "test_a_format_without_a_checkpoint_form_refuses_to_save", "test_gpt_oss_mxfp4_checkpoint_loads_as_stored",
+            "test_deepseek_v3_fp8_checkpoint_loads_as_stored", "test_dense_layers_stay", "test_report_and_repr",
+            "test_unquantized_experts_are_reported_as_none_not_bf16",
+            "test_on_a_cpu_the_default_backend_multiplies_the_pairs_and_backend_torch_keeps_nxds_rules",
+            "test_a_model_on_the_meta_device_is_patched_there_and_loads_later", "test_bad_models_are_named",
+            "test_bad_arguments_are_named_and_leave_the_model_as_it_was",
+            "test_an_unknown_tensor_in_a_block_is_named_before_anything_changes",
+            "test_a_checkpoint_of_another_shape_is_named")] + ["tests/models/test_models_patch_settings.py"],
+    "nxd_moe/models/hf_models.py": ["tests/models/test_hf_models.py", "tests/models/test_models_patch_settings.py"],
+    "nxd_moe/models/experts_backend.py": [  # its eager tests (not the compiled ones, nor interpreted Triton's)
+        f"tests/models/test_experts_backend.py::{name}" for name in (
+            "test_whole_model_logits_and_greedy_generate_match_eager",
+            "test_other_dispatched_families_match_their_eager_experts",
+            "test_automatic_implementation_on_a_cpu_multiplies_the_pairs_at_every_size",
+            "test_from_pretrained_with_experts_implementation", "test_registration_is_class_wide_and_idempotent",
+            "test_negative_control_wrong_interleave_breaks_model_logits",
+            "test_experts_function_matches_float64_reference", "test_gather_matmul_takes_the_weight_views",
+            "test_expert_parallel_sentinels_contribute_nothing", "test_no_host_sync_in_eager_calls",
+            "test_modules_of_transformers_5_17", "test_non_finite_token_stays_in_its_row",
+            "test_negative_control_wrong_interleave_is_rejected", "test_bf16_model_with_fp32_routing_weights",
+            "test_the_module_weights_are_used_in_place", "test_unsupported_experts_are_refused_by_name",
+            "test_set_experts_implementation_refuses_before_switching",
+            "test_undecorated_families_are_refused_by_name", "test_bad_shapes_and_backends_are_named")] + [
+        "tests/models/test_models_patch_settings.py"],
+    "nxd_moe/tracing/spmd.py": ["tests/test_spmd_settings.py"],  # the XLA steps faked: no torch_xla needed
+    "nxd_moe/tracing/spmd_command.py": ["tests/test_spmd_settings.py"],
+    "nxd_moe/tracing/spmd_layout.py": ["tests/test_spmd_settings.py"],
+    "nxd_moe/tracing/spmd_program.py": [  # in the XLA environment (.venv-xla, PJRT_DEVICE=CPU)
+        "tests/test_spmd_settings.py", "tests/xla/test_spmd_settings_xla.py"],
+    "nxd_moe/parallel/xla_collectives.py": ["tests/xla/test_spmd_settings_xla.py"],  # in the XLA environment
+    "nxd_moe/experts/expert_mlps.py": ["tests/test_experts_algorithms_settings.py", "tests/test_experts_modes.py"],
+    "nxd_moe/experts/mlp.py": ["tests/test_experts_algorithms_settings.py", "tests/test_experts_modes.py",
+                               "tests/test_experts_parts_settings.py"],
+    "nxd_moe/experts/grouped_matmul.py": ["tests/test_experts_algorithms_settings.py", "tests/test_experts_modes.py"],
+    "nxd_moe/experts/while_loop.py": WHILE_LOOP_TESTS,
+    "nxd_moe/experts/dynamic_while.py": WHILE_LOOP_TESTS,
+    "nxd_moe/experts/backends.py": ["tests/test_experts_algorithms_settings.py", "tests/test_experts_modes.py",
+                                    "tests/test_experts_settings.py"],
+    "nxd_moe/parallel/dispatch.py": ["tests/test_routed_pipeline.py",
+                                     "tests/parallel/test_parallel_dispatch_settings.py",
+                                     "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    "nxd_moe/parallel/dispatches.py": ["tests/parallel/test_parallel_dispatch_settings.py",
+                                       "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    "nxd_moe/parallel/all_to_all.py": [  # ranks as threads with collectives by definition, one gloo rank
+        "tests/parallel/test_parallel_dispatch_settings.py",
+        "tests/parallel/test_parallel_units.py::test_static_exchange_tables_are_keyed_by_their_sizes",
+        "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    "nxd_moe/parallel/collectives.py": [
+        "tests/parallel/test_parallel_dispatch_settings.py",
+        "tests/parallel/test_parallel_units.py::test_collectives_on_one_rank_move_nothing",
+        "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    # (simulated worlds of threads, in one process; the gloo worlds take minutes per run)
+    "nxd_moe/parallel/expert_parallel.py": ["tests/parallel/test_parallel_ep_settings.py",
+                                            "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    "nxd_moe/parallel/token_layout.py": [
+        "tests/parallel/test_layout.py", "tests/parallel/test_parallel_ep_settings.py",
+        "tests/parallel/test_parallel_units.py::test_gathered_shards_in_token_order",
+        "tests/parallel/test_parallel_units.py::test_token_layout_validates"],
+    "nxd_moe/parallel/all_gather.py": ["tests/parallel/test_parallel_ep_settings.py",
+                                       "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    "nxd_moe/parallel/shared_experts.py": ["tests/parallel/test_parallel_ep_settings.py",
+                                           "tests/test_moe.py::test_shared_experts_formula"],
 }
 STATUS = re.compile(r"^\s*(\S+): (\w[\w ]*)$")
 

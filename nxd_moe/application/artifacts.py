@@ -101,7 +101,7 @@ def write_compiled(app: "CausalLMApplication", path: Path, *, xla: bool | None =
     config = app.config
     weights = None
     if app.checkpoint is None or config.save_sharded_checkpoint:
-        app.model.save_pretrained(path / "weights", safe_serialization=True)
+        app.model.save_pretrained(path / "weights")  # transformers 5 writes safetensors only
         weights = "weights"
     manifest: dict[str, Any] = {
         "format": FORMAT, "model": model_identity(app), "checkpoint": app.checkpoint, "weights": weights,

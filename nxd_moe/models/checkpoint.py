@@ -55,7 +55,7 @@ def write_checkpoint(out: str | os.PathLike, config: str = "qwen3-30b-a3b", *, n
     model.generation_config = GenerationConfig(
         do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"), max_new_tokens=max_new_tokens)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out)  # transformers 5 writes safetensors only
     tokenizer.save_pretrained(out)
     return out
 

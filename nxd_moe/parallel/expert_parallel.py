@@ -30,6 +30,8 @@ from nxd_moe.parallel.dispatches import get_dispatcher
 from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups, held_weight_shard
 from nxd_moe.parallel.token_layout import TokenLayout
 
+_MODE_VALUES = frozenset(m.value for m in ExpertsMode)
+
 
 class ExpertParallel:
     """Runs ``experts`` (an :class:`~nxd_moe.expert_mlps_v2.ExpertMLPsV2` built while :mod:`nxd_moe.parallel_state` was
@@ -149,9 +151,11 @@ class ExpertParallel:
         calls of the same program (a prefill) still check."""
         if torch.compiler.is_compiling():
             return None
+        # a mode by its value, whichever form names it: a rank passing "blockwise" and one passing
+        # ExpertsMode.BLOCKWISE ask for the same thing (a name that is no mode stays as given: the pipeline refuses it)
+        mode = None if mode is None else ExpertsMode(mode).value if mode in _MODE_VALUES else str(mode)
         key = (tuple(hidden_states.shape), hidden_states.dtype, token_layout.batch, token_layout.local_seq_len,
-               token_layout.sequence_parallel, seq_len, None if mode is None else str(mode), padded,
-               addend is not None, return_stats)
+               token_layout.sequence_parallel, seq_len, mode, padded, addend is not None, return_stats)
         cached = self._described_inputs.get(key)
         if cached is None:  # their text form and its digest, made once per combination (a steady step reuses them)
             described = config_fingerprint(

@@ -1,0 +1,520 @@
+"""Settings of the models' front doors seen by tests: ``build_hf_config`` / ``build_hf_model`` (each family's MoE
+keys, taken from configs whose values all differ from transformers' defaults), ``patch_model`` (its report, backend
+choice, quantization config, state-dict hooks) and the experts interface (layouts, activations, backends).
+
+Expected values are written by hand from the definitions (transformers' config keys, the widths divided by the
+scale, the float64 sum over each token's experts), never computed the way the code computes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_helpers import MODELS, one_intra_op_thread, randomize_hf_  # noqa: E402,F401 (autouse fixture)
+
+from nxd_moe.config import load_model_config  # noqa: E402
+from nxd_moe.hf import from_hf_config, patch_model  # noqa: E402
+from nxd_moe.models.hf_models import build_hf_config, build_hf_model  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------------------
+# build_hf_config: every MoE key from the config, none from transformers' defaults
+
+
+def variant(shipped: str, *, experts: dict | None = None, router: dict | None = None, transformers_keys=None,
+            **fields) -> object:
+    """The shipped config ``shipped`` with ``fields`` / experts / router keys replaced (values unlike the
+    defaults)."""
+    base = load_model_config(shipped)
+    changes = dict(fields)
+    if experts is not None:
+        changes["experts"] = {**base.experts, **experts}
+    if router is not None:
+        changes["router"] = dataclasses.replace(base.router, **router)
+    if transformers_keys is not None:
+        changes["transformers"] = transformers_keys
+    return dataclasses.replace(base, **changes)
+
+
+# (config, num_layers, the transformers keys it must give): every value differs from the class default.
+FAMILY_KEYS = {
+    "qwen3_moe": (lambda: variant("qwen3-30b-a3b", num_experts=12, top_k=3, hidden_size=96, intermediate_size=40,
+                                  experts={"hidden_act": "gelu"}),
+                  3, dict(hidden_size=96, num_experts=12, num_experts_per_tok=3, moe_intermediate_size=40,
+                          norm_topk_prob=True, hidden_act="gelu", decoder_sparse_step=1, mlp_only_layers=[],
+                          num_hidden_layers=3)),
+    "mixtral": (lambda: variant("mixtral-8x7b", num_experts=6, top_k=3, hidden_size=64, intermediate_size=40,
+                                experts={"hidden_act": "gelu"}),
+                3, dict(hidden_size=64, num_local_experts=6, num_experts_per_tok=3, intermediate_size=40,
+                        hidden_act="gelu", num_hidden_layers=3)),
+    "gpt_oss": (lambda: variant("gpt-oss-20b", num_experts=6, top_k=3, hidden_size=64, intermediate_size=40,
+                                experts={"hidden_act_scaling_factor": 1.5, "gate_clamp_upper_limit": 5.0,
+                                         "up_clamp_lower_limit": -5.0, "up_clamp_upper_limit": 5.0}),
+                3, dict(hidden_size=64, num_local_experts=6, num_experts_per_tok=3, intermediate_size=40,
+                        swiglu_alpha=1.5, swiglu_limit=5.0, num_hidden_layers=3)),
+    "deepseek_v3": (lambda: variant("deepseek-v3", num_experts=16, top_k=3, hidden_size=64, intermediate_size=40,
+                                    shared_experts=None, experts={"hidden_act": "gelu"},
+                                    router={"n_group": 4, "topk_group": 2, "normalize": False,
+                                            "routed_scaling_factor": 1.5},
+                                    transformers_keys={"first_k_dense_replace": 2}),
+                    3, dict(hidden_size=64, n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=40,
+                            n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.5,
+                            n_shared_experts=0, hidden_act="gelu", num_hidden_layers=2 + 3)),
+    "deepseek_v3_two_shared": (lambda: variant("deepseek-v3", hidden_size=64, intermediate_size=40,
+                                               shared_experts={"num_shared_experts": 2}),
+                               1, dict(n_shared_experts=2, num_hidden_layers=3 + 1)),
+    "llama4_text": (lambda: variant("llama4-maverick", num_experts=6, top_k=2, hidden_size=64, intermediate_size=40,
+                                    experts={"hidden_act": "gelu"},
+                                    transformers_keys={"interleave_moe_layer_step": 3}),
+                    2, dict(hidden_size=64, num_local_experts=6, num_experts_per_tok=2, intermediate_size=40,
+                            hidden_act="gelu", num_hidden_layers=3 * 2)),
+    "dbrx": (lambda: variant("dbrx", num_experts=6, top_k=3, hidden_size=64, intermediate_size=40,
+                             experts={"hidden_act": "gelu", "normalize_top_k_affinities": False}),
+             3, dict(d_model=64, n_layers=3)),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_KEYS))
+def test_each_family_takes_its_moe_keys_from_the_config(family):
+    make, layers, expected = FAMILY_KEYS[family]
+    hf = build_hf_config(make(), num_layers=layers)
+    assert {key: getattr(hf, key) for key in expected} == expected
+    if family == "dbrx":
+        ffn = hf.ffn_config
+        assert (ffn.ffn_hidden_size, ffn.moe_num_experts, ffn.moe_top_k, ffn.moe_normalize_expert_weights,
+                ffn.ffn_act_fn) == (40, 6, 3, None, {"name": "gelu"})
+
+
+def test_keys_the_moe_fields_decide_are_refused_in_the_transformers_section():
+    """decoder_sparse_step is the MoE layer's pattern (every layer): a section setting it is refused, not used."""
+    base = load_model_config("qwen3-30b-a3b")
+    with pytest.raises(ValueError, match=r"^build_hf_model: config 'qwen3-30b-a3b': transformers key\(s\) "
+                                         r"\['decoder_sparse_step'\] come from the MoE fields and the layer count, "
+                                         r"not from the transformers section$"):
+        build_hf_config(dataclasses.replace(base, transformers={**base.transformers, "decoder_sparse_step": 2}))
+    no_shared = dataclasses.replace(from_hf_config(transformers.Qwen2MoeConfig()), shared_experts=None, name="q2")
+    with pytest.raises(ValueError, match=r"^build_hf_model: qwen2_moe has a gated shared expert; config 'q2' has "
+                                         r"none$"):
+        build_hf_config(no_shared, num_layers=1)
+    with pytest.raises(ValueError, match=r"^build_hf_model: config 'qwen3-30b-a3b': transformers key\(s\) "
+                                         r"\['mlp_only_layers'\] are derived from the layer count; set the pattern "
+                                         r"instead \(e\.g\. interleave_moe_layer_step\)$"):
+        build_hf_config(dataclasses.replace(base, transformers={**base.transformers, "mlp_only_layers": [0]}))
+
+
+def test_dbrx_heads_without_an_attention_section_and_kv_heads_that_must_shrink():
+    """DBRX's kv heads live in attn_config: without one in the section, transformers' default attention config
+    (kv_n_heads 1, clip_qkv None) is the one whose kv count is set. At scale 160 d_model is 6144 / 160 -> 40
+    (a multiple of 8): 4 heads of 10 (the most heads dividing 48 that leave an even width), and 8 kv heads do not
+    divide 4 heads: 4."""
+    bare = variant("dbrx", transformers_keys={"vocab_size": 1000, "n_heads": 48})
+    c = build_hf_config(bare, num_layers=1, scale=16)
+    assert (c.d_model, c.n_heads, c.attn_config.kv_n_heads, c.attn_config.clip_qkv) == (384, 48, 1, None)
+    shrunk = build_hf_config("dbrx", num_layers=1, scale=160)
+    assert (shrunk.d_model, shrunk.n_heads, shrunk.attn_config.kv_n_heads, shrunk.attn_config.clip_qkv) == (
+        40, 4, 4, 8.0)
+
+
+def tiny_mixtral():
+    """A mixtral layer small enough to build at scale 1: H 80, I 48, 4 experts, a 64-token vocabulary."""
+    return variant("mixtral-8x7b", num_experts=4, top_k=2, hidden_size=80, intermediate_size=48,
+                   transformers_keys={"vocab_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1})
+
+
+def test_build_hf_model_defaults_and_arguments_reach_the_model():
+    """Defaults: scale 1 (the config's widths), seed 0, CPU, float32; device, scale and quantization are passed
+    on (MXFP4's 32-column blocks: H 80 / 2 = 40 rounds up to 64, I 48 / 2 = 24 to 32; unquantized 40 and 24)."""
+    cfg = tiny_mixtral()
+    default = build_hf_model(cfg, num_layers=1)
+    assert (default.config.hidden_size, default.config.intermediate_size, default.config.vocab_size) == (80, 48, 64)
+    assert {(p.device.type, p.dtype) for p in default.parameters()} == {("cpu", torch.float32)}
+    seed0, seed1 = build_hf_model(cfg, num_layers=1, seed=0), build_hf_model(cfg, num_layers=1, seed=1)
+    router = "model.layers.0.mlp.gate.weight"
+    assert torch.equal(default.state_dict()[router], seed0.state_dict()[router])
+    assert not torch.equal(default.state_dict()[router], seed1.state_dict()[router])
+    meta = build_hf_model(cfg, num_layers=1, scale=2, device="meta")
+    assert {p.device.type for p in meta.parameters()} == {"meta"}
+    assert (meta.config.hidden_size, meta.config.intermediate_size) == (40, 24)
+    mx = build_hf_model(cfg, num_layers=1, scale=2, device="meta", quantization="mxfp4")
+    assert (mx.config.hidden_size, mx.config.intermediate_size) == (64, 32)
+    with pytest.raises(TypeError, match=r"^dtype must be a floating torch\.dtype or one of \["):
+        build_hf_model(cfg, num_layers=1, dtype="int8")
+    with pytest.raises(TypeError, match=r"^seed must be an int, got float 1\.5$"):
+        build_hf_model(cfg, num_layers=1, seed=1.5)
+
+
+def test_a_layer_transformers_cannot_hold_is_refused_naming_every_difference():
+    """Mixtral's config has no shared experts, no sigmoid router and always renormalises the top-k weights."""
+    cfg = variant("mixtral-8x7b", name="m", experts={"normalize_top_k_affinities": False},
+                  router={"act_fn": "sigmoid"}, shared_experts={"num_shared_experts": 1})
+    with pytest.raises(ValueError, match=r"^build_hf_model: config 'm/scale64' is not a transformers mixtral model: "
+                                         r"experts\.normalize_top_k_affinities, router, shared_experts differ from "
+                                         r"what transformers' MixtralConfig can hold$"):
+        build_hf_config(cfg, num_layers=1, scale=64)
+    with pytest.raises(ValueError, match=r"^num_layers must be in \[1, inf\], got 0$"):
+        build_hf_config("mixtral-8x7b", num_layers=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# patch_model: outputs, repr, state-dict hooks, quantization config
+
+
+def original(name: str, seed: int = 0, **sizes) -> torch.nn.Module:
+    return randomize_hf_(MODELS[name].make(**sizes), seed)
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama4_text"])
+def test_tuple_outputs_are_in_the_models_dtype(name):
+    """GptOssMLP's router scores and Llama 4's router logits come back in the block's dtype (bf16 here), as the
+    unpatched block gives them, though the layer routes in float32."""
+    model = original(name).to(torch.bfloat16)
+    path = f"{MODELS[name].layers}.1.{MODELS[name].block_attr}"
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with torch.no_grad():
+        before = model.get_submodule(path)(x)
+        patch_model(model)
+        after = model.get_submodule(path)(x)
+    assert [t.dtype for t in before] == [t.dtype for t in after] == [torch.bfloat16, torch.bfloat16]
+    assert [t.shape for t in before] == [t.shape for t in after]
+
+
+def test_repr_names_the_shared_format_only_where_there_are_shared_experts():
+    mixtral = patch_model(original("mixtral"))
+    assert mixtral.model.layers[0].mlp.extra_repr() == (
+        "in place of MixtralSparseMoeBlock, backend='torch', quantization='none'")
+    qwen2 = patch_model(original("qwen2_moe", hidden=64, intermediate=64), shared_quantization="fp8")
+    assert qwen2.model.layers[0].mlp.extra_repr() == (
+        "in place of Qwen2MoeSparseMoeBlock, backend='torch', quantization='none', shared_quantization='fp8'")
+    assert (qwen2.nxd_moe_patched.quantization, qwen2.nxd_moe_patched.shared_quantization) == ("none", "fp8")
+
+
+SHARDED = ("state_dict of {} (Qwen2MoeSparseMoeBlock patched by nxd_moe): under model parallelism each rank holds "
+           "only its shard of the experts; save the checkpoint from a model patched in one process")
+
+
+def test_state_dict_of_a_sharded_layer_is_refused(monkeypatch):
+    """A layer holding one rank's experts, or one rank's slice of the shared experts' width (set here by hand, as
+    expert / tensor parallelism sets them), cannot give the block's whole tensors."""
+    model = patch_model(original("qwen2_moe"))
+    block = model.model.layers[0].mlp
+    model.state_dict()  # whole: fine
+    monkeypatch.setattr(block.moe.expert_mlps, "weight_shards", ("prefill shard", "decode shard"))
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(SHARDED.format(repr('the block')))}$"):
+        block.state_dict()
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(SHARDED.format(repr('model.layers.0.mlp.')))}$"):
+        model.state_dict()
+    monkeypatch.undo()
+    monkeypatch.setattr(block.moe.shared_experts, "intermediate_shard", (2, 1))
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(SHARDED.format(repr('the block')))}$"):
+        block.state_dict()
+
+
+def test_a_block_alone_names_itself_in_its_state_dict_errors():
+    """Called on the block itself (no prefix), the errors say "the block"."""
+    model = patch_model(original("qwen3_moe", hidden=128, intermediate=128), quantization="fp8")
+    with pytest.raises(ValueError, match=r"^state_dict of 'the block' \(Qwen3MoeSparseMoeBlock patched by nxd_moe\): "
+                                         r"routed experts stored as 'fp8' have no checkpoint format"):
+        model.model.layers[1].mlp.state_dict()
+    model = patch_model(original("qwen3_moe", hidden=128, intermediate=128), quantization="fp8_block")
+    unquantized = original("qwen3_moe", hidden=128, intermediate=128).model.layers[1].mlp.state_dict()
+    with pytest.raises(ValueError, match=r"^load_state_dict: 'the block''s routed experts are stored as 'bf16' in "
+                                         r"the checkpoint, the layer's as 'fp8_block': patch the model with "
+                                         r"quantization='bf16'$"):
+        model.model.layers[1].mlp.load_state_dict(unquantized)
+
+
+def test_a_bf16_checkpoint_assigned_to_a_meta_model_keeps_the_float32_router():
+    """load_state_dict(assign=True) of a bf16 checkpoint into a bf16 model patched on the meta device: the router
+    becomes float32 (the layer's own dtype, its bf16 values exactly), the experts stay bf16."""
+    with torch.device("meta"):
+        model = MODELS["qwen3_moe"].make().to(torch.bfloat16)
+    patch_model(model)
+    state = original("qwen3_moe").to(torch.bfloat16).state_dict()
+    model.load_state_dict(state, assign=True, strict=False)
+    moe = model.model.layers[1].mlp.moe
+    router = moe.router.linear_router.weight
+    assert router.dtype == torch.float32 and not router.is_meta
+    assert torch.equal(router, state["model.layers.1.mlp.gate.weight"].float())
+    assert moe.expert_mlps.mlp_op.gate_up_proj.weight.dtype == torch.bfloat16
+
+
+ATTENTION = [r"model.layers.\d+.self_attn." + proj for proj in ("k_proj", "o_proj", "q_proj", "v_proj")]
+MLA = [r"model.layers.\d+.self_attn." + proj
+       for proj in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj")]
+FP8_BLOCKS = dict(activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128])
+# (name, patch_model arguments, the quantization_config save_pretrained writes): modules_to_not_convert lists, one
+# pattern per name across layers, every Linear / experts module holding unquantized weights -- attention, LM head,
+# routers, dense MLPs (DeepSeek's layer 0), unquantized experts -- and nothing inside the quantized ones.
+QUANTIZATION_CONFIGS = [
+    ("mixtral", dict(quantization="fp8_block"),
+     dict(quant_method="fp8", modules_to_not_convert=["lm_head", r"model.layers.\d+.mlp.gate", *ATTENTION],
+          **FP8_BLOCKS)),
+    ("gpt_oss", dict(quantization="mxfp4"),
+     dict(quant_method="mxfp4", modules_to_not_convert=["lm_head", r"model.layers.\d+.mlp.router", *ATTENTION])),
+    ("deepseek_v3", dict(shared_quantization="fp8_block"),
+     dict(quant_method="fp8", modules_to_not_convert=[
+         "lm_head", r"model.layers.\d+.mlp.down_proj", r"model.layers.\d+.mlp.experts", r"model.layers.\d+.mlp.gate",
+         r"model.layers.\d+.mlp.gate_proj", r"model.layers.\d+.mlp.up_proj", *MLA], **FP8_BLOCKS)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,expected", QUANTIZATION_CONFIGS, ids=[c[0] for c in QUANTIZATION_CONFIGS])
+def test_the_quantization_config_lists_exactly_the_unquantized_modules(name, kwargs, expected):
+    model = patch_model(original(name, hidden=128, intermediate=128), **kwargs)
+    assert model.config.quantization_config == expected
+    assert getattr(patch_model(original(name)).config, "quantization_config", None) is None  # nothing quantized
+
+
+def test_a_module_named_like_a_quantized_one_keeps_its_own_name():
+    """Linears a user added to DeepSeek's dense layer 0 under the names of layer 1's quantized modules
+    (``mlp.experts``, ``mlp.shared_experts``): a layer-index pattern for them would also match the quantized
+    experts (or their ``shared_experts.*`` children) and keep transformers from converting those, so they are
+    listed by their own names."""
+    model = original("deepseek_v3", hidden=128, intermediate=128)
+    model.model.layers[0].mlp.experts = torch.nn.Linear(4, 4)
+    model.model.layers[0].mlp.shared_experts = torch.nn.Linear(4, 4)
+    patch_model(model, quantization="fp8_block", shared_quantization="fp8_block")
+    assert model.config.quantization_config == dict(quant_method="fp8", modules_to_not_convert=[
+        "lm_head", "model.layers.0.mlp.experts", "model.layers.0.mlp.shared_experts", r"model.layers.\d+.mlp.down_proj",
+        r"model.layers.\d+.mlp.gate", r"model.layers.\d+.mlp.gate_proj", r"model.layers.\d+.mlp.up_proj", *MLA],
+        **FP8_BLOCKS)
+
+
+def test_patch_model_refusals_say_all_of_what_they_say():
+    """Whole messages: each names the argument or the model and what to do instead."""
+    not_a_model = torch.nn.Module()
+    not_a_model.config = type("Config", (), {"model_type": None})()
+    for model, name in ((torch.nn.Linear(2, 2), "Linear"), (not_a_model, "Module")):
+        with pytest.raises(TypeError, match=r"^patch_model: model must be a transformers model \(an nn\.Module with a "
+                                            rf"config\.model_type\), got {name}$"):
+            patch_model(model)
+    for name in ("dtype", "device", "scale"):
+        with pytest.raises(TypeError, match=rf"^patch_model: '{name}' is the model's own \(convert the model itself, "
+                                            r"e\.g\. model\.to\(\), before patching\)$"):
+            patch_model(original("mixtral"), **{name: None})
+    with pytest.raises(ValueError, match=r"^patch_model: shared_quantization='fp8', but model_type 'mixtral' has no "
+                                         r"shared experts$"):
+        patch_model(original("mixtral"), shared_quantization="fp8")
+    patched = patch_model(original("mixtral"))
+    with pytest.raises(ValueError, match=r"^patch_model: the model is already patched \(2 MoE blocks, "
+                                         r"model\.nxd_moe_patched\); patch a fresh model$"):
+        patch_model(patched)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the experts interface: layouts, activations, refusals in whole
+
+
+def experts_module(kind: str, **changes) -> torch.nn.Module:
+    """A decorated experts module of test_experts_backend.py (Mixtral's, GPT-OSS's, transposed with biases,
+    ungated) with attributes replaced (``None`` deletes a parameter or submodule)."""
+    from test_experts_backend import make_experts
+
+    module = make_experts(kind)
+    for name, value in changes.items():
+        if name in module._modules or name in module._parameters:
+            delattr(module, name)
+        if value is not None:
+            object.__setattr__(module, name, value) if callable(value) and not isinstance(value, torch.nn.Module) \
+                else setattr(module, name, value)
+    return module
+
+
+WEIGHT_DTYPES = "['torch.float32', 'torch.bfloat16', 'torch.float16', 'torch.float64']"
+ACTIVATIONS = ("['gelu', 'leaky_relu', 'relu', 'sigmoid', 'silu', 'tanh'] (transformers' SiLU, GELU (erf), ReLU, "
+               "Sigmoid, Tanh and LeakyReLU(0.01) modules, or those torch functions)")
+REFUSED = {
+    "int8_down": (lambda: experts_module("mixtral", down_proj=torch.nn.Parameter(
+        torch.zeros(8, 32, 24, dtype=torch.int8), requires_grad=False)),
+        f"MixtralExperts: down_proj must be a 3-D tensor of {WEIGHT_DTYPES}, got (8, 32, 24) torch.int8 (quantized "
+        "experts are not served)"),
+    "no_gate_up": (lambda: experts_module("mixtral", gate_up_proj=None),
+                   f"MixtralExperts: gate_up_proj must be a 3-D tensor of {WEIGHT_DTYPES}, got NoneType (quantized "
+                   "experts are not served)"),
+    "bias_shape": (lambda: experts_module("transposed_bias", down_proj_bias=torch.nn.Parameter(torch.zeros(8, 31))),
+                   "TransposedBiasExperts: has_bias=True needs down_proj_bias of shape (8, 32), got (8, 31)"),
+    "no_bias": (lambda: experts_module("transposed_bias", down_proj_bias=None),
+                "TransposedBiasExperts: has_bias=True needs down_proj_bias of shape (8, 32), got None"),
+    "alpha": (lambda: experts_module("gpt_oss", alpha="x"),
+              "GptOssExperts: GPT-OSS's gate needs a number alpha and a number (or None) limit, got alpha='x', "
+              "limit=1.0"),
+    "limit": (lambda: experts_module("gpt_oss", limit="1"),
+              "GptOssExperts: GPT-OSS's gate needs a number alpha and a number (or None) limit, got alpha=1.702, "
+              "limit='1'"),
+    "concatenated_gpt_oss": (lambda: experts_module("gpt_oss", is_concatenated=True),
+                             "GptOssExperts: GPT-OSS's _apply_gate reads interleaved gate/up columns but "
+                             "is_concatenated=True"),
+    "instance_gate": (lambda: experts_module("mixtral", _apply_gate=lambda gate_up: gate_up),
+                      "MixtralExperts: _apply_gate is overridden on the instance; only the class's default gate or "
+                      "GPT-OSS's is known"),
+    "post_norm": (lambda: experts_module("mixtral", has_post_expert_norm=True),
+                  "MixtralExperts: has_post_expert_norm=True (a norm after each expert) is not supported; use "
+                  "experts_implementation='eager' or 'grouped_mm'"),
+    "tanh_gelu": (lambda: experts_module("mixtral", act_fn=torch.nn.GELU(approximate="tanh")),
+                  f"MixtralExperts: act_fn GELU(approximate='tanh') is not supported; supported: {ACTIVATIONS}"),
+    "leaky_0.2": (lambda: experts_module("mixtral", act_fn=torch.nn.LeakyReLU(0.2)),
+                  f"MixtralExperts: act_fn LeakyReLU(negative_slope=0.2) is not supported; supported: {ACTIVATIONS}"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_each_refusal_says_all_of_what_it_says(case):
+    from nxd_moe.models.experts_backend import UnsupportedExpertsError, experts_layout
+
+    make, message = REFUSED[case]
+    with pytest.raises(UnsupportedExpertsError, match=f"^{re.escape('nxd_moe experts implementation: ' + message)}$"):
+        experts_layout(make())
+
+
+def test_modules_and_models_outside_the_interface_are_named():
+    from nxd_moe.models.experts_backend import UnsupportedExpertsError, check_experts_support, experts_layout
+
+    with pytest.raises(UnsupportedExpertsError, match=r"^nxd_moe experts implementation: lin \(Linear\): not an "
+                                                      r"experts module of transformers' experts interface \(a class "
+                                                      r"decorated with use_experts_implementation\)$"):
+        experts_layout(torch.nn.Linear(2, 2), "lin")
+    with pytest.raises(UnsupportedExpertsError, match=r"^nxd_moe experts implementation: Sequential: it has no "
+                                                      r"experts module decorated with transformers' "
+                                                      r"use_experts_implementation; swap its MoE blocks for nxd_moe "
+                                                      r"layers instead \(nxd_moe\.hf\.patch_model\)$"):
+        check_experts_support(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    dbrx = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dbrx.config = transformers.DbrxConfig()
+    with pytest.raises(UnsupportedExpertsError, match=r"^nxd_moe experts implementation: Sequential: DBRX's experts "
+                                                      r"are not decorated with use_experts_implementation in "
+                                                      r"transformers 5, so experts_implementation does not reach "
+                                                      r"them; swap its MoE blocks for nxd_moe layers instead "
+                                                      r"\(nxd_moe\.hf\.patch_model\)$"):
+        check_experts_support(dbrx)
+
+
+@pytest.mark.parametrize("act_fn,name", [
+    (torch.nn.GELU(), "gelu"), (torch.nn.LeakyReLU(0.01), "leaky_relu"), (torch.nn.Tanh(), "tanh"),
+    (torch.nn.Sigmoid(), "sigmoid"), (torch.nn.ReLU(), "relu"), (torch.tanh, "tanh"),
+    (torch.nn.functional.silu, "silu")], ids=["GELU", "LeakyReLU", "Tanh", "Sigmoid", "ReLU", "torch.tanh", "F.silu"])
+def test_activations_by_module_class_or_function(act_fn, name):
+    from nxd_moe.models.experts_backend import experts_layout
+
+    activation = experts_layout(experts_module("mixtral", act_fn=act_fn)).activation
+    assert (activation.hidden_act, activation.glu_mlp, activation.gate_up_interleaved) == (name, True, False)
+
+
+def test_gpt_oss_gate_clamps_only_with_a_limit():
+    """GPT-OSS's gate: sigmoid(alpha * g) * g * (u + 1) on interleaved columns; a limit L clamps g from above and u
+    on both sides, limit None clamps nothing."""
+    from nxd_moe.experts.activation import ExpertActivation
+    from nxd_moe.models.experts_backend import experts_layout
+    from nxd_moe.moe_configs import GLUType
+
+    common = dict(hidden_act="sigmoid", glu_mlp=True, glu_type=GLUType.SWIGLU, scaling_factor=1.25, act_bias=1.0,
+                  intermediate_size=24, gate_up_interleaved=True)
+    clamped = experts_layout(experts_module("gpt_oss", alpha=1.25, limit=3)).activation
+    assert clamped == ExpertActivation(**common, gate_upper=3.0, up_lower=-3.0, up_upper=3.0)
+    assert clamped.gate_lower is None
+    unclamped = experts_module("gpt_oss", alpha=1.25)
+    unclamped.limit = None
+    assert experts_layout(unclamped).activation == ExpertActivation(**common)
+
+
+def test_the_automatic_backend_by_device_type_and_dtype(monkeypatch):
+    """``"nxd_moe"``'s choice, from an empty cache: torch for CPU tensors; for CUDA ones (a stand-in with a CUDA
+    device: only its device type and dtype are read) triton where it computes the dtype, else torch. Each choice
+    is kept per (device type, dtype)."""
+    import types
+
+    import nxd_moe.models.experts_backend as eb
+    from nxd_moe.experts import TorchBackend
+
+    pytest.importorskip("triton")
+    from nxd_moe.triton_kernels.backend import TritonBackend
+
+    monkeypatch.setattr(eb, "_AUTOMATIC", {})
+    cpu = eb._automatic_backend(torch.zeros(1, dtype=torch.bfloat16))
+    cuda = {dtype: eb._automatic_backend(types.SimpleNamespace(device=torch.device("cuda"), dtype=dtype))
+            for dtype in (torch.bfloat16, torch.float64)}
+    assert type(cpu) is TorchBackend and type(cuda[torch.float64]) is TorchBackend
+    assert type(cuda[torch.bfloat16]) is TritonBackend
+    assert eb._AUTOMATIC == {("cpu", torch.bfloat16): cpu, ("cuda", torch.bfloat16): cuda[torch.bfloat16],
+                             ("cuda", torch.float64): cuda[torch.float64]}
+    # and from an empty cache the experts function itself runs on the chosen backend
+    monkeypatch.setattr(eb, "_AUTOMATIC", {})
+    module = experts_module("mixtral")
+    index = torch.tensor([[0, 3], [5, 0]])
+    out = eb.experts_forward(module, torch.randn(2, 32), index, torch.full((2, 2), 0.5))
+    assert out.shape == (2, 32) and list(eb._AUTOMATIC) == [("cpu", torch.float32)]
+
+
+def test_the_triton_implementation_takes_the_triton_backend(monkeypatch):
+    """``experts_implementation="nxd_moe_triton"`` always runs the triton backend: CPU tensors are refused by it
+    (not computed on another backend)."""
+    from nxd_moe.models.experts_backend import nxd_moe_triton_experts_forward
+
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("CPU tensors only where there is no CUDA device")
+    from nxd_moe.triton_kernels.backend import TritonBackend  # noqa: F401 (kernels defined under the interpreter)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    module = experts_module("mixtral")
+    with pytest.raises(RuntimeError, match="the triton backend runs on CUDA tensors"):
+        nxd_moe_triton_experts_forward(module, torch.randn(3, 32), torch.tensor([[0, 1], [2, 3], [4, 5]]),
+                                       torch.full((3, 2), 0.5))
+
+
+def test_models_patch_model_cannot_take_are_refused_in_whole(monkeypatch):
+    """Checked before anything changes: a model type without a converted block, router logits transformers would
+    record (on the config, or on a multimodal config's text_config), quantization of experts split across ranks
+    (set here by hand: what tensor parallelism gives)."""
+    import types
+
+    import nxd_moe.models.patch as patch_module
+    from nxd_moe.hf import SUPPORTED_MODEL_TYPES
+
+    def bare(**config) -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.config = types.SimpleNamespace(**config)
+        return model
+
+    unsupported = ("patch_model: Module (model_type 'llama') has no sparse-MoE block nxd_moe converts; supported "
+                   f"model types: {list(SUPPORTED_MODEL_TYPES)}")
+    with pytest.raises(ValueError, match=f"^{re.escape(unsupported)}$"):
+        patch_model(bare(model_type="llama"))
+    logits = (r"^patch_model: config\.output_router_logits is True, but patched blocks do not record router logits "
+              r"\(transformers' auxiliary training loss\); set it to False$")
+    with pytest.raises(ValueError, match=logits):
+        patch_model(bare(model_type="mixtral", output_router_logits=True))
+    with pytest.raises(ValueError, match=logits):
+        patch_model(bare(model_type="llama4", text_config=types.SimpleNamespace(output_router_logits=True)))
+    config = MODELS["qwen3_moe"].config(32, 24)
+    config.mlp_only_layers = [0, 1]
+    with pytest.raises(ValueError, match=r"^patch_model: Qwen3MoeForCausalLM \(model_type 'qwen3_moe'\) has no "
+                                         r"Qwen3MoeSparseMoeBlock to replace; every layer is dense$"):
+        patch_model(transformers.Qwen3MoeForCausalLM(config))
+    monkeypatch.setattr(patch_module, "holds_whole_experts", lambda expert_mlps: False)
+    model = original("mixtral", hidden=64, intermediate=64)
+    with pytest.raises(NotImplementedError, match=r"^patch_model: quantizing on patch under tensor parallelism or "
+                                                  r"hybrid sharding is not supported yet \(expert parallelism alone "
+                                                  r"is\); patch in one process$"):
+        patch_model(model, quantization="fp8")
+    assert not hasattr(model, "nxd_moe_patched")
+
+
+def test_the_default_backend_by_device(monkeypatch):
+    """triton for a block on a CUDA device where the Triton kernels import, else torch (a CPU; no Triton)."""
+    import nxd_moe.models.patch as patch_module
+
+    assert patch_module._default_backend(torch.device("cpu")) == "torch"
+    assert patch_module._default_backend(torch.device("meta")) == "torch"
+    pytest.importorskip("triton")
+    assert patch_module._default_backend(torch.device("cuda")) == "triton"
+
+    def no_triton(name):
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(patch_module.importlib, "import_module", no_triton)
+    assert patch_module._default_backend(torch.device("cuda")) == "torch"
