@@ -50,6 +50,11 @@ WHILE_LOOP_TESTS = ["tests/test_experts_algorithms_settings.py"] + [
         "test_property_reference_and_schedule", "test_while_loop_eager_semantics",
         "test_while_loop_into_writes_rows_without_touching_the_buffer")]
 
+# modules whose tests run in the XLA environment (.venv-xla, PJRT_DEVICE=CPU): mutmut runs its clean and statistics
+# passes in its own process, which starts the XLA runtime, and a fork of that process hangs -- so these mutants run
+# in workers started by a fork server (slower: each imports torch_xla)
+XLA_MODULES = {"nxd_moe/parallel/xla_collectives.py", "nxd_moe/tracing/spmd_program.py"}
+
 # module -> the tests that cover it (a run over one module stays within minutes)
 TESTS: dict[str, list[str]] = {
     "nxd_moe/nxd_compat/block_mapping.py": ["tests/nxd_compat/test_nxd_unit_test_equivalents.py"],
@@ -245,6 +250,8 @@ def scratch_copy(module: str, tests: list[str], jobs_dir: Path) -> Path:
               f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
               'pytest_add_cli_args = ["-x", "-q", "-p", "no:cacheprovider"]\n'
               'also_copy = ["nxd_moe", "tests", "configs"]\n')
+    if module in XLA_MODULES:  # the XLA runtime, started by mutmut's own test passes, must not be forked
+        config += 'process_isolation = "forkserver"\n'
     with open(root / "pyproject.toml", "a") as f:
         f.write(config)
     return root
