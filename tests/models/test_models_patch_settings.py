@@ -518,3 +518,369 @@ def test_the_default_backend_by_device(monkeypatch):
 
     monkeypatch.setattr(patch_module.importlib, "import_module", no_triton)
     assert patch_module._default_backend(torch.device("cuda")) == "torch"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# patch_model: checks and decisions seen from outside (mutation survivors of nxd_moe/models/patch.py)
+
+
+def test_a_config_without_output_router_logits_is_accepted():
+    """transformers configs without ``output_router_logits`` (on the config or its text_config) are taken: the
+    attribute counts as False when absent."""
+    import types
+
+    import nxd_moe.models.patch as patch_module
+
+    def bare(**config) -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.config = types.SimpleNamespace(**config)
+        return model
+
+    assert patch_module._check_model(bare(model_type="mixtral")) == "mixtral"
+    assert patch_module._check_model(bare(model_type="llama4", text_config=types.SimpleNamespace())) == "llama4"
+    assert patch_module._check_model(bare(model_type="mixtral", output_router_logits=False)) == "mixtral"
+
+
+def test_a_bad_shared_format_is_named_as_patch_models_shared_quantization():
+    message = ("patch_model: shared_quantization must be one of ['bf16', 'fp8', 'fp8_block', 'mxfp4'] (or an NxD "
+               "alias ['blockwise_symmetric', 'expert_wise_per_channel_symmetric', 'f4e2m1fn_x4', 'f8e4m3', "
+               "'fp8_per_channel', 'none']), got 'int3'")
+    model = original("qwen2_moe")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        patch_model(model, shared_quantization="int3")
+    assert not hasattr(model, "nxd_moe_patched")
+
+
+def test_a_dense_model_names_every_block_class_it_looked_for(monkeypatch):
+    from nxd_moe.hf import families
+
+    monkeypatch.setattr(families._FAMILIES["qwen3_moe"], "block_classes",
+                        ("Qwen3MoeSparseMoeBlock", "Qwen3MoeOtherBlock"))
+    config = MODELS["qwen3_moe"].config(32, 24)
+    config.mlp_only_layers = [0, 1]
+    with pytest.raises(ValueError, match=r"^patch_model: Qwen3MoeForCausalLM \(model_type 'qwen3_moe'\) has no "
+                                         r"Qwen3MoeSparseMoeBlock or Qwen3MoeOtherBlock to replace; every layer is "
+                                         r"dense$"):
+        patch_model(transformers.Qwen3MoeForCausalLM(config))
+
+
+def test_on_a_cpu_pairs_only_where_grouped_mm_multiplies_the_dtype():
+    """The default backend on a CPU: ``TorchBackend(pairs=True)`` for float32 (grouped_mm takes it; H 32, I 24
+    give 16-byte aligned rows), NxD's rules (no pairs) for float64, which grouped_mm does not take."""
+    f32 = patch_model(original("mixtral"))
+    f64 = patch_model(original("mixtral").to(torch.float64))
+    assert f32.model.layers[0].mlp.moe.expert_mlps.backend.pairs is True
+    assert f64.model.layers[0].mlp.moe.expert_mlps.backend.pairs is False
+    assert f64.nxd_moe_patched.backend == "torch"
+
+
+def test_the_probe_layer_is_built_on_meta_with_the_given_arguments(monkeypatch):
+    """The layer checked before anything changes: on the meta device, with the backend, formats and build
+    arguments given; shared_quantization only for a model with shared experts."""
+    import nxd_moe.models.patch as patch_module
+
+    calls = []
+    real = patch_module.build_moe
+
+    def spy(cfg, **kwargs):
+        calls.append(kwargs)
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(patch_module, "build_moe", spy)
+    patch_model(original("qwen2_moe", hidden=64, intermediate=64), backend="torch", quantization="fp8",
+                shared_quantization="fp8", block_size=64)
+    assert calls[0] == {"device": "meta", "backend": "torch", "quantization": "fp8", "shared_quantization": "fp8",
+                        "block_size": 64}
+    calls.clear()
+    patch_model(original("mixtral"), backend="torch", block_size=32)
+    assert calls[0] == {"device": "meta", "backend": "torch", "quantization": None, "block_size": 32}
+
+
+def test_experts_already_in_the_asked_format_are_not_requantized(monkeypatch):
+    """quantize_experts / quantize_shared_experts run once per block only where a format is asked for and differs
+    from the layer's (bf16 here): not without arguments, not for quantization='bf16'."""
+    import nxd_moe.models.patch as patch_module
+
+    calls = []
+
+    def spying(name, real):
+        def spy(moe, fmt):
+            calls.append((name, fmt))
+            return real(moe, fmt)
+        return spy
+
+    for name in ("quantize_experts", "quantize_shared_experts"):
+        monkeypatch.setattr(patch_module, name, spying(name, getattr(patch_module, name)))
+    patch_model(original("mixtral"))
+    patch_model(original("mixtral"), quantization="bf16")
+    patch_model(original("qwen2_moe"))
+    patch_model(original("qwen2_moe"), quantization="bf16", shared_quantization="bf16")
+    assert calls == []
+    patch_model(original("mixtral", hidden=64, intermediate=64), quantization="fp8")
+    assert calls == [("quantize_experts", "fp8")] * 2
+    calls.clear()
+    patch_model(original("qwen2_moe", hidden=64, intermediate=64), shared_quantization="fp8")
+    assert calls == [("quantize_shared_experts", "fp8")] * 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# experts_backend: refusals word for word, flag defaults, caches, dtypes and token counts
+
+
+def _eb_module(*, gated=True, transposed=False, e=4, h=8, i=4, flags=True, gate=True, **attrs):
+    """A bare experts module: ``_apply_gate`` on the class (transformers' default unless ``gate`` is something
+    else), ``is_transposed`` on the instance and, when ``flags``, the decorator's other flags at their defaults."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    cls_attrs = {} if gate is None else {"_apply_gate": _default_apply_gate if gate is True else gate}
+    module = type("BareExperts", (torch.nn.Module,), cls_attrs)()
+    module.is_transposed = transposed
+    if flags:
+        module.has_gate, module.has_bias, module.has_post_expert_norm = gated, False, False
+        module.is_concatenated, module._is_expert_parallel = True, False
+    gen = torch.Generator().manual_seed(7)
+    first = (e, h, 2 * i if gated else i) if transposed else (e, 2 * i if gated else i, h)
+    setattr(module, "gate_up_proj" if gated else "up_proj", torch.nn.Parameter(torch.randn(*first, generator=gen)))
+    module.down_proj = torch.nn.Parameter(torch.randn(*((e, i, h) if transposed else (e, h, i)), generator=gen))
+    module.num_experts = e
+    module.act_fn = torch.nn.SiLU() if gated else torch.nn.ReLU()
+    for name, value in attrs.items():
+        setattr(module, name, value)
+    return module
+
+
+def _eb_refusal(module) -> str:
+    from nxd_moe.models.experts_backend import UnsupportedExpertsError, experts_layout
+
+    with pytest.raises(UnsupportedExpertsError) as info:
+        experts_layout(module)
+    return str(info.value)
+
+
+_EB_DTYPES = "['torch.float32', 'torch.bfloat16', 'torch.float16', 'torch.float64']"
+
+
+def test_eb_layout_defaults_without_the_decorator_flags():
+    """Only ``is_transposed`` set: has_gate True, has_bias False, no post norm, the default gate's [gate | up]
+    halves, and ids >= E sentinels always (no ``_is_expert_parallel``); with that flag, not always."""
+    from nxd_moe.experts.activation import ExpertActivation
+    from nxd_moe.models.experts_backend import ExpertsLayout, experts_layout
+    from nxd_moe.moe_configs import GLUType
+
+    module = _eb_module(flags=False)
+    silu = ExpertActivation("silu", True, GLUType.GLU, intermediate_size=4)
+    assert experts_layout(module) == ExpertsLayout("gate_up_proj", False, False, 4, silu, sentinels_always=True)
+    module._is_expert_parallel = False
+    assert experts_layout(module) == ExpertsLayout("gate_up_proj", False, False, 4, silu, sentinels_always=False)
+    assert experts_layout(module).sentinels_always is False
+
+
+def test_eb_ungated_layout_and_refusal():
+    from nxd_moe.experts.activation import ExpertActivation
+    from nxd_moe.models.experts_backend import ExpertsLayout, experts_layout
+    from nxd_moe.moe_configs import GLUType
+
+    module = _eb_module(gated=False, i=5)
+    layout = experts_layout(module)
+    assert layout == ExpertsLayout("up_proj", False, False, 4,
+                                   ExpertActivation("relu", False, GLUType.GLU, intermediate_size=5))
+    assert layout.activation.glu_mlp is False and layout.activation.intermediate_size == 5
+    module.act_fn = torch.nn.Softplus()
+    from nxd_moe.activations import ACT2FN
+
+    assert _eb_refusal(module) == (
+        f"nxd_moe experts implementation: BareExperts: act_fn Softplus(beta=1.0, threshold=20.0) is not supported; "
+        f"supported: {sorted(ACT2FN)} (transformers' SiLU, GELU (erf), ReLU, Sigmoid, Tanh and LeakyReLU(0.01) "
+        "modules, or those torch functions)")
+    del module.act_fn
+    assert _eb_refusal(module).startswith("nxd_moe experts implementation: BareExperts: act_fn None is not supported")
+
+
+def test_eb_gated_activation_fields():
+    from nxd_moe.models.experts_backend import experts_layout
+    from nxd_moe.moe_configs import GLUType
+
+    activation = experts_layout(_eb_module(i=3, h=6)).activation
+    assert (activation.hidden_act, activation.glu_mlp, activation.glu_type, activation.intermediate_size) == (
+        "silu", True, GLUType.GLU, 3)
+
+
+def test_eb_gate_refusals_word_for_word():
+    assert _eb_refusal(_eb_module(is_concatenated=False)) == (
+        "nxd_moe experts implementation: BareExperts: is_concatenated=False (interleaved gate/up) but the default "
+        "_apply_gate splits [gate | up] halves: which layout the weights hold is ambiguous")
+
+    def my_gate(self, gate_up):
+        return gate_up
+
+    assert _eb_refusal(_eb_module(gate=my_gate)) == (
+        f"nxd_moe experts implementation: BareExperts: its _apply_gate (from {__name__}) is not one nxd_moe computes: "
+        "supported are transformers' default (act_fn(gate) * up) and GPT-OSS's clamped SwiGLU")
+
+
+def test_eb_gpt_oss_alpha_and_limit_may_be_missing():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from nxd_moe.experts.activation import ExpertActivation
+    from nxd_moe.models.experts_backend import experts_layout
+    from nxd_moe.moe_configs import GLUType
+
+    config = GptOssConfig(hidden_size=8, intermediate_size=4, num_local_experts=4, num_experts_per_tok=2)
+    module = GptOssExperts(config)
+    module.alpha = 1.5
+    del module.limit
+    assert experts_layout(module).activation == ExpertActivation(
+        "sigmoid", True, GLUType.SWIGLU, scaling_factor=1.5, act_bias=1.0, intermediate_size=4,
+        gate_up_interleaved=True)
+    del module.alpha
+    assert _eb_refusal(module) == (
+        "nxd_moe experts implementation: GptOssExperts: GPT-OSS's gate needs a number alpha and a number (or None) "
+        "limit, got alpha=None, limit=None")
+
+
+def test_eb_loaded_of_a_missing_module_is_none():
+    from nxd_moe.models.experts_backend import _loaded
+
+    assert _loaded("nxd_moe_no_such_module", "a", "b") is None
+    assert _loaded("torch", "no_such_attribute", "b") is None
+
+
+def test_eb_shape_refusals_word_for_word():
+    prefix = "nxd_moe experts implementation: BareExperts: "
+    module = _eb_module()
+    del module.num_experts
+    assert _eb_refusal(module) == prefix + (
+        "with is_transposed=False, gate_up_proj (4, 8, 8) and down_proj (4, 8, 4) must be (E, W, H) / (E, H, I) "
+        "with E = num_experts (None) and W = 2I")
+    module = _eb_module(transposed=True, e=3, h=8, i=2)
+    module.down_proj = torch.nn.Parameter(torch.zeros(5, 2, 8))  # only the down projection's E differs
+    assert _eb_refusal(module) == prefix + (
+        "with is_transposed=True, gate_up_proj (3, 8, 4) and down_proj (5, 2, 8) must be (E, H, W) / (E, I, H) "
+        "with E = num_experts (3) and W = 2I")
+    module = _eb_module(gated=False, e=4, h=8, i=4, num_experts=6)  # only num_experts differs
+    assert _eb_refusal(module) == prefix + (
+        "with is_transposed=False, up_proj (4, 4, 8) and down_proj (4, 8, 4) must be (E, W, H) / (E, H, I) "
+        "with E = num_experts (6) and W = I")
+    module = _eb_module()
+    module.down_proj = torch.nn.Parameter(torch.zeros(4, 6, 4))  # only H differs
+    assert _eb_refusal(module).startswith(prefix + "with is_transposed=False, gate_up_proj (4, 8, 8) and down_proj "
+                                          "(4, 6, 4) must be")
+
+
+def test_eb_weight_type_refusals_word_for_word():
+    prefix = "nxd_moe experts implementation: BareExperts: "
+    module = _eb_module()
+    del module.down_proj
+    assert _eb_refusal(module) == prefix + (
+        f"down_proj must be a 3-D tensor of {_EB_DTYPES}, got NoneType (quantized experts are not served)")
+    module = _eb_module()
+    del module.gate_up_proj
+    module.gate_up_proj = [1.0]
+    assert _eb_refusal(module) == prefix + (
+        f"gate_up_proj must be a 3-D tensor of {_EB_DTYPES}, got list (quantized experts are not served)")
+
+
+def test_eb_is_experts_module_needs_both_conditions():
+    from nxd_moe.models.experts_backend import is_experts_module
+
+    assert is_experts_module(_eb_module())
+    assert not is_experts_module(_eb_module(gate=None))  # is_transposed alone
+    module = _eb_module()
+    del module.is_transposed
+    assert not is_experts_module(module)  # _apply_gate alone
+
+
+def test_eb_backends_are_cached_per_name_and_key(monkeypatch):
+    import nxd_moe.models.experts_backend as eb
+    from nxd_moe.experts import TorchBackend
+
+    mine, auto = TorchBackend(), TorchBackend()
+    monkeypatch.setattr(eb, "_BACKENDS", {"mine": mine})
+    assert eb._backend("mine") is mine and eb._backend("mine") is mine
+    torch_backend = eb._backend("torch")
+    assert type(torch_backend) is TorchBackend and eb._BACKENDS["torch"] is torch_backend
+    assert eb._backend("torch") is torch_backend
+    monkeypatch.setattr(eb, "_AUTOMATIC", {("cpu", torch.float64): auto})
+    assert eb._automatic_backend(torch.zeros(1, dtype=torch.float64)) is auto
+    assert eb._automatic_backend(torch.zeros(1, dtype=torch.float32)) is torch_backend
+
+
+def test_eb_local_slot_is_cached_per_device():
+    from nxd_moe.models.experts_backend import experts_layout
+
+    layout = experts_layout(_eb_module(e=5))
+    slot = layout.local_slot(torch.device("cpu"))
+    assert slot.tolist() == [0, 1, 2, 3, 4]
+    assert layout.local_slot(torch.device("cpu")) is slot
+
+
+def _eb_reference(module, x, index, weight):
+    """float64: sum over each token's experts (ids >= E contribute nothing) of w * down(silu(gate) * up)."""
+    gate_up, down = module.gate_up_proj.detach().double(), module.down_proj.detach().double()
+    inter = down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            if e >= gate_up.shape[0]:
+                continue
+            proj = gate_up[e] @ x[t].double()
+            hidden = torch.nn.functional.silu(proj[:inter]) * proj[inter:]
+            out[t] += float(weight[t, j]) * (down[e] @ hidden)
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 3])
+def test_eb_forward_token_counts_and_dtype(num_tokens):
+    """fp32 weights, float64 rows: the output is float64 and matches the float64 sum; T == 0 gives zeros; ids >= E
+    are sentinels on a module without ``_is_expert_parallel``."""
+    from nxd_moe.models.experts_backend import experts_forward
+
+    module = _eb_module(flags=False)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(num_tokens, 8, generator=gen, dtype=torch.float64)
+    index = torch.tensor([[0, 2], [3, 4], [1, 7]][:num_tokens], dtype=torch.long).reshape(num_tokens, 2)
+    weight = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 2.0]][:num_tokens], dtype=torch.float64).reshape(
+        num_tokens, 2)
+    for backend in (None, "torch"):
+        out = experts_forward(module, x, index, weight, backend)
+        assert out.dtype == torch.float64 and out.shape == (num_tokens, 8)
+        torch.testing.assert_close(out, _eb_reference(module, x, index, weight), rtol=1e-4, atol=1e-4)
+        if num_tokens == 0:
+            assert out.numel() == 0
+
+
+def test_eb_forward_shape_refusal_word_for_word():
+    from nxd_moe.models.experts_backend import experts_forward
+
+    module = _eb_module()
+    index, weight = torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2)
+    with pytest.raises(ValueError) as info:
+        experts_forward(module, torch.zeros(4, 8), index, weight)
+    assert str(info.value) == ("nxd_moe experts implementation: hidden_states must be (T, H) with H = 8 and "
+                               "top_k_index, top_k_weights (T, k); got (4, 8), (3, 2), (3, 2)")
+
+
+def test_eb_automatic_mode_needs_every_weight_dim_aligned(monkeypatch):
+    """On a CPU in fp32 the pairs are sorted by expert at every T only where grouped_mm takes all four weight
+    dims (16-byte rows): I = 2 (8 bytes) is not, so T*k >= E follows NxD's rules, not selective loading."""
+    import nxd_moe.models.experts_backend as eb
+    from nxd_moe.experts import ExpertsMode
+
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("no grouped_mm")
+    modes = []
+    real = eb.experts_forward_pairs
+
+    def spy(backend, x, pair_expert, weights_, w, slot, mode, config):
+        modes.append(mode)
+        return real(backend, x, pair_expert, weights_, w, slot, mode, config)
+
+    monkeypatch.setattr(eb, "experts_forward_pairs", spy)
+    index = torch.tensor([[0, 1], [2, 3]] * 4)
+    weight = torch.full((8, 2), 0.5)
+    for inter in (4, 2):
+        module = _eb_module(e=4, h=8, i=inter)
+        eb.experts_forward(module, torch.randn(8, 8), index, weight)
+    assert modes[0] == ExpertsMode.SELECTIVE_LOADING and modes[1] != ExpertsMode.SELECTIVE_LOADING
