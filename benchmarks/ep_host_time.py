@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nxd_moe import build_moe, parallel_state  # noqa: E402
 from nxd_moe.config import ExpertParallelConfig  # noqa: E402
 
-# phase -> (file suffix, function) whose cumulative time is the phase's.
+# phase -> (file suffix, function) whose cumulative time is the phase's, or several such pairs summed.
 PHASES = {
     "agreement_start": ("parallel/expert_parallel.py", "_start_agreement"),
     "agreement_wait": ("nxd_moe/parallel_state.py", "wait"),
@@ -57,7 +57,9 @@ PHASES = {
     "pack": ("parallel/all_to_all.py", "destination_fields"),
     "pack_kernel": ("triton_kernels/dispatch.py", "pack_for_destinations"),
     "slots_kernel": ("triton_kernels/dispatch.py", "destination_slots"),
-    "all_to_all": ("parallel/collectives.py", "all_to_all"),
+    # the exchanges: blocking, or started and waited for (NCCL or straight over NVLink)
+    "all_to_all": (("parallel/collectives.py", "all_to_all"), ("parallel/collectives.py", "start_all_to_all"),
+                   ("parallel/collectives.py", "wait"), ("parallel/nvlink.py", "start_nvlink_all_to_all")),
     "all_gather": ("parallel/collectives.py", "all_gather"),
     "reduce_scatter": ("parallel/collectives.py", "reduce_scatter"),
     "experts": ("nxd_moe/expert_mlps_v2.py", "compute"),
@@ -87,8 +89,9 @@ def phases(profile: cProfile.Profile, calls: int) -> dict[str, float]:
     stats = pstats.Stats(profile).stats
     cumulative: dict[str, float] = {}
     for (filename, _, name), (_, _, _, cum, _) in stats.items():
-        for phase, (suffix, function) in PHASES.items():
-            if name == function and filename.endswith(suffix):
+        for phase, where in PHASES.items():
+            pairs = where if isinstance(where[0], tuple) else (where,)
+            if any(name == function and filename.endswith(suffix) for suffix, function in pairs):
                 cumulative[phase] = cumulative.get(phase, 0.0) + cum * 1e3 / calls
     if "router" in cumulative:
         cumulative["router"] -= cumulative.get("expert_parallel_call", 0.0)

@@ -217,7 +217,10 @@ TESTS: dict[str, list[str]] = {
         "tests/parallel/test_parallel_units.py::test_world_of_one"],
     # (simulated worlds of threads, in one process; the gloo worlds take minutes per run)
     "nxd_moe/parallel/expert_parallel.py": ["tests/parallel/test_parallel_ep_settings.py",
+                                            "tests/parallel/test_overlap_rule.py",
                                             "tests/parallel/test_parallel_units.py::test_world_of_one"],
+    "nxd_moe/parallel/overlap.py": ["tests/parallel/test_overlap_rule.py"],
+    "nxd_moe/parallel/nvlink.py": ["tests/parallel/test_nvlink_transport.py"],
     "nxd_moe/parallel/token_layout.py": [
         "tests/parallel/test_layout.py", "tests/parallel/test_parallel_ep_settings.py",
         "tests/parallel/test_parallel_units.py::test_gathered_shards_in_token_order",

@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 from nxd_moe import build_moe, load_model_config, parallel_state  # noqa: E402
 from nxd_moe.config import ExpertParallelConfig  # noqa: E402
 from nxd_moe.graphs import capture  # noqa: E402
+from nxd_moe.parallel import overlap  # noqa: E402
 from nxd_moe.parallel.collectives import CommLedger, all_to_all  # noqa: E402
 from nxd_moe.parallel.dispatch import DispatchInputs  # noqa: E402
 from nxd_moe.parallel.dispatches import get_dispatcher  # noqa: E402
@@ -145,15 +146,18 @@ def rooflines(device: torch.device, world: int, args) -> dict:
 # worker: one rank of a torchrun world
 
 
-def build(args, config: str, fmt: str, device, dtype, dispatch: str | None, weights_of=None):
+def build(args, config: str, fmt: str, device, dtype, dispatch: str | None, weights_of=None,
+          micro_batches: int | None = None, transport: str = "nccl"):
     """The layer (dispatch None: the single-device one, weights from seed 0); parallel layers share the
     single-device layer's seed so that every world computes the same function. ``weights_of``: a layer whose
-    tensors the new one uses as they are (no copy: one GPU holds a full DeepSeek-V3 layer once)."""
+    tensors the new one uses as they are (no copy: one GPU holds a full DeepSeek-V3 layer once).
+    ``micro_batches``: the static all-to-all's, forced (None: the rule's); ``transport``: how it moves rows."""
     common = dict(scale=args.scale, dtype=dtype, seed=0, block_size=args.block_size, backend=args.backend,
                   quantization=None if fmt == "bf16" else fmt)
     if dispatch is None:
         return build_moe(config, device=device, model_parallel=False, **common)
-    placed = ExpertParallelConfig(dispatch, all_to_all_splits="static")
+    placed = ExpertParallelConfig(dispatch, all_to_all_splits="static", micro_batches=micro_batches,
+                                  transport=transport)
     if weights_of is None:
         return build_moe(config, device=device, model_parallel=True, expert_parallel_config=placed, **common)
     layer = build_moe(config, device="meta", model_parallel=True, expert_parallel_config=placed, **common)
@@ -225,7 +229,10 @@ def step_record(moe, x: torch.Tensor, device, args, rates: dict) -> dict:
                                                                             .intermediate_parts)
     # The statistics call also all-gathers the per-expert counts; the timed step (no statistics) does not.
     sent = sum(v for k, v in summary.get("bytes_by_step", {}).items() if k != "expert_counts")
-    record = {"ms": ms, "eager_ms": eager_ms, "mode": summary["mode"], "bytes_sent_per_rank": max(gathered(sent)),
+    par = getattr(moe, "expert_parallel", None)
+    record = {"micro_batches": None if par is None else par.micro_batch_count(
+        x.reshape(-1, x.shape[-1]), moe.router.top_k, par.token_layout(x.shape[0], x.shape[1], False))}
+    record |= {"ms": ms, "eager_ms": eager_ms, "mode": summary["mode"], "bytes_sent_per_rank": max(gathered(sent)),
               "bytes_by_step": summary.get("bytes_by_step", {}),
               "expert_bytes_read_max_rank": max(gathered(touched)), "flops_max_rank": max(gathered(flops)),
               "output_abs_max": float(out.float().abs().max())}
@@ -258,7 +265,8 @@ def dispatch_combine(moe, x: torch.Tensor, device, args) -> dict:
         def run(rows):
             ledger.steps.clear()
             dispatched = dispatcher.dispatch(DispatchInputs(rows, routing, layout, par.groups, shard, None, ledger,
-                                                            epc.all_to_all_splits, count_pairs=False))
+                                                            epc.all_to_all_splits, count_pairs=False,
+                                                            transport=epc.transport))
             return dispatcher.combine(dispatched.rows, dispatched.handle).output
 
         run(tokens)
@@ -323,6 +331,12 @@ def worker(args) -> None:
                     # several: the all-to-all layer shares the all-gather layer's shard.
                     layers[dispatch] = build(args, config, fmt, device, dtype, dispatch,
                                              single if single is not None else layers.get(DISPATCHES[0]))
+                for count in args.micro_batches:  # the all-to-all with its micro-batches forced
+                    layers[f"all_to_all_v/micro{count}"] = build(args, config, fmt, device, dtype, "all_to_all_v",
+                                                                 layers[DISPATCHES[0]], micro_batches=count)
+                for transport in args.transports:  # the all-to-all over another transport
+                    layers[f"all_to_all_v/{transport}"] = build(args, config, fmt, device, dtype, "all_to_all_v",
+                                                                layers[DISPATCHES[0]], transport=transport)
             except (NotImplementedError, ValueError) as e:
                 report["skipped"].append({"config": config, "format": fmt, "why": f"{type(e).__name__}: {e}"})
                 continue
@@ -339,7 +353,7 @@ def worker(args) -> None:
                                                 "tokens_per_rank": n, "world_size": world,
                                                 "layer": name or "single_device", **record})
             if config == args.dispatch_config and fmt == "bf16":
-                for dispatch in DISPATCHES:
+                for dispatch in [*DISPATCHES, *(f"all_to_all_v/{t}" for t in args.transports)]:
                     x = torch.randn(args.dispatch_tokens, 1, hidden, generator=gen).to(device, dtype)
                     report["dispatch_combine"].append({"config": config, "dispatch": dispatch, "world_size": world,
                                                        **dispatch_combine(layers[dispatch], x, device, args)})
@@ -499,7 +513,9 @@ def launch(args) -> dict:
         "settings": {"configs": args.configs, "formats": args.formats, "scale": args.scale,
                      "block_size": args.block_size, "backend": args.backend, "graphs": args.graphs,
                      "dtype": "bfloat16" if args.device == "cuda" else "float32", "tensor_parallel": 1,
-                     "expert_parallel": "world size", "all_to_all_splits": "static"},
+                     "expert_parallel": "world size", "all_to_all_splits": "static",
+                     "micro_batches_forced": args.micro_batches, "transports": args.transports,
+                     "micro_batch_rule": {"link_GBps": overlap.LINK_GBPS, "cost_us": overlap.MICRO_BATCH_COST_US}},
         "method": {"repeats": args.repeats, "replays": args.replays,
                    "time": "slowest rank's median per call over repetitions of back-to-back replays (CUDA events)"},
         "runs": runs,
@@ -564,6 +580,11 @@ def main() -> None:
     parser.add_argument("--backend", default="triton", help="the experts' backend on every rank")
     parser.add_argument("--decode", type=_sizes, default=[1, 8, 64], help="decode tokens per rank")
     parser.add_argument("--prefill", type=_sizes, default=[2048, 8192], help="prefill tokens per rank")
+    parser.add_argument("--micro-batches", type=_sizes, default=[],
+                        help="also time the static all-to-all with these micro-batch counts forced (the "
+                             "all_to_all_v rows take the rule's count)")
+    parser.add_argument("--transports", type=_names, default=[],
+                        help="also time the static all-to-all over these transports (nvlink)")
     parser.add_argument("--dispatch-config", default="deepseek-v3", help="layer of the dispatch+combine figure")
     parser.add_argument("--dispatch-tokens", type=int, default=128, help="decode tokens per rank, dispatch+combine")
     parser.add_argument("--internode-GBps", type=float, default=50.0, help="EP model: per-GPU bandwidth off-node")

@@ -45,7 +45,7 @@ from nxd_moe.build import build_moe, scale_rounding, scaled_model
 from nxd_moe.experts.backends import BACKENDS
 from nxd_moe.graphs import GraphedStep, capture
 from nxd_moe.model_config import MoEModelConfig, builtin_config_names, load_model_config
-from nxd_moe.moe_configs import ALL_TO_ALL_SPLITS, EXPERT_PARALLEL_DISPATCHES, ExpertParallelConfig
+from nxd_moe.moe_configs import ALL_TO_ALL_SPLITS, EXPERT_PARALLEL_DISPATCHES, TRANSPORTS, ExpertParallelConfig
 from nxd_moe.parallel.sharding import load_full_state_dict
 from nxd_moe.quantization import QUANTIZATION_CHOICES
 from nxd_moe.quantization.activations import ACTIVATION_QUANTIZATION_CHOICES, activation_quantization_spec
@@ -312,7 +312,8 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
         if full.expert_mlps.routed_experts_mlp_config.quantization != "bf16":  # the same weights before quantization
             shapes = scaled_model(model, scale, full.expert_mlps.routed_experts_mlp_config.quantization)
             unquantized = build_moe(shapes, model_parallel=False, **{**on_cpu, "scale": 1, "quantization": "bf16"})
-        placement = ExpertParallelConfig(args.dispatch, all_to_all_splits=args.all_to_all_splits)
+        placement = ExpertParallelConfig(args.dispatch, all_to_all_splits=args.all_to_all_splits,
+                                         micro_batches=args.micro_batches, transport=args.transport)
         moe = load_full_state_dict(build_moe(model, expert_parallel_config=placement, device=device, **common),
                                    full.state_dict())
         cfg = full.expert_mlps.routed_experts_mlp_config
@@ -340,6 +341,8 @@ def run_parallel(args: argparse.Namespace) -> dict | None:
         "sequence_parallel": args.sp,
         "dispatch": args.dispatch,
         "all_to_all_splits": args.all_to_all_splits,
+        "micro_batches": args.micro_batches,
+        "transport": args.transport,
         "token_groups": groups,
     })
     report["device"] = str(device.type)  # the parallel layer's (the reference ran on the CPU)
@@ -460,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     run_p.add_argument("--all-to-all-splits", default="static", choices=ALL_TO_ALL_SPLITS,
                        help="all_to_all_v buffers: static (default; no host sync, CUDA-graph capturable) or exact "
                             "(counts exchanged first: fewer bytes, one host sync per step)")
+    run_p.add_argument("--micro-batches", type=positive_int, default=None,
+                       help="static all_to_all_v: exchange in this many micro-batches beside the experts (default: "
+                            "the rule's count from the exchange's bytes and the held weights)")
+    run_p.add_argument("--transport", default="nccl", choices=TRANSPORTS,
+                       help="static all_to_all_v: nccl (default) or nvlink (rows written straight into the peers' "
+                            "buffers; NCCL where that cannot run)")
     run_p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     run_p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
 

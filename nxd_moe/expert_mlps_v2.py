@@ -315,8 +315,10 @@ class ExpertMLPsV2(nn.Module):
         (check the inputs, pad the width, build the routing, resolve the mode and capacity from the block's token
         count) -> **dispatch** (``route.dispatcher``) -> **compute** (:meth:`compute`: the pairs dispatched here,
         with the weights held for the phase) -> **combine** -> **finalize** (the width, the addend, the
-        statistics). Arguments as :meth:`forward`'s (``checked``: the caller checked the inputs already);
-        returns ``(T, H)`` for this rank's tokens (and :class:`ExpertsStats` with ``return_stats``)."""
+        statistics). With ``route.micro_batches > 1`` the middle three run per micro-batch, each exchange beside
+        another micro-batch's compute (the dispatcher's ``micro_batches``). Arguments as :meth:`forward`'s
+        (``checked``: the caller checked the inputs already); returns ``(T, H)`` for this rank's tokens (and
+        :class:`ExpertsStats` with ``return_stats``)."""
         cfg = self.routed_experts_mlp_config
         if not checked:
             self.check_inputs(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, check_index)
@@ -330,13 +332,22 @@ class ExpertMLPsV2(nn.Module):
                     if mode is ExpertsMode.CAPACITY_FACTOR else None)
         if route.agreement is not None:
             route.agreement.wait()
-        dispatched = route.dispatcher.dispatch(DispatchInputs(
-            x, routing, route.layout, route.groups, route.shard, capacity, route.ledger, route.all_to_all_splits,
-            count_pairs=return_stats))
-        # The experts may add the addend in their own last pass (fused) when the rows are the tokens.
-        fused = addend if dispatched.routing is not None and in_width == cfg.hidden_size else None
-        partial, computed = self.compute(dispatched, mode, capacity, seq_len == 1, route, fused)
-        result = route.dispatcher.combine(partial, dispatched.handle)
+        inputs = DispatchInputs(x, routing, route.layout, route.groups, route.shard, capacity, route.ledger,
+                                route.all_to_all_splits, count_pairs=return_stats, transport=route.transport)
+        fused = computed = None
+        if route.micro_batches > 1 and not return_stats:  # statistics describe one run of the experts
+            batches = route.dispatcher.micro_batches(inputs, route.micro_batches)
+            for i in range(len(batches)):
+                dispatched = batches.received(i)
+                partial, _ = self.compute(dispatched, mode, capacity, seq_len == 1, route)
+                batches.start_combine(i, partial, dispatched.handle)
+            result = batches.result()
+        else:
+            dispatched = route.dispatcher.dispatch(inputs)
+            # The experts may add the addend in their own last pass (fused) when the rows are the tokens.
+            fused = addend if dispatched.routing is not None and in_width == cfg.hidden_size else None
+            partial, computed = self.compute(dispatched, mode, capacity, seq_len == 1, route, fused)
+            result = route.dispatcher.combine(partial, dispatched.handle)
         out = result.output
         if in_width != cfg.hidden_size:
             out = out[:, :in_width]

@@ -432,6 +432,7 @@ class RoutedExpertsMLPOpsConfig:
 
 EXPERT_PARALLEL_DISPATCHES = ("all_gather", "all_to_all_v")
 ALL_TO_ALL_SPLITS = ("static", "exact")
+TRANSPORTS = ("nccl", "nvlink")
 
 
 def normalize_distribution(expert_distribution: Sequence[Sequence[int]], what: str = "expert_distribution"
@@ -509,12 +510,23 @@ class ExpertParallelConfig:
       of experts, none twice.
     - ``decode_expert_distribution``: the same for decode; ``None`` reuses ``expert_distribution`` when the decode
       expert-parallel size is the prefill one, else the contiguous placement.
+    - ``micro_batches`` (static ``all_to_all_v`` only): split the rows a rank dispatches into this many micro-batches
+      whose exchanges run while the experts compute the others (the dispatch of micro-batch ``i + 1`` and the
+      combine of ``i - 1`` under the expert GEMMs of ``i``; vLLM's dual-batch overlap, DeepEP's hooks). ``None``
+      (default): :func:`nxd_moe.parallel.overlap.micro_batch_count`'s rule from the exchange's bytes, 1 where
+      overlap cannot pay. The pairs' positions are the whole block's either way, so capacity drops and replica
+      splits are the same as without it; a call asking for statistics runs as one batch.
+    - ``transport`` (static ``all_to_all_v`` only): ``"nccl"`` (default) or ``"nvlink"`` -- each rank writes its rows
+      straight into the peers' receive buffers (torch symmetric memory, no NCCL kernel;
+      :mod:`nxd_moe.parallel.nvlink`), NCCL where that cannot run. One batch: not with ``micro_batches > 1``.
     """
 
     dispatch: str = "all_gather"
     expert_distribution: tuple[tuple[int, ...], ...] | None = None
     decode_expert_distribution: tuple[tuple[int, ...], ...] | None = None
     all_to_all_splits: str = "static"
+    micro_batches: int | None = None
+    transport: str = "nccl"
 
     def __post_init__(self):
         if self.dispatch not in EXPERT_PARALLEL_DISPATCHES:
@@ -523,6 +535,23 @@ class ExpertParallelConfig:
         if self.all_to_all_splits not in ALL_TO_ALL_SPLITS:
             raise ValueError(f"ExpertParallelConfig.all_to_all_splits must be one of {list(ALL_TO_ALL_SPLITS)}, "
                              f"got {self.all_to_all_splits!r}")
+        if self.micro_batches is not None:
+            check_int("ExpertParallelConfig.micro_batches", self.micro_batches, minimum=1)
+            if self.micro_batches > 1 and (self.dispatch, self.all_to_all_splits) != ("all_to_all_v", "static"):
+                raise ValueError("ExpertParallelConfig.micro_batches > 1 needs dispatch='all_to_all_v' with "
+                                 f"all_to_all_splits='static', got dispatch={self.dispatch!r}, "
+                                 f"all_to_all_splits={self.all_to_all_splits!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"ExpertParallelConfig.transport must be one of {list(TRANSPORTS)}, got "
+                             f"{self.transport!r}")
+        if self.transport == "nvlink":
+            if (self.dispatch, self.all_to_all_splits) != ("all_to_all_v", "static"):
+                raise ValueError("ExpertParallelConfig.transport='nvlink' needs dispatch='all_to_all_v' with "
+                                 f"all_to_all_splits='static', got dispatch={self.dispatch!r}, "
+                                 f"all_to_all_splits={self.all_to_all_splits!r}")
+            if self.micro_batches is not None and self.micro_batches > 1:
+                raise ValueError("ExpertParallelConfig.transport='nvlink' runs one batch (its receive buffer is "
+                                 f"reused by the next exchange), got micro_batches={self.micro_batches}")
         for name in ("expert_distribution", "decode_expert_distribution"):
             value = getattr(self, name)
             if value is not None:

@@ -66,8 +66,10 @@ class PatchedMoEBlock(nn.Module):
         self.moe = moe
         self.model_config = model_config
         self.block_class = type(block).__name__
-        # The block's keys in order, with their dtypes: state_dict gives them back as they were.
+        # The block's keys in order, with their dtypes: state_dict gives them back as they were -- unless the model
+        # was cast since (the layer's own dtypes, recorded here, tell: _cast_dtype).
         self.hf_dtypes = {key: value.dtype for key, value in block.state_dict().items()}
+        self.patched_dtypes = {key: value.dtype for key, value in moe.state_dict().items()}
         self._output = _TUPLE_OUTPUTS.get(model_config.hf_model_type)
         moe.return_router_logits = moe.return_expert_index = self._output is not None
         self.register_state_dict_post_hook(PatchedMoEBlock._to_hf_state_dict)
@@ -100,8 +102,11 @@ class PatchedMoEBlock(nn.Module):
         layout = "transformers" if routed == "bf16" else "hub"
         hf = family_of(module.model_config).from_nxd(nxd, layout)
         ordered = [k for k in module.hf_dtypes if k in hf] + [k for k in hf if k not in module.hf_dtypes]
+        cast = module._cast_dtype(nxd)
         for key in ordered:
             value, dtype = hf[key], module.hf_dtypes.get(key)
+            if cast is not None and dtype is not None and dtype.is_floating_point and dtype.itemsize > 1:
+                dtype = cast  # the model was cast after patching: its keys follow it, as an unpatched one's would
             if layout == "hub":
                 # Per-expert slices of one tensor, transposed: save_pretrained's shared-storage check needs each
                 # contiguous (it views every tensor that shares storage as 1-D).
@@ -110,6 +115,14 @@ class PatchedMoEBlock(nn.Module):
             if dtype is not None and value.is_floating_point() and value.element_size() > 1:
                 value = value.to(dtype)
             state_dict[prefix + key] = value
+
+    def _cast_dtype(self, nxd: dict[str, torch.Tensor]) -> torch.dtype | None:
+        """The dtype the model was cast to after patching (``model.to(torch.bfloat16)``), seen in the layer's own
+        16- and 32-bit tensors that no longer have their dtype of patching; None if none changed."""
+        changed = [value.dtype for key, value in nxd.items()
+                   if key in self.patched_dtypes and value.dtype != self.patched_dtypes[key]
+                   and value.is_floating_point() and value.element_size() > 1]
+        return max(set(changed), key=changed.count) if changed else None
 
     @staticmethod
     def _from_hf_state_dict(module: PatchedMoEBlock, state_dict: dict, prefix: str, local_metadata: dict,

@@ -27,22 +27,34 @@ Steps, over the MoE model-parallel block (``M = TP * EP`` ranks):
 
 Padding rows cost the static exchange bytes on the wire, but no compute in a backend that skips rows without
 pairs (the triton backend counts pairs on the device).
+
+The static exchange may run in micro-batches of the owned rows (:class:`StaticMicroBatches`: each part's exchange
+beside another part's experts) and over NCCL or straight into the peers' buffers
+(``DispatchInputs.transport``, :mod:`nxd_moe.parallel.nvlink`).
 """
 
 from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from nxd_moe.experts.routing_inputs import expert_mask
-from nxd_moe.parallel.collectives import CommLedger, all_gather, all_to_all, all_to_all_v, exchange_counts
+from nxd_moe.parallel.collectives import (
+    CommLedger,
+    all_gather,
+    all_to_all,
+    all_to_all_v,
+    exchange_counts,
+    start_all_to_all,
+)
 from nxd_moe.parallel.dispatch import Dispatched, DispatchInputs, DispatchResult
 from nxd_moe.parallel.layout import MoEGroups
-from nxd_moe.parallel.payload import FieldSpec, exchange_rows, pack, unpack
+from nxd_moe.parallel.nvlink import start_nvlink_all_to_all
+from nxd_moe.parallel.payload import FieldSpec, exchange_rows, pack, packs_bytes, unpack
 from nxd_moe.parallel.placement import assign_pairs, needs_positions
 from nxd_moe.parallel.token_layout import TokenLayout
 
@@ -217,31 +229,46 @@ class _ExactHandle(NamedTuple):
     recv_counts: list[int]
 
 
-def _static_dispatch(owned: OwnedPairs, inputs: DispatchInputs) -> Dispatched:
-    """Step 3, ``static``: ``U`` rows to every destination, the rows it needs first."""
-    groups, tp = inputs.groups, inputs.shard.tensor_parallel_size
-    rows, experts, weights, owner = owned.rows, owned.experts, owned.weights, owned.owner
-    kernels = _kernels(rows, weights)
-    slot, source_row = kernels.destination_slots(owner, groups.block_size, tp)
+def _exchange_of(inputs: DispatchInputs) -> Callable:
+    """The static exchange's collective for ``inputs.transport``: NCCL's all-to-all, or straight over NVLink."""
+    return start_nvlink_all_to_all if inputs.transport == "nvlink" else start_all_to_all
 
-    def exchange(field: torch.Tensor) -> torch.Tensor:
-        return all_to_all(field, groups.block_group, inputs.ledger, "dispatch")
+
+def _start_static_dispatch(owned: OwnedPairs, inputs: DispatchInputs, rows: slice) -> Callable[[], Dispatched]:
+    """Step 3, ``static``, for the owned rows ``rows``: ``U`` rows (those of the slice) to every destination, the
+    rows it needs first. Packs and starts the exchange; the returned call waits for it and hands over what came."""
+    groups, tp = inputs.groups, inputs.shard.tensor_parallel_size
+    if rows != slice(None):
+        owned = owned._replace(rows=owned.rows[rows], experts=owned.experts[rows], weights=owned.weights[rows],
+                               owner=owned.owner[rows])
+    rows_, experts, weights, owner = owned.rows, owned.experts, owned.weights, owned.owner
+    kernels = _kernels(rows_, weights)
+    slot, source_row = kernels.destination_slots(owner, groups.block_size, tp)
+    handle = _StaticHandle(owned, inputs, slot, kernels)
+
+    def dispatched(recv_rows: torch.Tensor, recv_experts: torch.Tensor, recv_weights: torch.Tensor) -> Dispatched:
+        return Dispatched(recv_rows, recv_experts.long(), recv_weights, handle)
 
     if kernels is TORCH_KERNELS:
-        fields = destination_fields(rows, experts, weights, owner, source_row, tp)
-        recv_rows, recv_experts, recv_weights = exchange_rows(fields, exchange)
+        fields = destination_fields(rows_, experts, weights, owner, source_row, tp)
+        if not packs_bytes(rows_.device):  # XLA: a collective per field, in the program (payload's docstring)
+            got = exchange_rows(fields, lambda f: all_to_all(f, groups.block_group, inputs.ledger, "dispatch"))
+            return lambda: dispatched(*got)
+        payload, specs = pack(fields)
     else:  # the buffer packed by one kernel
-        payload = kernels.pack_for_destinations(rows, experts, weights, owner, source_row, tp)
-        specs = (FieldSpec((rows.shape[1],), rows.dtype), FieldSpec((experts.shape[1],), torch.int32),
+        payload = kernels.pack_for_destinations(rows_, experts, weights, owner, source_row, tp)
+        specs = (FieldSpec((rows_.shape[1],), rows_.dtype), FieldSpec((experts.shape[1],), torch.int32),
                  FieldSpec((weights.shape[1],), weights.dtype))
-        recv_rows, recv_experts, recv_weights = unpack(exchange(payload), specs)
-    return Dispatched(recv_rows, recv_experts.long(), recv_weights, _StaticHandle(owned, inputs, slot, kernels))
+    pending = _exchange_of(inputs)(payload, groups.block_group, inputs.ledger, "dispatch")
+    return lambda: dispatched(*unpack(pending.wait(), specs))
 
 
-def _static_combine(partial: torch.Tensor, handle: _StaticHandle) -> torch.Tensor:
-    """The partial outputs back to their rows, summed: ``(U, H)`` in the model dtype."""
-    returned = all_to_all(partial, handle.inputs.groups.block_group, handle.inputs.ledger, "combine")
-    return handle.kernels.combine_from_destinations(returned, handle.slot, handle.owned.rows.dtype)
+def _start_static_combine(partial: torch.Tensor, handle: _StaticHandle) -> Callable[[], torch.Tensor]:
+    """Starts sending the partial outputs back to their rows; the returned call waits and sums them: ``(U, H)`` in
+    the model dtype."""
+    pending = _exchange_of(handle.inputs)(partial, handle.inputs.groups.block_group, handle.inputs.ledger,
+                                          "combine")
+    return lambda: handle.kernels.combine_from_destinations(pending.wait(), handle.slot, handle.owned.rows.dtype)
 
 
 def _exact_dispatch(owned: OwnedPairs, inputs: DispatchInputs) -> Dispatched:
@@ -292,19 +319,75 @@ def _exact_combine(partial: torch.Tensor, handle: _ExactHandle) -> torch.Tensor:
     return out.to(rows.dtype)
 
 
+class StaticMicroBatches:
+    """One static dispatch split into micro-batches of the owned rows (:meth:`AllToAllDispatcher.micro_batches`),
+    driven by the pipeline: :meth:`received` ``(i)`` starts micro-batch ``i + 1``'s exchange before it waits for
+    ``i``'s, and :meth:`start_combine` sends ``i``'s partial output back without waiting, so that on NCCL (one stream
+    per communicator) the dispatch of ``i + 1`` and the combine of ``i - 1`` run under the experts of ``i``.
+    :meth:`result` waits for every combine. The pairs' owners were assigned once, over all the owned rows: the same
+    ranks compute the same pairs as in one batch."""
+
+    def __init__(self, owned: OwnedPairs, inputs: DispatchInputs, count: int):
+        num_rows = owned.rows.shape[0]
+        size = -(-num_rows // min(count, num_rows))  # the same on every rank: U is
+        self._owned, self._inputs = owned, inputs
+        self._slices = [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+        self._received: list[Callable[[], Dispatched] | None] = [None] * len(self._slices)
+        self._combined: list[Callable[[], torch.Tensor] | None] = [None] * len(self._slices)
+        self._start(0)
+
+    def __len__(self) -> int:
+        return len(self._slices)
+
+    def _start(self, i: int) -> None:
+        if i < len(self._slices) and self._received[i] is None:
+            self._received[i] = _start_static_dispatch(self._owned, self._inputs, self._slices[i])
+
+    def received(self, i: int) -> Dispatched:
+        """Micro-batch ``i``'s rows, as :meth:`AllToAllDispatcher.dispatch` returns them."""
+        self._start(i + 1)
+        return self._received[i]()
+
+    def start_combine(self, i: int, partial: torch.Tensor, handle: _StaticHandle) -> None:
+        self._combined[i] = _start_static_combine(partial, handle)
+
+    def result(self) -> DispatchResult:
+        missing = [i for i, combined in enumerate(self._combined) if combined is None]
+        if missing:
+            raise RuntimeError(f"StaticMicroBatches.result: micro-batches {missing} were never combined")
+        out = torch.cat([combined() for combined in self._combined])
+        return _finish(out, self._inputs, self._owned)
+
+
+def _finish(out: torch.Tensor, inputs: DispatchInputs, owned: OwnedPairs) -> DispatchResult:
+    """The owned rows' outputs ``(U, H)`` -> this rank's tokens: without sequence parallelism the token group
+    all-gathers its chunks."""
+    if inputs.layout.sequence_parallel:
+        return DispatchResult(out, owned.pairs_per_expert)
+    chunks = all_gather(out, inputs.groups.token_group, inputs.ledger, "gather_outputs")
+    return DispatchResult(chunks.reshape(-1, out.shape[-1])[: inputs.layout.num_local_tokens], owned.pairs_per_expert)
+
+
 class AllToAllDispatcher:
     """See :mod:`nxd_moe.parallel.dispatch` for the contract."""
 
     def dispatch(self, inputs: DispatchInputs) -> Dispatched:
         owned = owned_pairs(inputs)
-        exchange = _static_dispatch if inputs.all_to_all_splits == "static" else _exact_dispatch
-        return exchange(owned, inputs)
+        if inputs.all_to_all_splits == "static":
+            return _start_static_dispatch(owned, inputs, slice(None))()
+        return _exact_dispatch(owned, inputs)
 
     def combine(self, partial: torch.Tensor, handle: _StaticHandle | _ExactHandle) -> DispatchResult:
-        out = (_static_combine if isinstance(handle, _StaticHandle) else _exact_combine)(partial, handle)
-        inputs, owned = handle.inputs, handle.owned
-        if inputs.layout.sequence_parallel:
-            return DispatchResult(out, owned.pairs_per_expert)
-        chunks = all_gather(out, inputs.groups.token_group, inputs.ledger, "gather_outputs")
-        return DispatchResult(chunks.reshape(-1, out.shape[-1])[: inputs.layout.num_local_tokens],
-                              owned.pairs_per_expert)
+        if isinstance(handle, _StaticHandle):
+            out = _start_static_combine(partial, handle)()
+        else:
+            out = _exact_combine(partial, handle)
+        return _finish(out, handle.inputs, handle.owned)
+
+    def micro_batches(self, inputs: DispatchInputs, count: int) -> StaticMicroBatches:
+        """The static dispatch of ``inputs`` as ``count`` micro-batches (fewer when there are fewer owned rows)
+        whose exchanges overlap the experts' compute (:class:`StaticMicroBatches`)."""
+        if inputs.all_to_all_splits != "static":
+            raise ValueError("micro-batches need all_to_all_splits='static' (the exact exchange reads its sizes on "
+                             f"the host), got {inputs.all_to_all_splits!r}")
+        return StaticMicroBatches(owned_pairs(inputs), inputs, count)

@@ -131,12 +131,46 @@ def all_to_all_v(x: torch.Tensor, send_counts: Sequence[int], recv_counts: Seque
     return out
 
 
+class PendingExchange:
+    """An exchange in flight: :meth:`wait` returns what it received once this rank may read it (on CUDA: the
+    current stream waits for it, the host does not; on gloo: the host waits). Until then the exchange runs beside
+    whatever is issued after it -- on NCCL, on the communicator's own stream."""
+
+    def __init__(self, out: torch.Tensor, work=None):
+        self._out, self._work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
+def start_all_to_all(x: torch.Tensor, group, ledger: CommLedger, step: str) -> PendingExchange:
+    """:func:`all_to_all` started without waiting for it. Done at once in an SPMD program (an XLA op: the compiler
+    schedules it), in a group of one, and while ``torch.compile`` traces the call (Dynamo's functional collectives
+    take the blocking form)."""
+    if isinstance(group, ReplicaGroups) or group_size(group) == 1 or torch.compiler.is_compiling():
+        return PendingExchange(all_to_all(x, group, ledger, step))
+    size = group_size(group)
+    check_equal_splits(x, size)
+    out = torch.empty_like(x)
+    work = dist.all_to_all_single(out, x.contiguous(), group=group, async_op=True)
+    ledger.add(step, (size - 1) * _nbytes(x) // size)
+    return PendingExchange(out, work)
+
+
+def check_equal_splits(x: torch.Tensor, size: int) -> None:
+    """A named error unless ``x``'s rows split into ``size`` equal parts (an equal-split all-to-all)."""
+    if x.shape[0] % size:
+        raise ValueError(f"all_to_all: {x.shape[0]} rows do not split into {size} equal parts")
+
+
 def all_to_all(x: torch.Tensor, group, ledger: CommLedger, step: str) -> torch.Tensor:
     """``x (G * n, ...)``: rows ``[r * n, (r + 1) * n)`` go to group rank ``r``; returns the ``(G * n, ...)`` rows
     received, in group-rank order. Equal splits: no sizes on the host, so a CUDA graph can capture it."""
     size = group_size(group)
-    if x.shape[0] % size:
-        raise ValueError(f"all_to_all: {x.shape[0]} rows do not split into {size} equal parts")
+    check_equal_splits(x, size)
     if size == 1:
         return x
     if isinstance(group, ReplicaGroups):

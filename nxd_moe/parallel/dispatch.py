@@ -37,7 +37,8 @@ class DispatchInputs(NamedTuple):
     (``shard``), the per-expert ``capacity`` of the block's tokens (capacity-factor mode) or None, the ``ledger``
     that counts the bytes moved, how an all-to-all sizes its buffers (``ExpertParallelConfig.all_to_all_splits``),
     and whether the block's pairs per expert are wanted (statistics: without replicas or a capacity they cost an
-    extra collective in an all-to-all). One device needs only ``hidden`` and ``routing``."""
+    extra collective in an all-to-all), and how a static all-to-all moves its rows
+    (``ExpertParallelConfig.transport``). One device needs only ``hidden`` and ``routing``."""
 
     hidden: torch.Tensor
     routing: Routing
@@ -48,6 +49,7 @@ class DispatchInputs(NamedTuple):
     ledger: CommLedger | None = None
     all_to_all_splits: str = "static"
     count_pairs: bool = True
+    transport: str = "nccl"
 
     def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``pair_expert (T_r, k)`` (``-1`` for the pairs of padded tokens: they go nowhere) and ``pair_weight
@@ -114,8 +116,10 @@ class Route(NamedTuple):
     choose the block's mode and capacity, as one device would), the ``groups``, this rank's ``shard`` of the
     phase, the ``ledger``, ``all_to_all_splits`` -- the dispatch's ``name`` for the statistics, in an SPMD program
     the held experts' ``local_slot (E,)`` and ``intermediate_part`` (0-d) computed from the rank tensor, and a
-    started check of the ranks' inputs to wait for before anything is exchanged (``agreement``). :data:`ONE_DEVICE`
-    is one device's."""
+    started check of the ranks' inputs to wait for before anything is exchanged (``agreement``), and how many
+    micro-batches the dispatch is split into (``micro_batches``; more than 1 only for a dispatcher with
+    ``micro_batches(inputs, count)``: :class:`~nxd_moe.parallel.all_to_all.StaticMicroBatches`) and the static
+    all-to-all's ``transport``. :data:`ONE_DEVICE` is one device's."""
 
     dispatcher: TokenDispatcher
     layout: TokenLayout | None = None
@@ -127,6 +131,8 @@ class Route(NamedTuple):
     local_slot: torch.Tensor | None = None
     intermediate_part: torch.Tensor | None = None
     agreement: PendingCheck | None = None
+    micro_batches: int = 1
+    transport: str = "nccl"
 
 
 ONE_DEVICE = Route(LOCAL)

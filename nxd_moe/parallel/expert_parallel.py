@@ -28,6 +28,7 @@ from nxd_moe.parallel.collectives import CommLedger
 from nxd_moe.parallel.dispatch import Route
 from nxd_moe.parallel.dispatches import get_dispatcher
 from nxd_moe.parallel.layout import ExpertShard, ExpertsParallelism, MoEGroups, held_weight_shard
+from nxd_moe.parallel.overlap import micro_batch_count
 from nxd_moe.parallel.token_layout import TokenLayout
 
 _MODE_VALUES = frozenset(m.value for m in ExpertsMode)
@@ -132,11 +133,35 @@ class ExpertParallel:
         held = dict(local_slot=shard.local_slot(hidden_states.device),
                     intermediate_part=shard.tensor_parallel_rank) if spmd else {}
         route = Route(get_dispatcher(epc.dispatch), token_layout, parallelism.groups, shard, CommLedger(),
-                      epc.all_to_all_splits, epc.dispatch, agreement=agreement, **held)
+                      epc.all_to_all_splits, epc.dispatch, agreement=agreement,
+                      micro_batches=self.micro_batch_count(hidden_states, expert_index.shape[1], token_layout),
+                      transport=epc.transport, **held)
         # Inputs checked above, before the agreement starts.
         return experts.routed_forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask, route,
                                       mode=mode, return_stats=return_stats, addend=addend, check_index=check_index,
                                       checked=True)
+
+    def micro_batch_count(self, hidden_states: torch.Tensor, top_k: int, token_layout: TokenLayout) -> int:
+        """How many micro-batches a call on ``hidden_states`` (routed to ``top_k`` experts each, laid out as
+        ``token_layout``) is split into: the configured number, or where a static all-to-all runs over NCCL
+        outside a trace the rule's (:func:`~nxd_moe.parallel.overlap.micro_batch_count`). Every rank computes the
+        same number: it depends on the agreed shapes only."""
+        epc = self.experts.expert_parallel_config
+        if epc.dispatch != "all_to_all_v" or epc.all_to_all_splits != "static" or epc.transport == "nvlink":
+            return 1
+        cfg = self.experts.routed_experts_mlp_config
+        rows = token_layout.num_segments * token_layout.segment_len
+        overlappable = (hidden_states.is_cuda and self.experts.spmd_rank is None
+                        and not torch.compiler.is_compiling())
+        op = self.experts.mlp_op  # this rank's (prefill) shard
+        # A rank computes, on average over the block, its rows' k pairs at the full intermediate width:
+        # M * U * k / EP pairs at I / TP each.
+        return micro_batch_count(
+            epc.micro_batches, rows=rows, block_size=self.groups.block_size,
+            row_bytes=cfg.hidden_size * hidden_states.element_size() + top_k * (4 + 4),  # int32 ids, fp32 weights
+            partial_row_bytes=cfg.hidden_size * hidden_states.element_size(),
+            weight_bytes=op.first_proj.weight.nbytes + op.down_proj.weight.nbytes,
+            flops=2.0 * rows * top_k * 3 * cfg.hidden_size * cfg.intermediate_size, overlappable=overlappable)
 
     def _start_agreement(self, hidden_states: torch.Tensor, token_layout: TokenLayout, seq_len: int | None, mode,
                          padded: bool, addend: torch.Tensor | None, return_stats: bool

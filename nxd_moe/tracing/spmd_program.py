@@ -124,7 +124,20 @@ def compile_program(program: RankProgram) -> int:
     torch_xla = import_torch_xla()
     met = torch_xla.debug.metrics
     before = counter_value(met, "UncachedCompile")
-    torch_xla._XLAC._xla_warm_up_cache(program.outputs, [])
+    try:
+        torch_xla._XLAC._xla_warm_up_cache(program.outputs, [])
+    except (RuntimeError, ValueError) as e:  # XLA's verifier reports through either, by version
+        if "replica groups should contain" not in str(e):
+            raise
+        # torch_xla compiles every program for all of the runtime's devices (its replica count), whatever
+        # replicated() names: a collective's groups must then cover them all, which a smaller world's cannot.
+        import torch_xla.core.xla_model as xm
+
+        raise RuntimeError(
+            f"the SPMD program's collectives span fewer ranks than the XLA runtime's "
+            f"{len(xm.get_xla_supported_devices())} devices, and torch_xla compiles every program for all of them: "
+            "trace a world of that size, or start the process with CPU_NUM_DEVICES (PJRT_DEVICE=CPU) equal to the "
+            f"program's world size ({e})") from e
     return counter_value(met, "UncachedCompile") - before
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -241,6 +242,65 @@ def test_a_bf16_checkpoint_assigned_to_a_meta_model_keeps_the_float32_router():
     assert router.dtype == torch.float32 and not router.is_meta
     assert torch.equal(router, state["model.layers.1.mlp.gate.weight"].float())
     assert moe.expert_mlps.mlp_op.gate_up_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16, None])
+def test_a_model_cast_after_patching_saves_every_key_in_its_new_dtype(cast):
+    """model.to(dtype) after patch_model: the MoE keys come out in the new dtype, as the other keys and an unpatched
+    model cast alike do -- their values the unpatched model's cast (the experts, exactly; the router through the
+    layer's float32 copy, exactly). Without a cast they keep the dtypes of patching (the control: a model patched
+    in bf16 gives its float32-held router back in bf16)."""
+    reference = original("qwen3_moe")
+    model = original("qwen3_moe")
+    patch_model(model)
+    if cast is not None:
+        model, reference = model.to(cast), reference.to(cast)
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert list(ours) == list(theirs)
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype, key
+        assert torch.equal(ours[key], theirs[key]), key
+    bf16 = original("qwen3_moe").to(torch.bfloat16)
+    patch_model(bf16)
+    assert bf16.model.layers[1].mlp.moe.router.linear_router.weight.dtype == torch.float32
+    assert {v.dtype for v in bf16.state_dict().values()} == {torch.bfloat16}
+
+
+def test_a_bf16_model_cast_to_float32_and_a_router_kept_in_float32_follow_the_cast():
+    """Patched in bf16 and cast to float32: every key float32, as the unpatched model cast alike (bf16 keys follow a
+    cast too). Patched in float32, cast to bf16, the routers then put back in float32 (what the application does to
+    keep routing exact): the router keys still come in bf16, the model's dtype."""
+    model, reference = original("qwen3_moe").to(torch.bfloat16), original("qwen3_moe").to(torch.bfloat16)
+    patch_model(model)
+    model, reference = model.float(), reference.float()
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert all(ours[k].dtype == theirs[k].dtype == torch.float32 and torch.equal(ours[k], theirs[k]) for k in ours)
+    model = original("qwen3_moe")
+    patch_model(model)
+    model = model.to(torch.bfloat16)
+    routers = [m.moe.router for m in model.modules() if hasattr(m, "moe")]
+    for router in routers:
+        router.float()
+    assert routers and all(r.linear_router.weight.dtype == torch.float32 for r in routers)
+    state = model.state_dict()
+    assert {v.dtype for v in state.values()} == {torch.bfloat16}
+    expected = original("qwen3_moe").to(torch.bfloat16).state_dict()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def test_the_cast_is_the_dtype_most_of_the_changed_tensors_took():
+    """Tensors cast to different dtypes since patching (a model cast, one part cast again by hand): the dtype most
+    of them took names the cast; none changed: no cast."""
+    from nxd_moe.models.patch import PatchedMoEBlock
+
+    block = SimpleNamespace(patched_dtypes={"a": torch.float32, "b": torch.float32, "c": torch.float32,
+                                            "d": torch.float8_e4m3fn})
+    cast = PatchedMoEBlock._cast_dtype
+    half, bf16, fp8 = torch.zeros(1, dtype=torch.float16), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(
+        1, dtype=torch.float8_e5m2)
+    assert cast(block, {"a": bf16, "b": half, "c": bf16, "d": fp8}) == torch.bfloat16  # 1-byte tensors never count
+    assert cast(block, {"a": half, "b": half, "c": bf16}) == torch.float16
+    assert cast(block, {"a": torch.zeros(1), "b": torch.zeros(1), "e": half}) is None  # unknown keys do not count
 
 
 ATTENTION = [r"model.layers.\d+.self_attn." + proj for proj in ("k_proj", "o_proj", "q_proj", "v_proj")]

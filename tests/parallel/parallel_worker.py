@@ -84,14 +84,17 @@ def init(tp: int, ep: int, prefill: tuple[int, int] | None = None, decode: tuple
 
 def make_moe(model_parallel: bool | None, *, variant: str = "qwen", sp: bool = False, shared: str | None = None,
              dispatch: str = "all_gather", distribution=None, block_size: int = 4, backend: str = "torch",
-             splits: str = "static", **overrides) -> MoE:
+             splits: str = "static", micro_batches: int | None = None, transport: str = "nccl",
+             **overrides) -> MoE:
     spec = {"num_experts": 8, "top_k": 2, "hidden_size": 16, "intermediate_size": 8, **VARIANTS[variant], **overrides}
     router_kind = spec.pop("router")
     cfg = make_config(**spec)
     router = make_router(router_kind, cfg.num_experts, cfg.top_k, cfg.hidden_size, seed=2)
     experts = ExpertMLPsV2(cfg, BlockwiseMatmulConfig(block_size=block_size),
                            expert_parallel_config=ExpertParallelConfig(dispatch, distribution,
-                                                                       all_to_all_splits=splits),
+                                                                       all_to_all_splits=splits,
+                                                                       micro_batches=micro_batches,
+                                                                       transport=transport),
                            model_parallel=model_parallel, backend=backend)
     shared_experts = None if shared is None else SharedExperts(
         cfg.hidden_size, 8, 1, "silu", fused_gate_up_projection=True, sequence_parallel_enabled=shared == "sp",
@@ -145,16 +148,19 @@ def local_view(x: torch.Tensor, batch: int, sharded: bool) -> torch.Tensor:
 
 
 def check_moe(full: MoE, par: MoE, batch: int, seq: int, seed: int, padding: bool = False,
-              relative: float = 0.0, dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL):
-    """Parallel output on this rank's tokens == single-device output on the block's tokens; returns the stats."""
+              relative: float = 0.0, dtype: torch.dtype = torch.float32, atol: float = FP32_ATOL,
+              return_stats: bool = True):
+    """Parallel output on this rank's tokens == single-device output on the block's tokens; returns the stats
+    (None without ``return_stats``: a call that asks for none, as a model's does)."""
     _, groups, _, _ = coordinates()
     x = randn(groups * batch, seq, full.hidden_size, seed=seed).to(dtype)
     mask = (randn(groups * batch, seq, seed=seed + 1) > -1.0) if padding else None
     sharded = par.sequence_parallel_enabled and seq > 1
     with torch.no_grad():
         expected = local_view(full(x, padding_mask=mask)[0], batch, sharded)
-        out, stats = par(local_view(x, batch, sharded), padding_mask=None if mask is None else
-                         local_view(mask, batch, sharded), return_stats=True)
+        result = par(local_view(x, batch, sharded), padding_mask=None if mask is None else
+                     local_view(mask, batch, sharded), return_stats=return_stats)
+        out, stats = (result[0], result[-1]) if return_stats else (result[0], None)
     assert expected.abs().mean() > 0.02, "reference output is near zero: the comparison would be vacuous"
     # ``relative``: a tolerance that scales with the largest output (large-valued layers round more in fp32).
     assert out.dtype == dtype
@@ -180,11 +186,12 @@ def blockwise_seq(backend: str) -> int:
 
 
 def layout(tp: int, ep: int, sp: bool, dispatch: str, variant: str, shared: str | None, prefill=None, decode=None,
-           decode_batches: tuple[int, int] = (1, 4), backend: str = "torch", splits: str = "static"
-           ) -> Callable[[], None]:
+           decode_batches: tuple[int, int] = (1, 4), backend: str = "torch", splits: str = "static",
+           micro_batches: int | None = None) -> Callable[[], None]:
     def run():
         init(tp, ep, prefill, decode)
-        full, par = pair(variant=variant, sp=sp, shared=shared, dispatch=dispatch, backend=backend, splits=splits)
+        full, par = pair(variant=variant, sp=sp, shared=shared, dispatch=dispatch, backend=backend, splits=splits,
+                         micro_batches=micro_batches)
         stats = check_moe(full, par, 2, blockwise_seq(backend), seed=10, padding=True)
         assert stats.mode.value == "blockwise" and stats.dispatch == dispatch, stats.summary()
         small, large = decode_batches
@@ -236,6 +243,31 @@ def capacity(tp: int, ep: int, sp: bool, dispatch: str) -> Callable[[], None]:
         full, par = pair(variant="qwen", sp=sp, dispatch=dispatch, capacity_factor=1.0)
         stats = check_moe(full, par, 2, 8, seed=30)
         assert stats.mode.value == "capacity_factor" and int(stats.dropped_tokens) > 0
+    return run
+
+
+def micro_batched(tp: int, ep: int, sp: bool, variant: str, count: int, backend: str = "torch",
+                  **overrides) -> Callable[[], None]:
+    """The static all-to-all in ``count`` micro-batches (asynchronous exchanges waited for part by part) equals the
+    single-device layer: a padded blockwise prefill, a decode, and with ``capacity_factor`` each expert's first
+    pairs of the whole block; each call without statistics runs the experts once per part."""
+    def run():
+        init(tp, ep)
+        full, par = pair(variant=variant, sp=sp, shared="tp", dispatch="all_to_all_v", backend=backend,
+                         micro_batches=count, **overrides)
+        experts = par.expert_mlps
+        runs, compute = [], experts.compute
+        experts.compute = lambda *a, **k: runs.append(1) or compute(*a, **k)
+        _, groups, _, tp_size = coordinates()
+        for batch, seq, padding in ((2, 8, True), (3, 1, False)):
+            runs.clear()
+            check_moe(full, par, batch, seq, seed=60 + seq, padding=padding, return_stats=False)
+            local = batch * (seq // tp_size if sp and seq > 1 else seq)
+            owned = local if sp and seq > 1 else -(-local // tp_size)
+            assert len(runs) == min(count, owned), (batch, seq, len(runs))
+        runs.clear()
+        check_moe(full, par, 2, 8, seed=62)  # statistics describe one run of the experts: one batch
+        assert len(runs) == 1
     return run
 
 
@@ -468,15 +500,22 @@ def no_sync(tp: int, ep: int, sp: bool) -> Callable[[], None]:
     return run
 
 
-def cuda_graph_replay(tp: int, ep: int, dispatch: str, backend: str) -> Callable[[], None]:
+def cuda_graph_replay(tp: int, ep: int, dispatch: str, backend: str, micro_batches: int | None = None,
+                      transport: str = "nccl") -> Callable[[], None]:
     """NCCL: the whole parallel step (router, dispatch, experts, combine, shared experts) captured in one CUDA graph
-    and replayed with new inputs (new routings) equals eager, and eager equals the single-device layer."""
+    and replayed with new inputs (new routings) equals eager, and eager equals the single-device layer (with
+    ``micro_batches``: exchanges on NCCL's stream beside the experts, inside the graph; ``transport="nvlink"``:
+    rows written straight into the peers' buffers, and eager equal to NCCL's exchange bit for bit)."""
     def run():
         from nxd_moe.graphs import capture
 
         init(tp, ep)
         device = torch.device("cuda", torch.cuda.current_device())
-        full, par = pair(variant="qwen", sp=False, shared="tp", dispatch=dispatch, backend=backend)
+        full, par = pair(variant="qwen", sp=False, shared="tp", dispatch=dispatch, backend=backend,
+                         micro_batches=micro_batches, transport=transport)
+        if transport != "nccl":  # the same layer over NCCL: the same bytes arrive, so the same output
+            _, over_nccl = pair(variant="qwen", sp=False, shared="tp", dispatch=dispatch, backend=backend)
+            over_nccl = over_nccl.to(device, torch.bfloat16)
         full, par = full.to(device, torch.bfloat16), par.to(device, torch.bfloat16)
         _, groups, _, _ = coordinates()
         for batch, seq in ((4, 1), (2, 16)):
@@ -489,6 +528,10 @@ def cuda_graph_replay(tp: int, ep: int, dispatch: str, backend: str) -> Callable
                     eager = par(local_view(x, batch, False))[0]
                 replayed = step(local_view(x, batch, False)).clone()
                 assert torch.equal(replayed, eager), (replayed - eager).abs().max()
+                if transport != "nccl":
+                    with torch.no_grad():
+                        nccl = over_nccl(local_view(x, batch, False))[0]
+                    assert torch.equal(eager, nccl), (eager - nccl).abs().max()
                 assert_rounding_close(eager, expected, PARALLEL_BF16_TOLERANCE, f"{dispatch} B={batch} S={seq}")
     return run
 
@@ -927,6 +970,8 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
         **({"triton/ep2/nosp/all_to_all_v": layout(1, 2, False, "all_to_all_v", "qwen", "sp", backend="triton"),
             "triton/tp2/sp/all_gather": layout(2, 1, True, "all_gather", "gptoss", "tp", backend="triton")}
            if importlib.util.find_spec("triton") else {}),
+        "micro_batches/ep2/nosp/qwen": micro_batched(1, 2, False, "qwen", 2),
+        "micro_batches/ep2/sp/deepseek/capacity": micro_batched(1, 2, True, "deepseek", 3, capacity_factor=1.0),
         "modes/tp2": forced_modes(2, 1),
         "capacity/tp2/sp/all_gather": capacity(2, 1, True, "all_gather"),
         "modes/ep2": forced_modes(1, 2),
@@ -974,6 +1019,8 @@ SUITES: dict[str, dict[str, Callable[[], None]]] = {
         "tp4/nosp/all_gather": layout(4, 1, False, "all_gather", "qwen", "sp"),
         "ep4/sp/all_gather": layout(1, 4, True, "all_gather", "mixtral", None),
         "ep4/nosp/all_to_all_v": layout(1, 4, False, "all_to_all_v", "mixtral", "tp"),
+        "micro_batches/tp2ep2/sp/gptoss": micro_batched(2, 2, True, "gptoss", 3),
+        "micro_batches/tp2ep2/nosp/mixtral/capacity": micro_batched(2, 2, False, "mixtral", 2, capacity_factor=1.0),
         "modes/tp2ep2": forced_modes(2, 2),
         "capacity/ep4/sp/all_gather": capacity(1, 4, True, "all_gather"),
         "capacity/tp2ep2/sp/all_to_all_v": capacity(2, 2, True, "all_to_all_v"),
@@ -1032,6 +1079,13 @@ SUITES["nccl2"].update({f"patch_model/ep2/{name}": patched_generate(name, device
 SUITES["nccl2"].update({f"patch_model/ep2/{name}/{dispatch}/compiled": patched_generate_compiled(
     name, dispatch, "inductor", device="cuda", mode="reduce-overhead")
     for name, dispatch in (("qwen3_moe", "all_gather"), ("qwen3_moe", "all_to_all_v"), ("deepseek_v3", "all_gather"))})
+# The static all-to-all in micro-batches: NCCL exchanges on the communicator's stream beside the experts' kernels.
+SUITES["nccl2"].update({f"graph/ep2/all_to_all_v/micro2/{backend}": cuda_graph_replay(1, 2, "all_to_all_v", backend, 2)
+                        for backend in ("torch", "triton")})
+# The static all-to-all straight over NVLink (symmetric memory), TP 2 (shared tokens) and EP 2.
+SUITES["nccl2"].update({f"graph/{name}/all_to_all_v/nvlink/{backend}": cuda_graph_replay(
+    tp, ep, "all_to_all_v", backend, transport="nvlink")
+    for name, tp, ep in (("ep2", 1, 2), ("tp2", 2, 1)) for backend in ("torch", "triton")})
 SUITES["nccl2"].update({f"graph/shape_change/ep2/{dispatch}/{backend}": graph_and_one_rank_changing_shape(
     dispatch, backend) for dispatch in DISPATCHES for backend in ("torch", "triton")})
 

@@ -23,12 +23,14 @@ def torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
 
 def test_torchrun_tp_ep_sp_all_to_all_v():
     done = torchrun(2, "--config", "deepseek-v3", "--scale", "64", "--tokens", "32", "--decode-batch", "2",
-                    "--tp", "1", "--ep", "2", "--sp", "--dispatch", "all_to_all_v", "--json")
+                    "--tp", "1", "--ep", "2", "--sp", "--dispatch", "all_to_all_v", "--micro-batches", "3",
+                    "--transport", "nccl", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)  # rank 0 alone prints
     assert report["parallel"] == {"world_size": 2, "tensor_model_parallel_size": 1, "expert_model_parallel_size": 2,
                                   "moe_prefill": [1, 2], "moe_decode": [1, 2], "sequence_parallel": True,
-                                  "dispatch": "all_to_all_v", "all_to_all_splits": "static", "token_groups": 2}
+                                  "dispatch": "all_to_all_v", "all_to_all_splits": "static", "micro_batches": 3,
+                                  "transport": "nccl", "token_groups": 2}
     assert report["shared_experts"] and report["router"] == "GroupLimitedRouter"
     for step in (report["prefill"], report["decode"]):
         assert step["max_abs_err"] < 1e-5 * max(1.0, step["max_abs_ref"])

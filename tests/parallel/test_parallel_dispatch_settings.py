@@ -68,6 +68,7 @@ class FakeWorld:
     def __init__(self, size: int):
         self.size, self.local, self.groups = size, threading.local(), []
         self.calls: list[tuple[str, int]] = []
+        self.log: list[tuple[int, str, str]] = []  # async all-to-alls: (rank, "start" | "wait", "rows" | "partials")
 
     def group(self, members) -> FakeGroup:
         return FakeGroup(self, members)
@@ -98,14 +99,24 @@ class FakeWorld:
             total += x
         t.copy_(total)
 
-    def all_to_all_single(self, out, x, output_split_sizes=None, input_split_sizes=None, group=None):
+    def all_to_all_single(self, out, x, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
         self._contiguous(out, x)
         me, sent = group.exchange((x.clone(), input_split_sizes))
         size = len(sent)
         pieces = [s.split(list(splits) if splits is not None else s.shape[0] // size)[me] for s, splits in sent]
         expected = list(output_split_sizes) if output_split_sizes is not None else [out.shape[0] // size] * size
         assert [p.shape[0] for p in pieces] == expected, "the receive splits do not match what the ranks send"
-        out.copy_(torch.cat(pieces))
+        received = torch.cat(pieces)
+        if not async_op:
+            out.copy_(received)
+            return None
+        # Started, not done: until wait() the buffer holds bytes no exchange sent (all ones: ids -1, NaN floats),
+        # so a reader that does not wait computes something else.
+        out.copy_(torch.full_like(out, -1) if not out.is_floating_point() else torch.full_like(out, float("nan")))
+        what = "partials" if out.is_floating_point() else "rows"  # the combine's floats, the dispatch's bytes
+        self.log.append((me, "start", what))
+        return SimpleNamespace(wait=lambda: self.log.append((me, "wait", what)) or out.copy_(received))
 
     def install(self, monkeypatch) -> None:
         fake = SimpleNamespace(get_world_size=lambda group: len(group.members), all_reduce=self.all_reduce,
@@ -394,8 +405,11 @@ class RankTensor(torch.Tensor):
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
 
 
-def _run(s: Scenario, monkeypatch, tensor_rank=False, dispatcher=None) -> list:
-    world = FakeWorld(s.block)
+def _run(s: Scenario, monkeypatch, tensor_rank=False, dispatcher=None, micro_batches: int | None = None,
+         world: FakeWorld | None = None, transport: str = "nccl") -> list:
+    """Every rank's dispatch, the test's experts and the combine (with ``micro_batches``: driven part by part as the
+    pipeline does -- each part received, computed and its combine started before the next is received)."""
+    world = world or FakeWorld(s.block)
     world.install(monkeypatch)
     num_groups = s.block // s.token_tp
     block_group = world.group(range(s.block))
@@ -415,7 +429,14 @@ def _run(s: Scenario, monkeypatch, tensor_rank=False, dispatcher=None) -> list:
         routing = Routing(s.index[ids], s.mask[ids], s.affinities[ids], False, bool(s.padded))
         ledger = CommLedger()
         inputs = DispatchInputs(s.x[ids].to(s.dtype), routing, layout, groups, shard, s.capacity, ledger, s.splits,
-                                s.count_pairs)
+                                s.count_pairs, transport)
+        if micro_batches is not None:
+            batches, received = dispatcher.micro_batches(inputs, micro_batches), []
+            for i in range(len(batches)):
+                dispatched = batches.received(i)
+                received.append(dispatched.rows.shape[0])
+                batches.start_combine(i, _experts(dispatched, r % s.shard_tp, s.shard_tp), dispatched.handle)
+            return SimpleNamespace(ids=ids, result=batches.result(), ledger=ledger, received=received)
         dispatched = dispatcher.dispatch(inputs)
         result = dispatcher.combine(_experts(dispatched, r % s.shard_tp, s.shard_tp), dispatched.handle)
         return SimpleNamespace(ids=ids, dispatched=dispatched, result=result, ledger=ledger)
@@ -649,3 +670,120 @@ def test_dispatchers_by_name():
             get_dispatcher(name)
         assert str(caught.value) == ("expert-parallel dispatch must be one of ['all_gather', 'all_to_all_v'], "
                                      f"got {name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# micro-batches: the static dispatch in parts whose exchanges run beside the experts (issue 38)
+
+
+@pytest.mark.parametrize("count", [2, 3, 50])
+@pytest.mark.parametrize("case", [
+    dict(),  # TP 2 x EP 2, token groups sharing their tokens: 3 owned rows per rank
+    dict(sp=True, batch=3, local_seq=3, padded=(2, 9)),  # sequence shards: 9 owned rows, padded tokens
+    dict(capacity=2, sp=True, batch=2, local_seq=3),  # a capacity counted over the whole block, not per part
+    dict(distribution=[[0, 5, 1], [1, 2, 3], [4, 5, 0]], capacity=3, shard_tp=1, token_tp=1, block=3, batch=3,
+         local_seq=2, seed=3),  # replicas split by the whole block's positions, and a capacity
+])
+def test_micro_batches_compute_what_one_batch_does(monkeypatch, case, count):
+    """Every rank's output is the contract's (the pairs its experts own, each expert's first pairs of the whole
+    block under a capacity, replicas by block position: the same assignment as one batch), exactly; the parts
+    split the owned rows as evenly as the ranks agree on (``count`` larger than the rows: one row each); the wire
+    carries the same bytes as one batch; and the async exchange's rows are read only after their wait (the fake
+    hands out ids ``-1`` and NaN until then, so a read before it would lose or poison pairs)."""
+    s = _scenario(**case)
+    world = FakeWorld(s.block)
+    results = _run(s, monkeypatch, micro_batches=count, world=world)
+    expected = _expected_output(s, _assignment(s))
+    owned = len(_owned_token_ids(0, s.token_tp, s.batch, s.local_seq, s.sp))
+    parts = min(count, owned)
+    size = -(-owned // parts)
+    sizes = [min(size, owned - start) for start in range(0, owned, size)]
+    ep_rows = [s.block * n for n in sizes]  # each part: its U_i rows from every rank of the block
+    per_expert = [int(s.mask[:, e].sum()) for e in range(s.num_experts)]
+    one_batch = _run(s, monkeypatch)
+    for r, got in enumerate(results):
+        assert torch.equal(got.result.output, expected[got.ids].to(s.dtype)), r
+        assert got.result.pairs_per_expert.tolist() == per_expert
+        assert got.received == ep_rows, (r, got.received)
+        assert got.ledger.steps == one_batch[r].ledger.steps, r
+    # Each rank: part i + 1's dispatch starts before part i's rows are waited for, and part i's combine starts
+    # before part i + 1's rows are waited for; the combines are waited for last.
+    n = len(sizes)
+    expected_log = [("start", "rows")]
+    for i in range(n):
+        if i + 1 < n:
+            expected_log.append(("start", "rows"))
+        expected_log += [("wait", "rows"), ("start", "partials")]
+    expected_log += [("wait", "partials")] * n
+    for r in range(s.block):
+        assert [(op, what) for me, op, what in world.log if me == r] == expected_log, r
+
+
+def test_micro_batches_refuse_the_exact_exchange_and_uncombined_parts(monkeypatch):
+    """The exact exchange reads its sizes on the host per call: no micro-batches (a named error); a result asked
+    for before every part was combined names the parts missing."""
+    s = _scenario(splits="exact")
+    with pytest.raises(ValueError, match=r"^micro-batches need all_to_all_splits='static' \(the exact exchange "
+                                         r"reads its sizes on the host\), got 'exact'$"):
+        AllToAllDispatcher().micro_batches(SimpleNamespace(all_to_all_splits="exact"), 2)
+    s = _scenario(sp=True, batch=2, local_seq=2, block=2, token_tp=1, shard_tp=1)
+    world = FakeWorld(s.block)
+    world.install(monkeypatch)
+    block_group = world.group(range(2))
+    placement = ExpertPlacement(s.num_experts, 2, None)
+
+    def rank(r):
+        layout = TokenLayout(s.batch, s.local_seq, True, 1, 0, 2, r)
+        groups = MoEGroups(block_group, 2, r, world.group([r]), 1, 0, block_group, 2, r)
+        ids = torch.tensor(_local_token_ids(r, 1, s.batch, s.local_seq, True))
+        routing = Routing(s.index[ids], s.mask[ids], s.affinities[ids], False, False)
+        batches = AllToAllDispatcher().micro_batches(DispatchInputs(
+            s.x[ids], routing, layout, groups, ExpertShard(1, 0, 2, r, placement), None, CommLedger(), "static",
+            False), 2)
+        dispatched = batches.received(0)
+        batches.start_combine(0, dispatched.rows, dispatched.handle)
+        batches.received(1)
+        with pytest.raises(RuntimeError, match=r"micro-batches \[1\] were never combined"):
+            batches.result()
+        return len(batches)
+
+    assert world.run(rank) == [2, 2]
+
+
+def test_where_bytes_cannot_travel_packed_each_field_is_its_own_exchange(monkeypatch):
+    """Under XLA (no dtype view: ``packs_bytes`` False) the static dispatch exchanges the rows, the ids and the
+    weights one collective each -- the same bytes, the same result as one packed buffer."""
+    from nxd_moe.parallel import payload
+
+    for module in (a2a, payload):
+        monkeypatch.setattr(module, "packs_bytes", lambda device: False)
+    exchanged = []
+    all_to_all = a2a.all_to_all
+
+    def counted(x, group, ledger, step):
+        exchanged.append((str(x.dtype), step))
+        return all_to_all(x, group, ledger, step)
+
+    monkeypatch.setattr(a2a, "all_to_all", counted)
+    s = _scenario(shard_tp=1, num_experts=8, seed=12)
+    _check(s, _run(s, monkeypatch))
+    # per rank: rows (float64), int32 ids, float64 weights -- each its own dispatch exchange
+    assert sorted(exchanged) == sorted([("torch.float64", "dispatch"), ("torch.int32", "dispatch"),
+                                        ("torch.float64", "dispatch")] * s.block)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "nvlink"])
+def test_the_transport_picks_the_exchange(monkeypatch, transport):
+    """``transport="nvlink"``: the dispatch and the combine go through the NVLink exchange (which hands over to NCCL's
+    off CUDA: the result is the contract's either way); ``"nccl"``: never through it."""
+    through = []
+    nvlink_exchange = a2a.start_nvlink_all_to_all
+
+    def recorded(x, group, ledger, step):
+        through.append(step)
+        return nvlink_exchange(x, group, ledger, step)
+
+    monkeypatch.setattr(a2a, "start_nvlink_all_to_all", recorded)
+    s = _scenario(shard_tp=1, num_experts=8, seed=13)
+    _check(s, _run(s, monkeypatch, transport=transport))
+    assert sorted(through) == (sorted(["dispatch", "combine"] * s.block) if transport == "nvlink" else [])

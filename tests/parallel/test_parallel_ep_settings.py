@@ -451,14 +451,21 @@ CASES = {
 
 
 @pytest.mark.parametrize("spmd", [False, True])
-@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all_v"])
-def test_expert_parallel_matches_the_float64_reference_in_every_phase(monkeypatch, layout, full, spmd, dispatch):
+@pytest.mark.parametrize("dispatch,micro_batches", [("all_gather", None), ("all_to_all_v", None),
+                                                    ("all_to_all_v", 3)])
+def test_expert_parallel_matches_the_float64_reference_in_every_phase(monkeypatch, layout, full, spmd, dispatch,
+                                                                      micro_batches):
     """Every rank's output for its own tokens is the single-device float64 reference over the block's tokens in
-    token order (padded tokens: only the addend; capacity: each expert's first pairs of the block)."""
+    token order (padded tokens: only the addend; capacity: each expert's first pairs of the block) -- with the
+    static all-to-all in three micro-batches too (two where a rank owns two rows: the decode)."""
     world = SimWorld(WORLD).install(monkeypatch)
     if not spmd:  # the same layout, every rank's indices Python ints: a torch.distributed layout's code path
         monkeypatch.setattr(parallel_state, "is_spmd", lambda: False)
-    config = ExpertParallelConfig(dispatch, PREFILL_DIST, decode_expert_distribution=DECODE_DIST)
+    config = ExpertParallelConfig(dispatch, PREFILL_DIST, decode_expert_distribution=DECODE_DIST,
+                                  micro_batches=micro_batches)
+    runs = []  # the experts' runs of each call, per rank (a part each under micro-batches)
+    compute = ExpertMLPsV2.compute
+    monkeypatch.setattr(ExpertMLPsV2, "compute", lambda self, *a, **k: runs.append(1) or compute(self, *a, **k))
     layers = every_rank(full, config, spmd)
     for name, (batch, local_seq, sp, seq_len, extras) in CASES.items():
         seq = local_seq * TP if sp else local_seq
@@ -487,11 +494,12 @@ def test_expert_parallel_matches_the_float64_reference_in_every_phase(monkeypatc
                 kwargs["addend"] = addend[ids]
             return layers[r](hidden[ids], affinities[ids], index[ids], seq_len, **kwargs)
 
+        runs.clear()
         for r, out in enumerate(world.run(rank_fn)):
             ids = ids_by_definition(batch, local_seq, sp, TP, r // TP, r % TP)
             assert_close(out, expected[ids], FP64_ATOL, msg=f"{name}, rank {r}")
-
-
+        owned = batch * local_seq if sp else -(-batch * local_seq // TP)
+        assert len(runs) == WORLD * (min(micro_batches, owned) if micro_batches else 1), (name, len(runs))
 
 
 def one_rank(full, config, monkeypatch, spmd: bool):
@@ -552,6 +560,7 @@ def test_each_call_routes_its_tokens_with_the_phases_shard_and_the_configs_setti
     assert type(route.ledger) is CommLedger and route.ledger.steps == {}
     assert (route.all_to_all_splits, route.name, route.local_slot, route.intermediate_part) == (
         "exact", "all_to_all_v", None, None)
+    assert (route.micro_batches, route.transport) == (1, "nccl")
     assert route.agreement == ("agreement", 1) and len(agreements.calls) == 1
     assert calls["check_inputs"] == [(hidden, affinities, index, 6, mask, False)]
 
@@ -564,6 +573,16 @@ def test_each_call_routes_its_tokens_with_the_phases_shard_and_the_configs_setti
     assert route.shard is layer.parallelism.decode and route.shard.local_experts == DECODE_DIST[5]
     assert route.ledger is not calls["routed_forward"][0][0][5].ledger  # a new ledger per call
     assert calls["check_inputs"][1][5] is True
+
+    # the static exchange over NVLink, and forced micro-batches: the route carries them
+    for settings, expected in ((dict(transport="nvlink"), (1, "nvlink")), (dict(micro_batches=2), (2, "nccl"))):
+        static = ExpertParallelConfig("all_to_all_v", PREFILL_DIST, decode_expert_distribution=DECODE_DIST,
+                                      **settings)
+        parallel_state.destroy_model_parallel()
+        other, other_calls = one_rank(full, static, monkeypatch, spmd=False)
+        other(hidden, affinities, index, 6, token_layout=other.token_layout(2, 6, True))
+        route = other_calls["routed_forward"][0][0][5]
+        assert (route.micro_batches, route.transport) == expected, settings
 
 
 def test_ranks_agree_on_every_input_that_shapes_the_exchange(monkeypatch, layout, full):

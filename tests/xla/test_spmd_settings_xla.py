@@ -331,3 +331,69 @@ def test_a_failing_rank_is_named_and_the_others_released(devices):
             run_replicated(programs[0].graph_hash, arguments, devices)
     assert time.monotonic() - start < 10.0
     assert e.value.__cause__ is not None and not isinstance(e.value.__cause__, threading.BrokenBarrierError)
+
+
+class WeightThenCache(nn.Module):
+    """A weight the forward only reads, registered before a buffer it updates in place: the weight comes first among
+    the module's tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([2.0, 3.0]))
+        self.register_buffer("cache", torch.tensor([1.0, 1.0]))
+
+    def forward(self, x):
+        self.cache.add_(x)
+        return (self.cache * self.weight,)
+
+
+def test_a_buffer_after_an_untouched_weight_gets_its_old_value_back(devices):
+    """The restore goes on past tensors the forward left alone (a planted ``break`` at the untouched weight leaves
+    the cache holding the traced update, [1.5, 0.0] instead of [1.0, 1.0])."""
+    module = WeightThenCache().to(torch.device(devices[0]))
+    weight = module.weight
+    program = trace_rank(module, [torch.tensor([0.5, -1.0]).to(torch.device(devices[0]))])
+    values = {p.name: v for p, v in zip(program.parameters, program.arguments)}
+    assert module.cache is values["cache"] and module.weight is weight
+    assert module.cache.cpu().tolist() == [1.0, 1.0] and list(module.state_dict()) == ["weight", "cache"]
+    assert program.outputs[0].cpu().tolist() == [3.0, 0.0]  # (1 + x) * w = [1.5 * 2, 0 * 3]
+
+
+class Releases(nn.Module):
+    """Releases two buffers in its forward (sets them to None): one it read first, one it never read."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("read", torch.tensor([4.0, 5.0]))
+        self.register_buffer("unread", torch.tensor([6.0, 7.0]))
+
+    def forward(self, x):
+        out = x * self.read
+        self.read = None
+        self.unread = None
+        return (out,)
+
+
+def test_buffers_the_forward_releases_stay_released(devices):
+    """Only buffers updated in place get their old values back: a buffer the forward set to None holds no pending
+    graph and stays None, and one released unread is no "overwrote this buffer" error (a planted lookup that takes a
+    missing buffer for an updated one restores ``read`` and raises for ``unread``)."""
+    module = Releases().to(torch.device(devices[0]))
+    program = trace_rank(module, [torch.tensor([1.0, -2.0]).to(torch.device(devices[0]))])
+    assert module.read is None and module.unread is None and list(module.state_dict()) == []
+    assert program.outputs[0].cpu().tolist() == [4.0, -10.0]
+
+
+def test_a_world_smaller_than_the_runtime_is_refused_by_name(devices):
+    """torch_xla compiles every program for all of the runtime's devices (4 here), so a 2-rank program's all-reduce
+    over its pair cannot compile: the error names the cause and the fix instead of XLA's replica-count check. The
+    control: the same collective over groups that cover the 4 devices compiles."""
+    pair = ReplicaGroups("tensor_model_parallel_groups", [[0, 1]])
+    with replicated(devices[:2]):
+        programs = trace_ranks("all_reduce", pair, devices[:2])
+        with pytest.raises(RuntimeError, match=r"span fewer ranks than the XLA runtime's 4 devices.*"
+                                               r"CPU_NUM_DEVICES .* equal to the program's world size"):
+            compile_program(programs[0])
+    whole = ReplicaGroups("tensor_model_parallel_groups", [[0, 1], [2, 3]])
+    with replicated(devices):
+        assert compile_program(trace_ranks("all_reduce", whole, devices)[0]) in (0, 1)
